@@ -1,0 +1,256 @@
+"""Typed run configuration: YAML plus dotted overrides, validated once before Ray starts.
+
+A config is a YAML mapping with the sections below; ``load_config`` reads it, applies
+``dotted.key=value`` overrides (values parsed as YAML scalars), and validates everything with
+pydantic. Unknown keys, wrong types and missing local files fail here with a ``ConfigError`` whose
+message names the dotted key, the bad value and what would be valid, so no Ray work starts on a bad
+config. Relative paths are resolved against the directory of the config file, which makes a config
+and its data movable together (``configs/demo.yaml`` points at ``configs/demo/``).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+FILE_FORMATS = ("json", "jsonl", "parquet", "csv", "text")
+_EXTENSION_FORMATS = {".json": "json", ".jsonl": "jsonl", ".parquet": "parquet", ".csv": "csv",
+                      ".txt": "text", ".text": "text", ".md": "text"}
+
+
+class ConfigError(ValueError):
+    """A config problem a user can fix; the message names the dotted key or file."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DatasetConfig(_Strict):
+    name: str = Field(min_length=1)
+    """Unique name; used in metrics, the run summary and error messages."""
+    source: str | list[str]
+    """Local file(s), directory or glob; or a Hugging Face dataset name / saved-to-disk folder
+    (``format: hf``)."""
+    format: Literal["json", "jsonl", "parquet", "csv", "text", "hf"] | None = None
+    """Input format; inferred from the file extension when omitted."""
+    split: str = "train"
+    """Split to read for ``format: hf``."""
+    template: Literal["alpaca", "chat", "text"]
+    """How a row becomes training text: ``alpaca`` (instruction/input/output), ``chat``
+    (``messages`` or ShareGPT ``conversations``), ``text`` (raw text, every token trained)."""
+    column_map: dict[str, str] = Field(default_factory=dict)
+    """Template field → dataset column, e.g. ``{output: response}``."""
+    train_on_input: bool = False
+    """Also train on prompt / user tokens (default: only responses / assistant turns)."""
+    weight: float = Field(default=1.0, gt=0)
+    """Target share of the mix (normalised over datasets)."""
+    on_bad_row: Literal["error", "skip"] = "error"
+    """A row missing a template field: stop with an error naming file, row and field, or skip it
+    and count it under ``skipped_rows``."""
+    text_split: Literal["line", "paragraph", "file"] = "paragraph"
+    """For ``format: text``: one document per line, per blank-line separated paragraph, or per file."""
+    files: tuple[str, ...] = ()
+    """Resolved file list (filled in by validation; not set by users)."""
+
+
+class TokenizerConfig(_Strict):
+    path: str
+    """A tokenizer.json file, a local tokenizer directory, or a Hugging Face tokenizer name."""
+    chat_template: str | None = None
+    """Jinja chat template overriding the tokenizer's; when neither exists a ChatML layout is used."""
+    eos_token: str | None = None
+    """End-of-sequence token appended to every sample; default: the tokenizer's eos token."""
+    pad_token: str | None = None
+    """Token used for padding packs (never trained); default: pad token, else eos."""
+
+
+class PackingConfig(_Strict):
+    seq_len: int = Field(default=2048, gt=0)
+    """Length of every packed row."""
+    window: int = Field(default=4096, gt=0)
+    """Samples packed together by one best-fit-decreasing pass (shuffle window)."""
+    overflow: Literal["truncate", "drop", "split"] = "truncate"
+    """Samples longer than seq_len: cut to seq_len, drop, or split into seq_len chunks."""
+    strategy: Literal["bfd", "ffd", "first_fit", "next_fit"] = "bfd"
+    """Bin-choice rule of the packer."""
+
+
+class ModelConfig(_Strict):
+    dim: int = Field(default=128, gt=0)
+    n_layers: int = Field(default=2, gt=0)
+    n_heads: int = Field(default=4, gt=0)
+
+    @model_validator(mode="after")
+    def _heads_divide_dim(self) -> ModelConfig:
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
+        return self
+
+
+class TrainConfig(_Strict):
+    num_workers: int = Field(default=2, ge=0)
+    """Ray Train workers (0 runs the loop in the driver process)."""
+    use_gpu: bool = False
+    cpus_per_worker: float = Field(default=0.5, gt=0)
+    """Logical CPUs each train worker reserves; keep it fractional on small CPU clusters so the
+    data operators are not starved (see README, Resources)."""
+    batch_size: int = Field(default=4, gt=0)
+    """Packed rows per step per worker."""
+    epochs: int = Field(default=1, gt=0)
+    max_steps: int | None = Field(default=None, gt=0)
+    """Stop after this many steps (per worker, all workers stop together)."""
+    lr: float = Field(default=1e-3, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    attention: Literal["auto", "sdpa", "flex"] = "auto"
+    """auto: FlexAttention on CUDA, SDPA with the dense document mask on CPU."""
+    report_every: int = Field(default=10, gt=0)
+    storage_path: str = "runs"
+    """Where Ray Train writes checkpoints (relative to the working directory)."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+
+
+class RayConfig(_Strict):
+    address: str | None = None
+    """Cluster to connect to; default: $RAY_ADDRESS, else an embedded local Ray."""
+    num_cpus: float | None = None
+    """Logical CPUs of the embedded local Ray; default max(4, 2 × cores), see README."""
+    tokenize_concurrency: int = Field(default=1, gt=0)
+    """Maximum Tokenize actors."""
+
+
+class Config(_Strict):
+    datasets: list[DatasetConfig] = Field(min_length=1)
+    tokenizer: TokenizerConfig
+    packing: PackingConfig = Field(default_factory=PackingConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
+    seed: int = 0
+
+    @field_validator("datasets")
+    @classmethod
+    def _unique_names(cls, datasets: list[DatasetConfig]) -> list[DatasetConfig]:
+        names = [d.name for d in datasets]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"dataset names must be unique; repeated: {duplicates}")
+        return datasets
+
+
+def load_config(path: str | os.PathLike, overrides: list[str] = ()) -> Config:
+    """Read a YAML config, apply ``dotted.key=value`` overrides, validate and resolve paths.
+
+    Raises:
+        ConfigError: naming the file, dotted key or value at fault.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path} is not valid YAML: {error}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must hold a mapping of sections (datasets, tokenizer, ...)")
+    for override in overrides:
+        _apply_override(raw, override)
+    return config_from_dict(raw, base_dir=path.parent)
+
+
+def config_from_dict(raw: dict[str, Any], base_dir: str | os.PathLike = ".") -> Config:
+    """Validate a config mapping and resolve its paths against ``base_dir``."""
+    try:
+        config = Config.model_validate(raw)
+    except ValidationError as error:
+        raise ConfigError(_describe(error)) from None
+    base_dir = Path(base_dir).resolve()
+    datasets = [_resolve_dataset(d, i, base_dir) for i, d in enumerate(config.datasets)]
+    tokenizer_path = _resolve_tokenizer(config.tokenizer.path, base_dir)
+    return config.model_copy(update={
+        "datasets": datasets,
+        "tokenizer": config.tokenizer.model_copy(update={"path": tokenizer_path}),
+    })
+
+
+def _apply_override(raw: dict[str, Any], override: str) -> None:
+    key, sep, value = override.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {override!r} must look like dotted.key=value")
+    node: Any = raw
+    parts = key.split(".")
+    for depth, part in enumerate(parts[:-1]):
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise ConfigError(f"override {key}: {'.'.join(parts[:depth + 1])} is not an index "
+                                  f"of a list of {len(node)}")
+            node = node[int(part)]
+        else:
+            node = node.setdefault(part, {})
+        if not isinstance(node, (dict, list)):
+            raise ConfigError(f"override {key}: {'.'.join(parts[:depth + 1])} is not a section")
+    last = parts[-1]
+    parsed = yaml.safe_load(value) if value else ""
+    if isinstance(node, list):
+        if not last.isdigit() or int(last) >= len(node):
+            raise ConfigError(f"override {key}: {last} is not an index of a list of {len(node)}")
+        node[int(last)] = parsed
+    else:
+        node[last] = parsed
+
+
+def _describe(error: ValidationError) -> str:
+    lines = ["invalid config:"]
+    for item in error.errors():
+        where = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        if item["type"] == "extra_forbidden":
+            lines.append(f"  {where}: unknown key")
+        elif item["type"] == "missing":
+            lines.append(f"  {where}: required key is missing")
+        else:
+            lines.append(f"  {where}: {item['msg']} (got {item.get('input')!r})")
+    return "\n".join(lines)
+
+
+def _resolve_dataset(spec: DatasetConfig, index: int, base_dir: Path) -> DatasetConfig:
+    key = f"datasets.{index}.source"
+    sources = [spec.source] if isinstance(spec.source, str) else list(spec.source)
+    if spec.format == "hf":
+        local = base_dir / sources[0]
+        resolved = str(local) if local.exists() else sources[0]
+        return spec.model_copy(update={"source": resolved})
+    files: list[str] = []
+    for source in sources:
+        full = Path(os.path.expanduser(source))
+        full = full if full.is_absolute() else base_dir / full
+        if full.is_dir():
+            matches = sorted(str(p) for p in full.rglob("*") if p.suffix in _EXTENSION_FORMATS)
+        else:
+            matches = sorted(glob.glob(str(full), recursive=True))
+        if not matches:
+            raise ConfigError(f"{key} (dataset {spec.name!r}): no file matches {full}")
+        files.extend(matches)
+    fmt = spec.format
+    if fmt is None:
+        found = {_EXTENSION_FORMATS.get(Path(f).suffix) for f in files}
+        if len(found) != 1 or None in found:
+            raise ConfigError(f"datasets.{index}.format (dataset {spec.name!r}): cannot infer the "
+                              f"format from the extensions of {files[:3]}; set format to one of "
+                              f"{', '.join(FILE_FORMATS)}")
+        fmt = found.pop()
+    return spec.model_copy(update={"format": fmt, "files": tuple(files)})
+
+
+def _resolve_tokenizer(path: str, base_dir: Path) -> str:
+    local = Path(os.path.expanduser(path))
+    local = local if local.is_absolute() else base_dir / local
+    if local.exists():
+        return str(local)
+    looks_local = path.startswith((".", "/", "~")) or path.endswith(".json")
+    if looks_local:
+        raise ConfigError(f"tokenizer.path: no tokenizer file or directory at {local}")
+    return path  # a Hugging Face hub name; resolved by transformers at load time

@@ -1,0 +1,110 @@
+"""The job: config → Ray Data pipeline (read → tokenize → pack) per epoch → TorchTrainer → summary.
+
+Design note. ``build_epoch`` is the whole data side as a lazy Ray Data plan; nothing runs until a
+consumer (a train worker, ``rayjobs export``, a test) iterates it. Each epoch gets its own plan with
+its own seed, so an epoch re-reads and re-packs (tokenization included) with fresh shuffles instead of
+holding the dataset in the object store. Resources: one Tokenize actor pool for all datasets (1 CPU
+per actor), one PackWindow actor (packing is cheap: a fraction of a CPU), trainers at
+``train.cpus_per_worker``; an embedded local Ray declares max(4, 2 × cores) logical CPUs so read
+tasks, both actor pools and the trainers fit at once (with only as many logical CPUs as cores, the
+trainers starve the data operators and the job hangs: DESIGN.md, "CPU resources deadlock").
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from typing import Any
+
+import ray
+import ray.data
+
+from rayjobs.config import Config
+from rayjobs.metrics import Ledger, packing_efficiency
+from rayjobs.pack import PackWindow
+from rayjobs.sources import read_dataset
+from rayjobs.tokenize import Tokenize, Tokenizer
+
+TOKENIZE_BATCH_ROWS = 256
+
+
+def init_ray(config: Config) -> None:
+    """Connect to ``ray.address`` / ``$RAY_ADDRESS``, or start an embedded local Ray."""
+    if ray.is_initialized():
+        return
+    address = config.ray.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        return
+    num_cpus = config.ray.num_cpus or max(4, 2 * (os.cpu_count() or 1))
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+
+
+def build_epoch(config: Config, epoch: int = 0, ledger: Any = None) -> ray.data.Dataset:
+    """The packed rows of one epoch as a lazy Ray dataset (data-contract columns)."""
+    raw = [read_dataset(spec) for spec in config.datasets]
+    rows = raw[0].union(*raw[1:]) if len(raw) > 1 else raw[0]
+    tokenized = rows.map_batches(
+        Tokenize, batch_size=TOKENIZE_BATCH_ROWS, batch_format="pyarrow", num_cpus=1,
+        concurrency=(1, config.ray.tokenize_concurrency),
+        fn_constructor_kwargs={"datasets": config.datasets, "tokenizer": config.tokenizer,
+                               "seq_len": config.packing.seq_len,
+                               "overflow": config.packing.overflow,
+                               "ledger": ledger, "epoch": epoch})
+    pad_id = Tokenizer(config.tokenizer).pad_id
+    return tokenized.map_batches(
+        PackWindow, batch_size=config.packing.window, batch_format="pyarrow", num_cpus=0.5,
+        concurrency=1,
+        fn_constructor_kwargs={"seq_len": config.packing.seq_len, "pad_id": pad_id,
+                               "strategy": config.packing.strategy, "seed": config.seed,
+                               "epoch": epoch, "ledger": ledger})
+
+
+def run(config: Config) -> dict[str, Any]:
+    """Run the whole job and return the summary (see README, "Run summary")."""
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from rayjobs.train import train_loop
+
+    init_ray(config)
+    vocab_size = Tokenizer(config.tokenizer).vocab_size
+    run_name = f"rayjobs-{uuid.uuid4().hex[:8]}"
+    ledger = Ledger.remote(run_name)
+    datasets = {f"train_epoch_{epoch}": build_epoch(config, epoch, ledger)
+                for epoch in range(config.train.epochs)}
+    trainer = TorchTrainer(
+        train_loop,
+        train_loop_config={"config": config.model_dump(), "vocab_size": vocab_size},
+        scaling_config=ScalingConfig(num_workers=config.train.num_workers,
+                                     use_gpu=config.train.use_gpu,
+                                     resources_per_worker={"CPU": config.train.cpus_per_worker}),
+        datasets=datasets,
+        run_config=RunConfig(name=run_name,
+                             storage_path=os.path.abspath(config.train.storage_path)),
+    )
+    result = trainer.fit()
+    summary = dict(result.metrics)
+    summary["run_name"] = run_name
+    summary["checkpoint"] = result.checkpoint.path if result.checkpoint else None
+    summary.update(accounting(ray.get(ledger.snapshot.remote())))
+    return summary
+
+
+def accounting(snapshot: dict[str, Any]) -> dict[str, Any]:
+    """Per-dataset totals over all epochs from a ``Ledger`` snapshot."""
+    keys = ("samples", "tokens", "trained_tokens", "truncated_tokens", "dropped_samples",
+            "split_samples", "skipped_rows")
+    datasets: dict[str, dict[str, Any]] = {}
+    for per_dataset in snapshot["tokenize"].values():
+        for name, counts in per_dataset.items():
+            total = datasets.setdefault(name, {key: 0 for key in keys} | {"skipped_examples": []})
+            for key in keys:
+                total[key] += counts[key]
+            total["skipped_examples"] = (total["skipped_examples"] + counts["skipped_examples"])[:5]
+    pack = snapshot["pack"].values()
+    num_tokens = sum(c["num_tokens"] for c in pack)
+    num_slots = sum(c["num_slots"] for c in pack)
+    return {"datasets": datasets,
+            "packed": {"num_packs": sum(c["num_packs"] for c in pack), "num_tokens": num_tokens,
+                       "efficiency": packing_efficiency(num_tokens, num_slots)}}

@@ -1,0 +1,144 @@
+"""Templates: one raw row → a list of text segments, each marked trainable or not.
+
+A template only decides *what text* a sample is and *which parts are learned*; tokenization and
+label shifting happen once, in ``tokenize.py``. Segments are tokenized separately and concatenated,
+so the trained/untrained boundary falls exactly between tokens (the torchtune convention).
+
+- ``alpaca``: the Stanford Alpaca prompt (with or without ``input``) → untrained; ``output`` → trained.
+- ``chat``: OpenAI ``messages`` ({role, content}) or ShareGPT ``conversations`` ({from, value}),
+  rendered by the tokenizer's chat template (or a ChatML layout when it has none). Each assistant
+  turn is found by rendering the conversation prefix by prefix: the text added by the assistant
+  message is trained, the rest (system, user, tool turns, generation prompts) is not. This works for
+  any prefix-stable template without ``{% generation %}`` markers; an unstable one is an error.
+- ``text``: the whole ``text`` field, trained.
+
+``column_map`` maps a template field to the dataset's column (``{output: response}``). A missing or
+mistyped field raises ``RowError`` naming the field; the caller adds dataset, file and row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+ALPACA_PROMPT = (
+    "Below is an instruction that describes a task. Write a response that appropriately "
+    "completes the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n"
+)
+ALPACA_PROMPT_WITH_INPUT = (
+    "Below is an instruction that describes a task, paired with an input that provides further "
+    "context. Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+)
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "system": "system", "function_call": "assistant", "observation": "tool",
+                  "tool": "tool"}
+
+Message = dict[str, str]
+RenderChat = Callable[[list[Message], bool], str]
+"""(messages, add_generation_prompt) → rendered text."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    text: str
+    trainable: bool
+
+
+class RowError(ValueError):
+    """A row cannot be templated; ``field`` names the template field at fault."""
+
+    def __init__(self, field: str, problem: str):
+        super().__init__(f"field {field!r}: {problem}")
+        self.field = field
+
+
+def _field(row: Mapping[str, Any], name: str, column_map: Mapping[str, str], *,
+           required: bool = True) -> Any:
+    column = column_map.get(name, name)
+    value = row.get(column)
+    if value is None and required:
+        shown = name if column == name else f"{name} (column {column!r})"
+        raise RowError(shown, f"missing; the row has columns {sorted(row)}")
+    return value
+
+
+def _text_field(row: Mapping[str, Any], name: str, column_map: Mapping[str, str], *,
+                required: bool = True) -> str:
+    value = _field(row, name, column_map, required=required)
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise RowError(column_map.get(name, name), f"expected text, got {type(value).__name__}")
+    return value
+
+
+def alpaca(row: Mapping[str, Any], column_map: Mapping[str, str]) -> list[Segment]:
+    """Alpaca instruction / input / output → [prompt (untrained), output (trained)]."""
+    instruction = _text_field(row, "instruction", column_map)
+    context = _text_field(row, "input", column_map, required=False)
+    output = _text_field(row, "output", column_map)
+    template = ALPACA_PROMPT_WITH_INPUT if context.strip() else ALPACA_PROMPT
+    prompt = template.format(instruction=instruction, input=context)
+    return [Segment(prompt, False), Segment(output, True)]
+
+
+def text(row: Mapping[str, Any], column_map: Mapping[str, str]) -> list[Segment]:
+    """Raw text → one trained segment."""
+    return [Segment(_text_field(row, "text", column_map), True)]
+
+
+def chat_messages(row: Mapping[str, Any], column_map: Mapping[str, str]) -> list[Message]:
+    """Normalise OpenAI ``messages`` or ShareGPT ``conversations`` to [{role, content}]."""
+    messages = _field(row, "messages", column_map, required=False)
+    sharegpt = messages is None
+    if sharegpt:
+        messages = _field(row, "conversations", column_map, required=False)
+    if messages is None:
+        raise RowError("messages", f"missing (nor 'conversations'); the row has columns {sorted(row)}")
+    field = "conversations" if sharegpt else "messages"
+    if not isinstance(messages, list) or not messages:
+        raise RowError(field, "expected a non-empty list of turns")
+    normalised: list[Message] = []
+    system = row.get(column_map.get("system", "system"))
+    if isinstance(system, str) and system:
+        normalised.append({"role": "system", "content": system})
+    for turn_index, turn in enumerate(messages):
+        role = turn.get("from" if sharegpt else "role") if isinstance(turn, Mapping) else None
+        content = turn.get("value" if sharegpt else "content") if isinstance(turn, Mapping) else None
+        role = SHAREGPT_ROLES.get(role) if sharegpt else role
+        if role not in ("system", "user", "assistant", "tool") or not isinstance(content, str):
+            raise RowError(f"{field}[{turn_index}]",
+                           f"expected a turn with a known role and text content, got {turn!r:.120}")
+        normalised.append({"role": role, "content": content})
+    return normalised
+
+
+def chatml(messages: list[Message], add_generation_prompt: bool) -> str:
+    """The ChatML layout used when the tokenizer has no chat template."""
+    rendered = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    return rendered + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
+def chat(row: Mapping[str, Any], column_map: Mapping[str, str], render: RenderChat) -> list[Segment]:
+    """A conversation → segments; only the text each assistant message adds is trainable."""
+    messages = chat_messages(row, column_map)
+    if not any(m["role"] == "assistant" for m in messages):
+        raise RowError("messages", "the conversation has no assistant turn to learn from")
+    segments: list[Segment] = []
+    done = ""
+    for index, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prompt = render(messages[:index], True)
+        full = render(messages[: index + 1], False)
+        if not prompt.startswith(done) or not full.startswith(prompt):
+            raise RowError("messages", "the chat template is not prefix-stable: rendering a longer "
+                                       "conversation changed earlier text; set tokenizer.chat_template")
+        segments += [Segment(prompt[len(done):], False), Segment(full[len(prompt):], True)]
+        done = full
+    rest = render(messages, False)[len(done):]
+    if rest:
+        segments.append(Segment(rest, False))
+    return [s for s in segments if s.text]

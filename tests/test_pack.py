@@ -1,0 +1,344 @@
+"""Tests for rayjobs.pack: scenario tables per strategy, packing invariants, row layout, determinism."""
+
+from __future__ import annotations
+
+import doctest
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rayjobs import pack
+from rayjobs.pack import IGNORE_INDEX, STRATEGIES, assemble_rows, pack_lengths, pack_window
+
+SEQ_LEN = 10
+
+# Every strategy runs through the same table. Bins are listed in opening order, indices in placement
+# order; "#i" is sample i, "A/B/C" are bins in opening order, "(n left)" their remaining capacity.
+SCENARIOS: dict[str, tuple[list[int], dict[str, list[list[int]]]]] = {
+    "order_matters": (
+        [2, 3, 8, 7],
+        {
+            # Decreasing order: 8#2, 7#3, 3#1, 2#0. 8 opens A (2 left); 7 opens B (3 left);
+            # 3 fits only B (0 left); 2 fits only A (0 left). Two full rows.
+            "bfd": [[2, 0], [3, 1]],
+            # Each item fits at most one open bin, so first fit decides exactly like best fit.
+            "ffd": [[2, 0], [3, 1]],
+            # Input order: 2 opens A (8 left); 3 -> A (5 left); 8 opens B (2 left); 7 opens C.
+            # The small samples spent A's room before the big ones came: one row more than ffd.
+            "first_fit": [[0, 1], [2], [3]],
+            # 2, 3 -> A (5 left); 8 closes A, opens B (2 left); 7 closes B, opens C.
+            "next_fit": [[0, 1], [2], [3]],
+        },
+    ),
+    "every_strategy_differs": (
+        [1, 4, 7, 4],
+        {
+            # Decreasing order: 7#2, 4#1, 4#3, 1#0. 7 opens A (3 left); 4 opens B (6 left);
+            # 4 -> B (2 left); 1 fits A (3 left) and B (2 left): B is the tighter fit.
+            "bfd": [[2], [1, 3, 0]],
+            # Same until 1, which goes to the first bin with room: A.
+            "ffd": [[2, 0], [1, 3]],
+            # Input order: 1 opens A (9 left); 4 -> A (5 left); 7 opens B (3 left); 4 -> A (1 left).
+            "first_fit": [[0, 1, 3], [2]],
+            # 1, 4 -> A (5 left); 7 closes A, opens B (3 left); 4 closes B and opens C, although
+            # closed A still had room for it: one row more than every other strategy.
+            "next_fit": [[0, 1], [2], [3]],
+        },
+    ),
+    "next_fit_beats_bfd": (
+        [5, 3, 2, 4, 4, 2],
+        {
+            # Decreasing order: 5#0, 4#3, 4#4, 3#1, 2#2, 2#5. 5 opens A (5 left); 4 -> A (1 left);
+            # 4 opens B (6 left); 3 -> B (3 left); 2 -> B (1 left); 2 fits neither, opens C.
+            # Sorting broke up the perfect partition 5+3+2 | 4+4+2: BFD is not optimal.
+            "bfd": [[0, 3], [4, 1, 2], [5]],
+            # Each item fits at most one open bin: same decisions as bfd.
+            "ffd": [[0, 3], [4, 1, 2], [5]],
+            # Input order: 5, 3, 2 fill A exactly; 4, 4, 2 fill B exactly.
+            "first_fit": [[0, 1, 2], [3, 4, 5]],
+            # Same as first_fit: A is full when 4 arrives, so closing it costs nothing.
+            "next_fit": [[0, 1, 2], [3, 4, 5]],
+        },
+    ),
+    "ties_by_index": (
+        [5, 5, 5, 10],
+        {
+            # Stable decreasing order: 10#3, 5#0, 5#1, 5#2 (equal lengths by index). 10 fills A;
+            # 5 opens B (5 left); 5 -> B (0 left); 5 opens C.
+            "bfd": [[3], [0, 1], [2]],
+            "ffd": [[3], [0, 1], [2]],
+            # Input order: 5, 5 fill A; 5 opens B (5 left); 10 fits nowhere, opens C.
+            "first_fit": [[0, 1], [2], [3]],
+            "next_fit": [[0, 1], [2], [3]],
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("lengths", "strategy", "expected"),
+    [
+        pytest.param(lengths, strategy, expected[strategy], id=f"{name}-{strategy}")
+        for name, (lengths, expected) in SCENARIOS.items()
+        for strategy in STRATEGIES
+    ],
+)
+def test_scenarios(lengths: list[int], strategy: str, expected: list[list[int]]) -> None:
+    bins = pack_lengths(np.array(lengths), SEQ_LEN, strategy)
+    assert [indices.tolist() for indices in bins] == expected
+
+
+def test_scenario_table_covers_every_strategy() -> None:
+    for name, (_, expected) in SCENARIOS.items():
+        assert set(expected) == set(STRATEGIES), name
+
+
+def test_docstring_examples() -> None:
+    assert doctest.testmod(pack).failed == 0
+
+
+# --- Properties of pack_lengths -----------------------------------------------------------------
+
+
+def _window_of(seq_len: int) -> st.SearchStrategy[tuple[int, np.ndarray]]:
+    """(seq_len, lengths): up to 60 samples, each 1..seq_len tokens."""
+    lengths = st.lists(st.integers(1, seq_len), max_size=60)
+    return st.tuples(st.just(seq_len), lengths.map(lambda values: np.array(values, dtype=np.int64)))
+
+
+_windows = st.integers(1, 64).flatmap(_window_of)
+
+
+def _fills(lengths: np.ndarray, bins: list[np.ndarray]) -> list[int]:
+    return [int(lengths[indices].sum()) for indices in bins]
+
+
+def _visit_order(lengths: np.ndarray, strategy: str) -> np.ndarray:
+    """The lengths in the order the strategy places them."""
+    return -np.sort(-lengths) if strategy in ("bfd", "ffd") else lengths
+
+
+def _best_fit_decreasing_reference(lengths: np.ndarray, seq_len: int) -> list[list[int]]:
+    """BFD by a linear scan over all bins: slow and obviously right."""
+    bins: list[list[int]] = []
+    remaining: list[int] = []
+    for index in np.argsort(-lengths, kind="stable").tolist():
+        fitting = [bin_index for bin_index, room in enumerate(remaining) if room >= lengths[index]]
+        if fitting:
+            chosen = min(fitting, key=lambda bin_index: remaining[bin_index])  # min keeps the first tie
+        else:
+            chosen = len(bins)
+            bins.append([])
+            remaining.append(seq_len)
+        bins[chosen].append(index)
+        remaining[chosen] -= int(lengths[index])
+    return bins
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@settings(max_examples=150, deadline=None)
+@given(window=_windows)
+def test_every_sample_lands_in_exactly_one_bin_that_fits(
+    strategy: str, window: tuple[int, np.ndarray]
+) -> None:
+    seq_len, lengths = window
+    bins = pack_lengths(lengths, seq_len, strategy)
+    assert all(indices.size > 0 for indices in bins)
+    assert all(fill <= seq_len for fill in _fills(lengths, bins))
+    placed = np.concatenate(bins) if bins else np.array([], dtype=np.int64)
+    np.testing.assert_array_equal(np.sort(placed), np.arange(len(lengths)))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@settings(max_examples=150, deadline=None)
+@given(window=_windows)
+def test_no_bin_opens_while_an_open_bin_has_room(strategy: str, window: tuple[int, np.ndarray]) -> None:
+    # Bins only fill up, so a final fill plus a later bin's first item must still exceed seq_len.
+    # next_fit keeps only the newest bin open; the others keep every bin open.
+    seq_len, lengths = window
+    bins = pack_lengths(lengths, seq_len, strategy)
+    fills = _fills(lengths, bins)
+    for later in range(1, len(bins)):
+        first_item = int(lengths[bins[later][0]])
+        earlier_bins = [later - 1] if strategy == "next_fit" else range(later)
+        assert all(fills[earlier] + first_item > seq_len for earlier in earlier_bins)
+
+
+@pytest.mark.parametrize("strategy", ["bfd", "ffd", "first_fit"])
+@settings(max_examples=150, deadline=None)
+@given(window=_windows)
+def test_bin_count_between_lower_bound_and_next_fit(strategy: str, window: tuple[int, np.ndarray]) -> None:
+    # An any-fit strategy opens at most one bin per next_fit bin over the same order: once it opens
+    # a bin for an item, the rest of that next_fit bin (smaller than the new bin's room) fits there.
+    # Over a different order next_fit can win (scenario "next_fit_beats_bfd").
+    seq_len, lengths = window
+    num_bins = len(pack_lengths(lengths, seq_len, strategy))
+    num_next_fit_bins = len(pack_lengths(_visit_order(lengths, strategy), seq_len, "next_fit"))
+    assert math.ceil(lengths.sum() / seq_len) <= num_bins <= num_next_fit_bins
+
+
+@settings(max_examples=200, deadline=None)
+@given(window=_windows)
+def test_bfd_matches_linear_scan_reference(window: tuple[int, np.ndarray]) -> None:
+    seq_len, lengths = window
+    bins = pack_lengths(lengths, seq_len, "bfd")
+    assert [indices.tolist() for indices in bins] == _best_fit_decreasing_reference(lengths, seq_len)
+
+
+# --- Rows: assemble_rows and pack_window ----------------------------------------------------------
+
+PAD_ID = 0
+
+
+def _random_window(
+    rng: np.random.Generator, num_samples: int, seq_len: int
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Samples with token ids >= 1 (so PAD_ID is recognizable), labels shifted within the sample and a
+    masked prompt of random length."""
+    lengths = np.minimum(rng.geometric(4 / seq_len, num_samples), seq_len)
+    input_ids = [rng.integers(1, 1000, length, dtype=np.int32) for length in lengths]
+    labels = []
+    for ids in input_ids:
+        sample_labels = np.append(ids[1:], IGNORE_INDEX).astype(np.int32)
+        sample_labels[: rng.integers(0, len(ids))] = IGNORE_INDEX
+        labels.append(sample_labels)
+    return input_ids, labels
+
+
+def _documents(rows: dict[str, np.ndarray]) -> list[tuple[bytes, bytes]]:
+    """Every (input_ids, labels) document of every row, padding excluded."""
+    documents = []
+    for row in range(len(rows["num_tokens"])):
+        document_ids = rows["document_ids"][row]
+        for document in range(rows["num_documents"][row]):
+            in_document = document_ids == document
+            documents.append(
+                (rows["input_ids"][row][in_document].tobytes(), rows["labels"][row][in_document].tobytes())
+            )
+    return documents
+
+
+def _check_rows(
+    rows: dict[str, np.ndarray], input_ids: list[np.ndarray], labels: list[np.ndarray], seq_len: int
+) -> None:
+    num_rows = len(rows["num_tokens"])
+    for name in ("input_ids", "labels", "position_ids", "document_ids"):
+        assert rows[name].shape == (num_rows, seq_len) and rows[name].dtype == np.int32, name
+    assert rows["num_documents"].dtype == rows["num_tokens"].dtype == np.int32
+
+    # Nothing lost, nothing duplicated: each sample is exactly one document of one row.
+    samples = [(ids.tobytes(), sample_labels.tobytes()) for ids, sample_labels in zip(input_ids, labels)]
+    assert sorted(_documents(rows)) == sorted(samples)
+    tokens = rows["input_ids"][rows["input_ids"] != PAD_ID]
+    np.testing.assert_array_equal(np.sort(tokens), np.sort(np.concatenate(input_ids)))
+    assert rows["num_tokens"].sum() == sum(map(len, input_ids))
+
+    # Padding: after num_tokens, pad_id and -100; it is one extra document.
+    is_padding = np.arange(seq_len) >= rows["num_tokens"][:, None]
+    assert (rows["input_ids"][is_padding] == PAD_ID).all()
+    assert (rows["labels"][is_padding] == IGNORE_INDEX).all()
+    has_padding = rows["num_tokens"] < seq_len
+    np.testing.assert_array_equal(rows["document_ids"][:, -1], rows["num_documents"] - 1 + has_padding)
+
+    # Labels never cross a document: a label predicts the next token of the same document.
+    document_ids, position_ids = rows["document_ids"], rows["position_ids"]
+    assert (rows["labels"][:, -1] == IGNORE_INDEX).all()
+    has_label = rows["labels"][:, :-1] != IGNORE_INDEX
+    assert (document_ids[:, :-1] == document_ids[:, 1:])[has_label].all()
+    assert (rows["labels"][:, :-1] == rows["input_ids"][:, 1:])[has_label].all()
+
+    # Document ids count up from 0; position ids restart at 0 with each document.
+    assert (document_ids[:, 0] == 0).all() and (position_ids[:, 0] == 0).all()
+    starts = np.diff(document_ids, axis=1)
+    assert np.isin(starts, (0, 1)).all()
+    np.testing.assert_array_equal(position_ids[:, 1:], np.where(starts == 1, 0, position_ids[:, :-1] + 1))
+
+
+def test_assemble_rows_literal() -> None:
+    input_ids = [np.array([11, 12, 13]), np.array([21, 22]), np.array([31, 32, 33, 34])]
+    labels = [np.array([12, 13, -100]), np.array([-100, -100]), np.array([-100, 33, 34, -100])]
+    rows = assemble_rows(input_ids, labels, [np.array([2, 1]), np.array([0])], seq_len=6, pad_id=PAD_ID)
+    assert rows["input_ids"].tolist() == [[31, 32, 33, 34, 21, 22], [11, 12, 13, 0, 0, 0]]
+    assert rows["labels"].tolist() == [[-100, 33, 34, -100, -100, -100], [12, 13, -100, -100, -100, -100]]
+    assert rows["document_ids"].tolist() == [[0, 0, 0, 0, 1, 1], [0, 0, 0, 1, 1, 1]]
+    assert rows["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1], [0, 1, 2, 0, 1, 2]]
+    assert rows["num_documents"].tolist() == [2, 1]
+    assert rows["num_tokens"].tolist() == [6, 3]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_pack_window_rows_keep_the_data_contract(strategy: str) -> None:
+    seq_len = 64
+    input_ids, labels = _random_window(np.random.default_rng(7), num_samples=300, seq_len=seq_len)
+    rows = pack_window(input_ids, labels, seq_len, PAD_ID, np.random.default_rng(1), strategy)
+    assert (rows["num_documents"] >= 2).any(), "guard: no row packs several documents"
+    assert (rows["num_tokens"] < seq_len).any(), "guard: no row is padded"
+    assert (rows["num_tokens"] == seq_len).any(), "guard: no row is exactly full"
+    _check_rows(rows, input_ids, labels, seq_len)
+
+
+def test_pack_window_is_deterministic_per_seed() -> None:
+    input_ids, labels = _random_window(np.random.default_rng(3), num_samples=100, seq_len=32)
+
+    def rows_for(seed: int) -> dict[str, np.ndarray]:
+        return pack_window(input_ids, labels, 32, PAD_ID, np.random.default_rng(seed))
+
+    first, again, other = rows_for(0), rows_for(0), rows_for(1)
+    assert all(np.array_equal(first[name], again[name]) for name in first)
+    assert not np.array_equal(first["input_ids"], other["input_ids"])
+
+
+def test_pack_window_shuffles_rows_and_documents() -> None:
+    # BFD alone opens rows longest sample first and places each row's longest document first.
+    seq_len = 64
+    input_ids, labels = _random_window(np.random.default_rng(5), num_samples=300, seq_len=seq_len)
+    rows = pack_window(input_ids, labels, seq_len, PAD_ID, np.random.default_rng(0))
+    first_lengths = (rows["document_ids"] == 0).sum(axis=1)
+    rows_and_sizes = zip(rows["document_ids"], rows["num_tokens"])
+    longest_lengths = np.array([np.bincount(row[:num_tokens]).max() for row, num_tokens in rows_and_sizes])
+    assert (first_lengths < longest_lengths).any(), "documents inside a row are not shuffled"
+    assert (np.diff(first_lengths) > 0).any(), "rows come out in packing order"
+
+
+def test_pack_window_empty() -> None:
+    rows = pack_window([], [], 8, PAD_ID, np.random.default_rng(0))
+    assert rows["input_ids"].shape == (0, 8) and rows["num_tokens"].shape == (0,)
+
+
+# --- Errors ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("lengths", "message"),
+    [
+        ([3, 4, 0, 2], "Sample 2 has length 0"),
+        ([3, 11, 2], "Sample 1 has length 11"),
+    ],
+)
+def test_out_of_range_length_names_the_sample(lengths: list[int], message: str) -> None:
+    for strategy in STRATEGIES:
+        with pytest.raises(ValueError, match=message):
+            pack_lengths(np.array(lengths), SEQ_LEN, strategy)
+
+
+def test_pack_window_error_names_the_index_before_shuffling() -> None:
+    input_ids = [np.arange(1, n + 1) for n in (3, 4, 5, 12, 2)]
+    labels = [np.full(len(ids), IGNORE_INDEX) for ids in input_ids]
+    with pytest.raises(ValueError, match="Sample 3 has length 12"):
+        pack_window(input_ids, labels, SEQ_LEN, PAD_ID, np.random.default_rng(0))
+
+
+def test_unknown_strategy() -> None:
+    with pytest.raises(ValueError, match="Unknown packing strategy 'worst_fit'; choose one of bfd"):
+        pack_lengths(np.array([1, 2]), SEQ_LEN, "worst_fit")
+
+
+def test_assemble_rows_rejects_bad_input() -> None:
+    input_ids = [np.arange(6), np.arange(5)]
+    with pytest.raises(ValueError, match="Sample 1 has 5 input_ids but 4 labels"):
+        assemble_rows(input_ids, [np.arange(6), np.arange(4)], [np.array([0])], SEQ_LEN, PAD_ID)
+    with pytest.raises(ValueError, match="Bin 0 holds samples \\[0, 1\\] with 11 tokens"):
+        assemble_rows(input_ids, input_ids, [np.array([0, 1])], SEQ_LEN, PAD_ID)
