@@ -194,7 +194,10 @@ def _apply_override(raw: dict[str, Any], override: str) -> None:
         if not isinstance(node, (dict, list)):
             raise ConfigError(f"override {key}: {'.'.join(parts[:depth + 1])} is not a section")
     last = parts[-1]
-    parsed = yaml.safe_load(value) if value else ""
+    try:
+        parsed = yaml.safe_load(value) if value else ""
+    except yaml.YAMLError:
+        parsed = value  # not a YAML scalar (a Jinja template, say): take it as text
     if isinstance(node, list):
         if not last.isdigit() or int(last) >= len(node):
             raise ConfigError(f"override {key}: {last} is not an index of a list of {len(node)}")
@@ -228,7 +231,8 @@ def _resolve_dataset(spec: DatasetConfig, index: int, base_dir: Path) -> Dataset
         full = Path(os.path.expanduser(source))
         full = full if full.is_absolute() else base_dir / full
         if full.is_dir():
-            matches = sorted(str(p) for p in full.rglob("*") if p.suffix in _EXTENSION_FORMATS)
+            wanted = {ext for ext, fmt in _EXTENSION_FORMATS.items() if spec.format in (None, fmt)}
+            matches = sorted(str(p) for p in full.rglob("*") if p.suffix in wanted)
         else:
             matches = sorted(glob.glob(str(full), recursive=True))
         if not matches:

@@ -22,8 +22,8 @@ from torch import nn
 from torch.nn.attention.flex_attention import flex_attention
 
 from rayjobs import masks
-
 from rayjobs.pack import IGNORE_INDEX
+
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 

@@ -54,13 +54,20 @@ class RowError(ValueError):
         self.field = field
 
 
+def _shown(name: str, column_map: Mapping[str, str]) -> str:
+    column = column_map.get(name, name)
+    return name if column == name else f"{name} (column {column!r})"
+
+
 def _field(row: Mapping[str, Any], name: str, column_map: Mapping[str, str], *,
            required: bool = True) -> Any:
+    if not isinstance(row, Mapping):
+        raise RowError(name, f"the row is not an object with fields but {type(row).__name__} "
+                             f"{row!r:.80}")
     column = column_map.get(name, name)
     value = row.get(column)
     if value is None and required:
-        shown = name if column == name else f"{name} (column {column!r})"
-        raise RowError(shown, f"missing; the row has columns {sorted(row)}")
+        raise RowError(_shown(name, column_map), f"missing; the row has columns {sorted(row)}")
     return value
 
 
@@ -70,7 +77,7 @@ def _text_field(row: Mapping[str, Any], name: str, column_map: Mapping[str, str]
     if value is None:
         return ""
     if not isinstance(value, str):
-        raise RowError(column_map.get(name, name), f"expected text, got {type(value).__name__}")
+        raise RowError(_shown(name, column_map), f"expected text, got {type(value).__name__}")
     return value
 
 
@@ -121,11 +128,18 @@ def chatml(messages: list[Message], add_generation_prompt: bool) -> str:
     return rendered + ("<|im_start|>assistant\n" if add_generation_prompt else "")
 
 
+def _check_prefix(earlier: str, later: str) -> None:
+    if not later.startswith(earlier):
+        raise RowError("messages", "the chat template is not prefix-stable: rendering a longer "
+                                   "conversation changed earlier text; set tokenizer.chat_template")
+
+
 def chat(row: Mapping[str, Any], column_map: Mapping[str, str], render: RenderChat) -> list[Segment]:
     """A conversation → segments; only the text each assistant message adds is trainable."""
     messages = chat_messages(row, column_map)
     if not any(m["role"] == "assistant" for m in messages):
-        raise RowError("messages", "the conversation has no assistant turn to learn from")
+        field = "messages" if _field(row, "messages", column_map, required=False) else "conversations"
+        raise RowError(field, "the conversation has no assistant turn to learn from")
     segments: list[Segment] = []
     done = ""
     for index, message in enumerate(messages):
@@ -133,12 +147,12 @@ def chat(row: Mapping[str, Any], column_map: Mapping[str, str], render: RenderCh
             continue
         prompt = render(messages[:index], True)
         full = render(messages[: index + 1], False)
-        if not prompt.startswith(done) or not full.startswith(prompt):
-            raise RowError("messages", "the chat template is not prefix-stable: rendering a longer "
-                                       "conversation changed earlier text; set tokenizer.chat_template")
+        _check_prefix(done, prompt)
+        _check_prefix(prompt, full)
         segments += [Segment(prompt[len(done):], False), Segment(full[len(prompt):], True)]
         done = full
-    rest = render(messages, False)[len(done):]
-    if rest:
-        segments.append(Segment(rest, False))
+    whole = render(messages, False)
+    _check_prefix(done, whole)
+    if whole[len(done):]:
+        segments.append(Segment(whole[len(done):], False))
     return [s for s in segments if s.text]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -42,6 +43,31 @@ def _all_gather_int(value: int, device: torch.device) -> list[int]:
     gathered = [torch.zeros((), dtype=torch.long, device=device) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, torch.tensor(value, dtype=torch.long, device=device))
     return [int(t) for t in gathered]
+
+
+class _Guard:
+    """Counts batches a rank had but could not use because another rank had run out."""
+
+    dropped = 0
+
+
+def rank_batches(shard: Any, batch_size: int, device: torch.device,
+                 guard: _Guard | None = None) -> Iterator[dict[str, torch.Tensor]]:
+    """This rank's batches of one epoch, stopping on every rank as soon as any rank runs out.
+
+    Before each step all ranks all-reduce (MIN) a "have a batch" flag; a batch held when another
+    rank is out is not trained on and is counted in ``guard.dropped``.
+    """
+    batches = iter(shard.iter_torch_batches(batch_size=batch_size, drop_last=True,
+                                            collate_fn=lambda b: collate(b, device)))
+    while True:
+        batch = next(batches, None)
+        have = _all_reduce(torch.tensor(int(batch is not None), device=device), dist.ReduceOp.MIN)
+        if not int(have):
+            if guard is not None:
+                guard.dropped += batch is not None
+            return
+        yield batch
 
 
 def resolve_attention(attention: str, device: torch.device) -> str:
@@ -77,17 +103,10 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     seq_len = config.packing.seq_len
     losses: list[float] = []
     steps = rows = pack_tokens = trained_tokens = guard_dropped = 0
-    stop = False
     for epoch in range(config.train.epochs):
         shard = ray.train.get_dataset_shard(f"train_epoch_{epoch}")
-        batches = iter(shard.iter_torch_batches(batch_size=config.train.batch_size, drop_last=True,
-                                                collate_fn=lambda b: collate(b, device)))
-        while not stop:
-            batch = next(batches, None)
-            have = _all_reduce(torch.tensor(int(batch is not None), device=device), dist.ReduceOp.MIN)
-            if not int(have):
-                guard_dropped += batch is not None
-                break
+        guard = _Guard()
+        for batch in rank_batches(shard, config.train.batch_size, device, guard):
             logits = model(batch["input_ids"], batch["position_ids"], batch["document_ids"],
                            attention=attention)
             local_sum, local_count = loss_sum(logits, batch["labels"])
@@ -102,10 +121,12 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             rows += len(batch["input_ids"])
             pack_tokens += int(batch["num_tokens"].sum())
             trained_tokens += int(local_count)
-            stop = config.train.max_steps is not None and steps >= config.train.max_steps
             if steps % config.train.report_every == 0:
                 ray.train.report({"step": steps, "epoch": epoch, "loss": step_loss})
-        if stop:
+            if config.train.max_steps is not None and steps >= config.train.max_steps:
+                break
+        guard_dropped += guard.dropped
+        if config.train.max_steps is not None and steps >= config.train.max_steps:
             break
     totals = torch.tensor([rows, pack_tokens, trained_tokens, guard_dropped], device=device)
     rows, pack_tokens, trained_tokens, guard_dropped = (int(v) for v in _all_reduce(totals))

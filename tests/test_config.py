@@ -1,0 +1,220 @@
+"""Tests for rayjobs.config and the CLI's config edge: bad configs fail early, naming the key."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import ray
+import yaml
+
+from rayjobs.cli import main
+from rayjobs.config import ConfigError, load_config
+
+# Hermetic: configs point at empty files made in tmp_path (config only checks that files exist).
+BASE = {
+    "datasets": [{"name": "alpaca", "source": "data/alpaca.json", "template": "alpaca"}],
+    "tokenizer": {"path": "tok/tokenizer.json"},
+}
+
+
+def _merge(base: dict, patch: dict) -> dict:
+    merged = dict(base)
+    for key, value in patch.items():
+        merged[key] = _merge(base[key], value) if isinstance(value, dict) and key in base else value
+    return merged
+
+
+def _write(tmp_path: Path, patch: dict | None = None) -> Path:
+    """A config at tmp_path/run.yaml whose data and tokenizer files exist, with `patch` merged in."""
+    for relative in ("data/alpaca.json", "tok/tokenizer.json"):
+        (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / relative).write_text("[]")
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(_merge(BASE, patch or {})))
+    return path
+
+
+def _dataset(**fields) -> dict:
+    return {"datasets": [{"name": "alpaca", "source": "data/alpaca.json", "template": "alpaca",
+                          **fields}]}
+
+
+# config patch, overrides, texts the ConfigError message must contain ("{tmp}" = tmp_path).
+BAD_CONFIGS = {
+    "unknown_top_level_key": ({"sead": 1}, [], ["sead: unknown key"]),
+    "unknown_nested_key": ({"packing": {"seq_lenn": 4096}}, [], ["packing.seq_lenn: unknown key"]),
+    "unknown_dataset_key": (_dataset(templat="chat"), [], ["datasets.0.templat: unknown key"]),
+    "wrong_type": ({"train": {"batch_size": "four"}}, [], ["train.batch_size", "'four'"]),
+    "missing_data_file": (
+        _dataset(source="data/missing.json"), [],
+        ["datasets.0.source", "{tmp}/data/missing.json"]),
+    "missing_tokenizer_file": (
+        {"tokenizer": {"path": "tok/missing.json"}}, [], ["tokenizer.path", "{tmp}/tok/missing.json"]),
+    "unknown_template": (_dataset(template="alpacca"), [],
+                         ["datasets.0.template", "'alpacca'", "'alpaca', 'chat' or 'text'"]),
+    "seq_len_zero": ({"packing": {"seq_len": 0}}, [], ["packing.seq_len", "greater than 0"]),
+    "seq_len_negative": ({"packing": {"seq_len": -5}}, [], ["packing.seq_len", "-5"]),
+    "duplicate_dataset_names": (
+        {"datasets": [{"name": "a", "source": "data/alpaca.json", "template": "alpaca"},
+                      {"name": "a", "source": "data/alpaca.json", "template": "alpaca"}]}, [],
+        ["datasets", "unique", "['a']"]),
+    "weight_zero": (_dataset(weight=0), [], ["datasets.0.weight", "greater than 0"]),
+    "weight_negative": (_dataset(weight=-1.5), [], ["datasets.0.weight", "-1.5"]),
+    "no_datasets": ({"datasets": []}, [], ["datasets", "at least 1"]),
+    "format_not_inferable": (_dataset(source=["data/alpaca.json", "tok/tokenizer.json", "run.yaml"]),
+                             [], ["datasets.0.format", "jsonl"]),
+    "override_without_equals": ({}, ["packing.seq_len"], ["'packing.seq_len'", "dotted.key=value"]),
+    "override_without_key": ({}, ["=4096"], ["'=4096'", "dotted.key=value"]),
+    "override_bad_value": ({}, ["packing.seq_len=zero"], ["packing.seq_len", "'zero'"]),
+    "override_unknown_key": ({}, ["packing.seqlen=1"], ["packing.seqlen: unknown key"]),
+    "override_through_a_value": ({}, ["datasets.0.name.first=x"],
+                                 ["datasets.0.name.first", "datasets.0.name is not a section"]),
+    "override_list_index_out_of_range": (
+        {}, ["datasets.1.weight=2"], ["datasets.1.weight", "datasets.1 is not an index of a list of 1"]),
+    "override_list_index_not_a_number": (
+        {}, ["datasets.first.weight=2"], ["datasets.first is not an index"]),
+    "override_invalid_value_into_list": ({}, ["datasets.0.weight=0"], ["datasets.0.weight"]),
+}
+
+
+@pytest.mark.parametrize("patch, overrides, expected", list(BAD_CONFIGS.values()), ids=list(BAD_CONFIGS))
+def test_bad_config_raises_config_error_naming_the_key(tmp_path, patch, overrides, expected):
+    path = _write(tmp_path, patch)
+    with pytest.raises(ConfigError) as caught:
+        load_config(path, overrides)
+    for text in expected:
+        assert text.format(tmp=tmp_path.resolve()) in str(caught.value)
+
+
+def test_missing_or_non_mapping_config_file_names_the_file(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found: .*nope.yaml"):
+        load_config(tmp_path / "nope.yaml")
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="list.yaml must hold a mapping"):
+        load_config(tmp_path / "list.yaml")
+    (tmp_path / "broken.yaml").write_text("datasets: [\n")
+    with pytest.raises(ConfigError, match="broken.yaml is not valid YAML"):
+        load_config(tmp_path / "broken.yaml")
+
+
+@pytest.mark.parametrize("override, key, value", [
+    ("tokenizer.chat_template={% for m in messages %}{{ m.content }}{% endfor %}",
+     "chat_template", "{% for m in messages %}{{ m.content }}{% endfor %}"),
+    ("tokenizer.eos_token=[oops", "eos_token", "[oops"),
+], ids=["jinja_chat_template", "unclosed_bracket"])
+def test_override_value_that_is_not_yaml_is_a_string_or_config_error(tmp_path, override, key, value):
+    try:
+        config = load_config(_write(tmp_path), [override])
+    except ConfigError as error:
+        assert f"tokenizer.{key}" in str(error)
+    else:
+        assert getattr(config.tokenizer, key) == value
+
+
+@pytest.mark.parametrize("name", [
+    "unknown_nested_key", "missing_data_file", "override_list_index_out_of_range"])
+def test_cli_reports_config_error_without_starting_ray(tmp_path, capsys, name):
+    patch, overrides, expected = BAD_CONFIGS[name]
+    code = main(["run", str(_write(tmp_path, patch)), *overrides])
+    stderr = capsys.readouterr().err
+    assert code != 0
+    assert stderr.startswith("rayjobs: ")
+    for text in expected:
+        assert text.format(tmp=tmp_path.resolve()) in stderr
+    assert not ray.is_initialized()
+
+
+def test_cli_subprocess_exits_non_zero_without_traceback(tmp_path):
+    path = _write(tmp_path, {"packing": {"seq_lenn": 4096}})
+    result = subprocess.run([sys.executable, "-m", "rayjobs.cli", "run", str(path)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert "packing.seq_lenn" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+# override, dotted path of the parsed value, expected value (type included).
+OVERRIDES = {
+    "int": ("packing.seq_len=4096", ("packing", "seq_len"), 4096),
+    "bool": ("train.use_gpu=true", ("train", "use_gpu"), True),
+    "float": ("train.lr=3e-4", ("train", "lr"), 0.0003),
+    "string": ("packing.overflow=split", ("packing", "overflow"), "split"),
+    "null": ("train.max_steps=null", ("train", "max_steps"), None),
+    "new_nested_section": ("train.model.dim=64", ("train", "model", "dim"), 64),
+    "list_index": ("datasets.0.weight=2", ("datasets", 0, "weight"), 2.0),
+}
+
+
+@pytest.mark.parametrize("override, where, expected", list(OVERRIDES.values()), ids=list(OVERRIDES))
+def test_override_parses_yaml_scalars(tmp_path, override, where, expected):
+    node = load_config(_write(tmp_path), [override])
+    for part in where:
+        node = node[part] if isinstance(part, int) else getattr(node, part)
+    assert node == expected
+    assert type(node) is type(expected)
+
+
+def test_later_override_wins(tmp_path):
+    config = load_config(_write(tmp_path), ["packing.seq_len=128", "packing.seq_len=256"])
+    assert config.packing.seq_len == 256
+
+
+def test_relative_paths_resolve_against_the_config_directory(tmp_path, monkeypatch):
+    path = _write(tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    config = load_config(Path("..") / path.name)
+    root = tmp_path.resolve()
+    assert config.datasets[0].files == (str(root / "data" / "alpaca.json"),)
+    assert config.tokenizer.path == str(root / "tok" / "tokenizer.json")
+
+
+@pytest.mark.parametrize("filename, expected", [
+    ("rows.json", "json"), ("rows.jsonl", "jsonl"), ("rows.parquet", "parquet"), ("rows.csv", "csv"),
+    ("book.txt", "text"), ("notes.md", "text"),
+], ids=["json", "jsonl", "parquet", "csv", "txt", "md"])
+def test_format_is_inferred_from_the_extension(tmp_path, filename, expected):
+    (tmp_path / "data" / filename).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "data" / filename).write_text("")
+    config = load_config(_write(tmp_path, _dataset(source=f"data/{filename}")))
+    assert config.datasets[0].format == expected
+
+
+def test_explicit_format_is_kept(tmp_path):
+    (tmp_path / "data" / "rows.log").parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "data" / "rows.log").write_text("")
+    config = load_config(_write(tmp_path, _dataset(source="data/rows.log", format="jsonl")))
+    assert config.datasets[0].format == "jsonl"
+
+
+def _data_dir(tmp_path: Path, *names: str) -> Path:
+    for name in names:
+        (tmp_path / "shards" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "shards" / name).write_text("")
+    return tmp_path / "shards"
+
+
+def test_directory_source_expands_to_its_files_sorted_and_recursive(tmp_path):
+    shards = _data_dir(tmp_path, "b.jsonl", "a.jsonl", "more/c.jsonl", "checksums.sha256")
+    config = load_config(_write(tmp_path, _dataset(source="shards")))
+    root = shards.resolve()
+    assert config.datasets[0].files == (str(root / "a.jsonl"), str(root / "b.jsonl"),
+                                        str(root / "more" / "c.jsonl"))
+    assert config.datasets[0].format == "jsonl"
+
+
+def test_glob_source_expands_to_matching_files(tmp_path):
+    shards = _data_dir(tmp_path, "b.jsonl", "a.jsonl", "a.json")
+    config = load_config(_write(tmp_path, _dataset(source="shards/*.jsonl")))
+    root = shards.resolve()
+    assert config.datasets[0].files == (str(root / "a.jsonl"), str(root / "b.jsonl"))
+
+
+def test_directory_source_with_explicit_format_keeps_only_that_format(tmp_path):
+    shards = _data_dir(tmp_path, "train.jsonl", "README.md")
+    config = load_config(_write(tmp_path, _dataset(source="shards", format="jsonl")))
+    assert config.datasets[0].files == (str(shards.resolve() / "train.jsonl"),)

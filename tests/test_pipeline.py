@@ -1,0 +1,151 @@
+"""End to end, data side: real files → Ray Data (read → tokenize → pack) → packed rows, checked
+against an in-process tokenization of the same rows and against the run's Ledger."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from conftest import ALPACA, GPT2, HH_CHAT, ROOT
+from rayjobs.config import config_from_dict
+from rayjobs.metrics import Ledger
+from rayjobs.pipeline import accounting, build_epoch
+from rayjobs.sources import read_dataset
+from rayjobs.tokenize import Tokenize
+
+SEQ_LEN = 512  # short enough that some real samples are truncated
+
+
+def _config(**packing):
+    return config_from_dict({
+        "datasets": [
+            {"name": "alpaca", "source": str(ALPACA), "template": "alpaca"},
+            {"name": "hh_chat", "source": str(HH_CHAT), "template": "chat"},
+        ],
+        "tokenizer": {"path": str(GPT2)},
+        "packing": {"seq_len": SEQ_LEN, "window": 1024, **packing},
+    }, base_dir=ROOT)
+
+
+def _documents(row: dict) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(input_ids, labels) of each non-pad document of a packed row."""
+    documents = []
+    num_tokens = int(row["num_tokens"])
+    ids, labels, doc = row["input_ids"], row["labels"], row["document_ids"]
+    for document in np.unique(doc[:num_tokens]):
+        where = doc[:num_tokens] == document
+        documents.append((tuple(ids[:num_tokens][where]), tuple(labels[:num_tokens][where])))
+    return documents
+
+
+@pytest.fixture(scope="module")
+def packed_run(ray_local):
+    config = _config(overflow="truncate")
+    ledger = Ledger.remote("test")
+    rows = build_epoch(config, epoch=0, ledger=ledger).take_all()
+    snapshot = ray_local.get(ledger.snapshot.remote())
+    raw = [row for spec in config.datasets for row in read_dataset(spec).take_all()]
+    table = pa.Table.from_pylist(raw)
+    reference = Tokenize(config.datasets, config.tokenizer, SEQ_LEN, "truncate")(table)
+    untruncated = Tokenize(config.datasets, config.tokenizer, 10**9, "truncate")(table)
+    return config, rows, snapshot, reference, untruncated
+
+
+def test_every_packed_document_is_exactly_one_tokenized_sample(packed_run):
+    _, rows, _, reference, _ = packed_run
+    packed = Counter(doc for row in rows for doc in _documents(row))
+    expected = Counter((tuple(ids), tuple(labels)) for ids, labels in
+                       zip(reference.column("input_ids").to_pylist(),
+                           reference.column("labels").to_pylist()))
+    assert sum(expected.values()) == 999 + 2300  # every real row became one sample
+    assert packed == expected
+
+
+def test_tokens_conserved_minus_counted_truncation(packed_run):
+    _, rows, snapshot, _, untruncated = packed_run
+    summary = accounting(snapshot)["datasets"]
+    truncated = sum(stats["truncated_tokens"] for stats in summary.values())
+    assert truncated > 0, "guard: the real data must contain samples longer than seq_len"
+    packed_tokens = Counter()
+    for row in rows:
+        packed_tokens.update(row["input_ids"][: int(row["num_tokens"])].tolist())
+    all_tokens = Counter(t for ids in untruncated.column("input_ids").to_pylist() for t in ids)
+    assert sum(packed_tokens.values()) == sum(all_tokens.values()) - truncated
+    assert not packed_tokens - all_tokens  # nothing appears that was not tokenized
+    assert sum(s["tokens"] for s in summary.values()) == sum(packed_tokens.values())
+
+
+def test_labels_never_cross_a_document(packed_run):
+    _, rows, _, _, _ = packed_run
+    multi_document_rows = 0
+    for row in rows:
+        ids, labels, doc, pos = (row[k] for k in ("input_ids", "labels", "document_ids",
+                                                   "position_ids"))
+        assert len(ids) == len(labels) == len(doc) == len(pos) == SEQ_LEN
+        trained = np.flatnonzero(labels[:-1] != -100)
+        assert (doc[trained] == doc[trained + 1]).all()
+        assert (labels[trained] == ids[trained + 1]).all()
+        assert labels[-1] == -100
+        starts = np.flatnonzero(np.diff(doc, prepend=-1) != 0)
+        assert (pos[starts] == 0).all()
+        multi_document_rows += len(starts) > 2
+    assert multi_document_rows > 0.25 * len(rows), "guard: many rows hold several documents"
+
+
+def test_ledger_matches_the_rows(packed_run):
+    _, rows, snapshot, reference, _ = packed_run
+    pack = snapshot["pack"][0]
+    assert pack["num_packs"] == len(rows)
+    assert pack["num_tokens"] == sum(int(r["num_tokens"]) for r in rows)
+    assert pack["documents_by_source"] == {"alpaca": 999, "hh_chat": 2300}
+    assert pack["num_slots"] == len(rows) * SEQ_LEN
+    lower_bound = -(-pack["num_tokens"] // SEQ_LEN)
+    assert lower_bound <= len(rows) <= lower_bound * 1.02
+
+
+def test_overflow_drop_counts_and_split_keeps_every_token(ray_local):
+    counts = {}
+    for policy in ("drop", "split"):
+        ledger = Ledger.remote("test")
+        rows = build_epoch(_config(overflow=policy), ledger=ledger).take_all()
+        summary = accounting(ray_local.get(ledger.snapshot.remote()))
+        counts[policy] = (summary["datasets"], sum(int(r["num_tokens"]) for r in rows))
+    dropped = sum(s["dropped_samples"] for s in counts["drop"][0].values())
+    split = sum(s["split_samples"] for s in counts["split"][0].values())
+    assert dropped > 0 and split >= dropped
+    assert all(s["truncated_tokens"] == 0 for policy in counts for s in counts[policy][0].values())
+    assert counts["split"][1] > counts["drop"][1]
+
+
+def test_bad_row_error_names_dataset_file_row_and_field(ray_local, tmp_path):
+    data = tmp_path / "broken.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in [
+        {"instruction": "a", "output": "b"}, {"instruction": "c"}, {"instruction": "d", "output": "e"}]))
+    config = config_from_dict({
+        "datasets": [{"name": "broken", "source": str(data), "template": "alpaca"}],
+        "tokenizer": {"path": str(GPT2)}, "packing": {"seq_len": 64}}, base_dir=ROOT)
+    with pytest.raises(Exception) as error:
+        build_epoch(config).take_all()
+    message = str(error.value)
+    assert "dataset 'broken'" in message and str(data) in message
+    assert "row 2" in message and "'output'" in message
+
+
+def test_bad_rows_skipped_are_counted(ray_local, tmp_path):
+    data = tmp_path / "broken.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in [
+        {"instruction": "a", "output": "b"}, {"instruction": "c"}, {"text": "d"}]))
+    config = config_from_dict({
+        "datasets": [{"name": "broken", "source": str(data), "template": "alpaca",
+                      "on_bad_row": "skip"}],
+        "tokenizer": {"path": str(GPT2)}, "packing": {"seq_len": 64}}, base_dir=ROOT)
+    ledger = Ledger.remote("test")
+    rows = build_epoch(config, ledger=ledger).take_all()
+    stats = accounting(ray_local.get(ledger.snapshot.remote()))["datasets"]["broken"]
+    assert (stats["samples"], stats["skipped_rows"]) == (1, 2)
+    assert sum(int(r["num_documents"]) for r in rows) == 1
+    assert "row 2" in stats["skipped_examples"][0] and "row 3" in stats["skipped_examples"][1]
