@@ -19,7 +19,7 @@ from typing import Any
 import ray
 import ray.data
 
-from rayjobs.config import Config
+from rayjobs.config import Config, ConfigError
 from rayjobs.metrics import Ledger, packing_efficiency
 from rayjobs.pack import PackWindow
 from rayjobs.sources import read_dataset
@@ -40,6 +40,15 @@ def init_ray(config: Config) -> None:
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
 
 
+def load_tokenizer(config: Config) -> Tokenizer:
+    """The run's tokenizer; a tokenizer that cannot be loaded is a ``ConfigError``."""
+    try:
+        return Tokenizer(config.tokenizer)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"tokenizer.path: cannot load a tokenizer from {config.tokenizer.path!r} "
+                          f"({error})") from None
+
+
 def build_epoch(config: Config, epoch: int = 0, ledger: Any = None) -> ray.data.Dataset:
     """The packed rows of one epoch as a lazy Ray dataset (data-contract columns)."""
     raw = [read_dataset(spec) for spec in config.datasets]
@@ -51,7 +60,7 @@ def build_epoch(config: Config, epoch: int = 0, ledger: Any = None) -> ray.data.
                                "seq_len": config.packing.seq_len,
                                "overflow": config.packing.overflow,
                                "ledger": ledger, "epoch": epoch})
-    pad_id = Tokenizer(config.tokenizer).pad_id
+    pad_id = load_tokenizer(config).pad_id
     return tokenized.map_batches(
         PackWindow, batch_size=config.packing.window, batch_format="pyarrow", num_cpus=0.5,
         concurrency=1,
@@ -67,8 +76,8 @@ def run(config: Config) -> dict[str, Any]:
 
     from rayjobs.train import train_loop
 
+    vocab_size = load_tokenizer(config).vocab_size  # fail on a bad tokenizer before Ray starts
     init_ray(config)
-    vocab_size = Tokenizer(config.tokenizer).vocab_size
     run_name = f"rayjobs-{uuid.uuid4().hex[:8]}"
     ledger = Ledger.remote(run_name)
     datasets = {f"train_epoch_{epoch}": build_epoch(config, epoch, ledger)

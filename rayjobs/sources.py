@@ -54,7 +54,10 @@ class RowFileDatasource(FileBasedDatasource):
             import pyarrow.csv as pacsv
             import pyarrow.parquet as pq
 
-            table = pq.read_table(f) if self.file_format == "parquet" else pacsv.read_csv(f)
+            if self.file_format == "parquet":  # Parquet needs a seekable file; streams are not
+                table = pq.read_table(pa.BufferReader(f.readall()))
+            else:
+                table = pacsv.read_csv(f)
             rows = list(range(table.num_rows))
             records = [json.dumps(r, ensure_ascii=False, default=str) for r in table.to_pylist()]
         else:

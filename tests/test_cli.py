@@ -1,0 +1,31 @@
+"""The public command line, end to end on real data: ``rayjobs run CONFIG ... --json``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from conftest import ROOT
+
+
+def test_run_on_real_alpaca_and_chat_with_two_workers(tmp_path):
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": ""}
+    command = [sys.executable, "-m", "rayjobs.cli", "run", str(ROOT / "configs" / "alpaca_chat_gpt2.yaml"),
+               "packing.seq_len=256", "packing.window=512", "train.batch_size=2", "train.max_steps=6",
+               "train.report_every=3", f"train.storage_path={tmp_path}", "--json"]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["steps"] == 6 and summary["steps_per_rank"] == [6, 6]
+    assert summary["num_packs"] == 6 * 2 * 2
+    assert summary["guard_dropped_batches"] == 0
+    assert summary["tokens_trained"] > 0 and 0 < summary["packing_efficiency"] <= 1
+    assert set(summary["datasets"]) == {"alpaca", "hh_chat"}
+    for stats in summary["datasets"].values():
+        assert {"samples", "tokens", "truncated_tokens", "dropped_samples", "skipped_rows"} <= set(stats)
+        assert stats["samples"] > 0 and stats["tokens"] > 0
+    assert sum(s["truncated_tokens"] for s in summary["datasets"].values()) > 0  # seq_len 256 cuts
+    assert os.path.isfile(os.path.join(summary["checkpoint"], "model.pt"))
+    assert "packing efficiency" in done.stdout  # the human summary precedes the JSON line

@@ -1,0 +1,98 @@
+"""Sources: every supported format → rows of one schema that know their file and row."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import ALPACA, ROOT, SHAKESPEARE
+from rayjobs.config import config_from_dict
+from rayjobs.sources import read_dataset
+
+ROWS = [{"instruction": "Add", "input": "1 2", "output": "3"},
+        {"instruction": "Greet", "input": "", "output": "Hello"}]
+
+
+def _spec(tmp_path, source, **extra):
+    config = config_from_dict({"datasets": [{"name": "d", "source": str(source), "template": "alpaca",
+                                             **extra}],
+                               "tokenizer": {"path": str(ROOT / "configs/demo/tokenizer.json")}},
+                              base_dir=tmp_path)
+    return config.datasets[0]
+
+
+def _write(tmp_path, fmt):
+    path = tmp_path / f"rows.{fmt}"
+    if fmt == "json":
+        path.write_text(json.dumps(ROWS))
+    elif fmt == "jsonl":
+        path.write_text("\n\n".join(json.dumps(r) for r in ROWS))  # a blank line between rows
+    elif fmt == "csv":
+        pacsv.write_csv(pa.Table.from_pylist(ROWS), path)
+    elif fmt == "parquet":
+        pq.write_table(pa.Table.from_pylist(ROWS), path)
+    return path
+
+
+@pytest.mark.parametrize("fmt,expected_rows", [
+    ("json", [0, 1]), ("jsonl", [1, 3]), ("csv", [0, 1]), ("parquet", [0, 1]),
+])
+def test_formats_give_records_with_file_and_row(ray_local, tmp_path, fmt, expected_rows):
+    path = _write(tmp_path, fmt)
+    rows = sorted(read_dataset(_spec(tmp_path, path)).take_all(), key=lambda r: r["_row"])
+    assert [r["_row"] for r in rows] == expected_rows
+    assert {r["_path"] for r in rows} == {str(path)} and {r["_dataset"] for r in rows} == {"d"}
+    records = [json.loads(r["_record"]) for r in rows]
+    if fmt == "csv":  # CSV has no nulls for empty strings
+        records = [{k: (v if v is not None else "") for k, v in r.items()} for r in records]
+    assert records == ROWS
+
+
+@pytest.mark.parametrize("text_split,expected", [
+    ("line", [(1, "first line"), (2, "second line"), (4, "after blank")]),
+    ("paragraph", [(1, "first line\nsecond line"), (4, "after blank")]),
+    ("file", [(1, "first line\nsecond line\n\nafter blank\n")]),
+])
+def test_text_documents(ray_local, tmp_path, text_split, expected):
+    path = tmp_path / "doc.txt"
+    path.write_text("first line\nsecond line\n\nafter blank\n")
+    rows = read_dataset(_spec(tmp_path, path, template="text", text_split=text_split)).take_all()
+    got = sorted((r["_row"], json.loads(r["_record"])["text"]) for r in rows)
+    assert got == expected
+
+
+def test_real_files_keep_every_row(ray_local, tmp_path):
+    alpaca = read_dataset(_spec(tmp_path, ALPACA)).take_all()
+    assert sorted(r["_row"] for r in alpaca) == list(range(999))
+    shakespeare = read_dataset(_spec(tmp_path, SHAKESPEARE, template="text")).take_all()
+    assert len(shakespeare) > 1000  # speeches separated by blank lines
+    assert sum(len(json.loads(r["_record"])["text"]) for r in shakespeare) > 1_000_000
+
+
+def test_huggingface_saved_dataset(ray_local, tmp_path):
+    import datasets
+
+    datasets.Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "hf"))
+    rows = read_dataset(_spec(tmp_path, "hf", format="hf")).take_all()
+    assert sorted(json.loads(r["_record"])["output"] for r in rows) == ["3", "Hello"]
+    assert sorted(r["_row"] for r in rows) == [0, 1]
+
+
+def test_invalid_json_names_dataset_file_and_line(ray_local, tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(ROWS[0]) + "\n{not json\n")
+    with pytest.raises(Exception) as error:
+        read_dataset(_spec(tmp_path, path)).take_all()
+    assert "dataset 'd'" in str(error.value) and str(path) in str(error.value)
+    assert "line 2 is not valid JSON" in str(error.value)
+
+
+def test_jsonl_saved_as_json_gets_a_hint(ray_local, tmp_path):
+    path = tmp_path / "lines.json"
+    path.write_text("\n".join(json.dumps(r) for r in ROWS))
+    with pytest.raises(Exception, match="set format: jsonl"):
+        read_dataset(_spec(tmp_path, path)).take_all()
