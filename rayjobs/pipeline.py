@@ -37,7 +37,7 @@ def init_ray(config: Config) -> None:
         ray.init(address=address, log_to_driver=True)
         return
     num_cpus = config.ray.num_cpus or max(4, 2 * (os.cpu_count() or 1))
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+    ray.init(num_cpus=num_cpus, log_to_driver=True)  # dashboard on: metrics, State API
 
 
 def load_tokenizer(config: Config) -> Tokenizer:

@@ -93,6 +93,9 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     world_size, rank = context.get_world_size(), context.get_world_rank()
     device = ray.train.torch.get_device()
     attention = resolve_attention(config.train.attention, device)
+    # Ray leaves OMP_NUM_THREADS unset for fractional-CPU actors, so torch would start one thread
+    # per core in every worker: on a 2-core machine two workers ran 10x slower from oversubscription.
+    torch.set_num_threads(max(1, int(config.train.cpus_per_worker)))
     torch.manual_seed(config.seed)
     model_config = config.train.model
     model = Decoder(DecoderConfig(vocab_size=loop_config["vocab_size"], dim=model_config.dim,
