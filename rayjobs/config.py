@@ -48,8 +48,9 @@ class DatasetConfig(_Strict):
     """Template field → dataset column, e.g. ``{output: response}``."""
     train_on_input: bool = False
     """Also train on prompt / user tokens (default: only responses / assistant turns)."""
-    weight: float = Field(default=1.0, gt=0)
-    """Target share of the mix (normalised over datasets)."""
+    weight: float | None = Field(default=None, gt=0)
+    """Target share of the epoch (normalised over datasets), in samples or tokens (``mix.by``).
+    Set it on every dataset or on none (none: each dataset in its natural proportion)."""
     on_bad_row: Literal["error", "skip"] = "error"
     """A row missing a template field: stop with an error naming file, row and field, or skip it
     and count it under ``skipped_rows``."""
@@ -68,6 +69,23 @@ class TokenizerConfig(_Strict):
     """End-of-sequence token appended to every sample; default: the tokenizer's eos token."""
     pad_token: str | None = None
     """Token used for padding packs (never trained); default: pad token, else eos."""
+
+
+class MixConfig(_Strict):
+    by: Literal["tokens", "samples"] = "tokens"
+    """What each dataset's ``weight`` is a share of: the epoch's tokens or its samples."""
+    epoch_samples: int | None = Field(default=None, gt=0)
+    """Epoch size in samples (mix.by: samples); default all samples of all datasets once."""
+    epoch_tokens: int | None = Field(default=None, gt=0)
+    """Epoch size in tokens (mix.by: tokens); default all tokens of all datasets once."""
+
+    @model_validator(mode="after")
+    def _size_matches_unit(self) -> MixConfig:
+        wrong = "epoch_samples" if self.by == "tokens" else "epoch_tokens"
+        if getattr(self, wrong) is not None:
+            right = "epoch_tokens" if self.by == "tokens" else "epoch_samples"
+            raise ValueError(f"{wrong} does not apply with by: {self.by}; set {right} instead")
+        return self
 
 
 class PackingConfig(_Strict):
@@ -128,6 +146,7 @@ class Config(_Strict):
     datasets: list[DatasetConfig] = Field(min_length=1)
     tokenizer: TokenizerConfig
     packing: PackingConfig = Field(default_factory=PackingConfig)
+    mix: MixConfig = Field(default_factory=MixConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
     seed: int = 0
@@ -139,6 +158,10 @@ class Config(_Strict):
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"dataset names must be unique; repeated: {duplicates}")
+        weighted = [d.weight is not None for d in datasets]
+        if any(weighted) and not all(weighted):
+            unset = [d.name for d in datasets if d.weight is None]
+            raise ValueError(f"set weight on every dataset or on none; missing on {unset}")
         return datasets
 
 
@@ -238,6 +261,9 @@ def _resolve_dataset(spec: DatasetConfig, index: int, base_dir: Path) -> Dataset
         if not matches:
             raise ConfigError(f"{key} (dataset {spec.name!r}): no file matches {full}")
         files.extend(matches)
+    if all(_is_empty(f) for f in files):
+        raise ConfigError(f"{key} (dataset {spec.name!r}): every file is empty ({files[:3]}); "
+                          f"a dataset in the mix needs at least one row")
     fmt = spec.format
     if fmt is None:
         found = {_EXTENSION_FORMATS.get(Path(f).suffix) for f in files}
@@ -247,6 +273,14 @@ def _resolve_dataset(spec: DatasetConfig, index: int, base_dir: Path) -> Dataset
                               f"{', '.join(FILE_FORMATS)}")
         fmt = found.pop()
     return spec.model_copy(update={"format": fmt, "files": tuple(files)})
+
+
+def _is_empty(path: str) -> bool:
+    """No rows for sure: zero bytes, or (small files only) just whitespace or an empty JSON list."""
+    size = os.path.getsize(path)
+    if size > 1 << 16:
+        return False
+    return Path(path).read_bytes().strip() in (b"", b"[]")
 
 
 def _resolve_tokenizer(path: str, base_dir: Path) -> str:

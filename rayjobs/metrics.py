@@ -81,6 +81,13 @@ class Ledger:
                                            tag_keys=pack_tags)
         self._pack_tokens = metrics.Counter("rayjobs_pack_tokens",
                                             description="Non-pad tokens in packs", tag_keys=pack_tags)
+        self._mix = {
+            name: metrics.Gauge(f"rayjobs_mix_{name}", description=text,
+                                tag_keys=("run", "dataset", "epoch"))
+            for name, text in [("share", "Realized share of the epoch (mix.by units)"),
+                               ("samples", "Samples of the dataset in the epoch"),
+                               ("tokens", "Tokens of the dataset in the epoch")]
+        }
         self._efficiency = metrics.Gauge("rayjobs_packing_efficiency",
                                          description="Non-pad tokens / slots so far",
                                          tag_keys=pack_tags)
@@ -102,6 +109,14 @@ class Ledger:
         total_tokens = sum(c.num_tokens for c in self.pack.values())
         total_slots = sum(c.num_slots for c in self.pack.values())
         self._efficiency.set(packing_efficiency(total_tokens, total_slots), tags=tags)
+
+    def add_mix(self, mixes: list[dict[str, dict[str, float]]]) -> None:
+        """The planned mix of each epoch (from ``Epochs.realized_mix``) as gauges."""
+        for epoch, mix in enumerate(mixes):
+            for dataset, stats in mix.items():
+                tags = {"run": self._run, "dataset": dataset, "epoch": str(epoch)}
+                for name, gauge in self._mix.items():
+                    gauge.set(stats[name], tags=tags)
 
     def snapshot(self) -> dict[str, Any]:
         """Plain-dict copy: ``{"tokenize": {epoch: {dataset: counts}}, "pack": {epoch: counts}}``."""

@@ -35,12 +35,12 @@ seed gives the same rows.
 from __future__ import annotations
 
 import bisect
-import zlib
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute  # noqa: F401  (pa.compute)
 
 from rayjobs.masks import layout_from_lengths
 
@@ -336,11 +336,13 @@ def _list_column(batch: pa.Table, name: str) -> list[np.ndarray]:
 
 
 class PackWindow:
-    """Ray Data ``map_batches`` class: one window of tokenized samples → packed rows.
+    """Ray Data ``map_groups`` class: one window of tokenized samples → packed rows.
 
-    The window is packed completely (see module note), so the actor holds no state between calls
-    and nothing is lost at shutdown. Its random generator is seeded by (seed, epoch, a fingerprint
-    of the window's lengths): the same window packs the same way in every run, differently each
+    The pipeline groups samples by their ``window`` (from the epoch's mixing plan) so every call
+    sees exactly one whole window; it is packed completely (see module note), the actor keeps no
+    state between calls, and nothing is lost at shutdown. Samples are put in plan order
+    (``position``) before packing and the generator is seeded by (seed, epoch, window), so a
+    window packs identically in every run however Ray delivered its rows, and differently each
     epoch. Counts go to the run's ``Ledger``.
     """
 
@@ -354,25 +356,31 @@ class PackWindow:
         self.ledger = ledger
 
     def __call__(self, batch: pa.Table) -> dict[str, np.ndarray]:
+        batch = batch.sort_by("position")
+        windows = pa.compute.unique(batch.column("window")).to_pylist()
+        if len(windows) != 1:
+            raise ValueError(f"PackWindow got rows of windows {windows}; group rows by window first")
         input_ids = _list_column(batch, "input_ids")
         labels = _list_column(batch, "labels")
-        lengths = np.fromiter(map(len, input_ids), dtype=np.int64, count=len(input_ids))
-        fingerprint = zlib.crc32(lengths.tobytes())
-        rng = np.random.default_rng([self.seed, self.epoch, fingerprint])
+        rng = np.random.default_rng([self.seed, self.epoch, windows[0]])
         rows = pack_window(input_ids, labels, self.seq_len, self.pad_id, rng, self.strategy)
         if self.ledger is not None:
-            import ray
-
-            from rayjobs.metrics import PackCounts
-
-            sources = batch.column("source").to_numpy(zero_copy_only=False)
-            names, documents = np.unique(sources, return_counts=True)
-            tokens = {str(name): int(lengths[sources == name].sum()) for name in names}
-            counts = PackCounts(num_packs=len(rows["num_tokens"]),
-                                num_tokens=int(rows["num_tokens"].sum()),
-                                num_slots=len(rows["num_tokens"]) * self.seq_len,
-                                num_documents=len(lengths),
-                                documents_by_source=dict(zip(map(str, names), map(int, documents))),
-                                tokens_by_source=tokens)
-            ray.get(self.ledger.add_pack.remote(self.epoch, counts))
+            self._account(batch, rows)
         return rows
+
+    def _account(self, batch: pa.Table, rows: dict[str, np.ndarray]) -> None:
+        import ray
+
+        from rayjobs.metrics import PackCounts
+
+        sources = batch.column("source").to_numpy(zero_copy_only=False)
+        lengths = batch.column("num_tokens").to_numpy()
+        names, documents = np.unique(sources, return_counts=True)
+        counts = PackCounts(num_packs=len(rows["num_tokens"]),
+                            num_tokens=int(rows["num_tokens"].sum()),
+                            num_slots=len(rows["num_tokens"]) * self.seq_len,
+                            num_documents=len(lengths),
+                            documents_by_source=dict(zip(map(str, names), map(int, documents))),
+                            tokens_by_source={str(name): int(lengths[sources == name].sum())
+                                              for name in names})
+        ray.get(self.ledger.add_pack.remote(self.epoch, counts))

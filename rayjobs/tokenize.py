@@ -14,6 +14,7 @@ every sample (trained when the sample's last segment is). Over-length samples fo
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections import defaultdict
 from collections.abc import Sequence
@@ -137,11 +138,17 @@ class TokenizeCounts:
     skipped_examples: list[str] = field(default_factory=list)
 
 
+def sample_uid(origin: str) -> int:
+    """A stable 63-bit id of a sample from where it came from (dataset, file, row, piece)."""
+    return int.from_bytes(hashlib.blake2b(origin.encode(), digest_size=8).digest(), "big") >> 1
+
+
 class Tokenize:
     """Ray Data ``map_batches`` class: raw rows (see ``sources``) → tokenized samples.
 
     One actor pool serves every dataset of the run; each row names its dataset in ``_dataset``.
-    Output columns: ``input_ids`` and ``labels`` (list<int32>), ``source`` (dataset name).
+    Output columns: ``input_ids`` and ``labels`` (list<int32>), ``source`` (dataset name), ``uid``
+    (``sample_uid``: identifies the sample across runs, for mixing plans) and ``num_tokens``.
     """
 
     def __init__(self, datasets: Sequence[DatasetConfig], tokenizer: TokenizerConfig, seq_len: int,
@@ -160,12 +167,12 @@ class Tokenize:
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         counts: dict[str, TokenizeCounts] = defaultdict(TokenizeCounts)
-        rows: list[tuple[DatasetConfig, list[Segment]]] = []
+        rows: list[tuple[DatasetConfig, str, list[Segment]]] = []
         columns = [batch.column(name).to_pylist() for name in ("_dataset", "_path", "_row", "_record")]
         for name, path, row, record in zip(*columns):
             spec = self.datasets[name]
             try:
-                rows.append((spec, self._segments(spec, json.loads(record))))
+                rows.append((spec, f"{name}\0{path}\0{row}", self._segments(spec, json.loads(record))))
             except RowError as error:
                 where = f"dataset {name!r}, file {path}, row {row}: {error}"
                 if spec.on_bad_row == "error":
@@ -174,9 +181,9 @@ class Tokenize:
                 counts[name].skipped_rows += 1
                 if len(counts[name].skipped_examples) < 5:
                     counts[name].skipped_examples.append(where)
-        encoded = iter(self.tokenizer.encode_batch([s.text for _, segments in rows for s in segments]))
-        input_ids, labels, sources = [], [], []
-        for spec, segments in rows:
+        encoded = iter(self.tokenizer.encode_batch([s.text for *_, segments in rows for s in segments]))
+        input_ids, labels, sources, uids = [], [], [], []
+        for spec, origin, segments in rows:
             segment_ids = [next(encoded) for _ in segments]
             ids, sample_labels = encode_segments(segments, segment_ids, self.tokenizer.eos_id,
                                                  spec.train_on_input)
@@ -185,7 +192,8 @@ class Tokenize:
             tally.truncated_tokens += truncated
             tally.dropped_samples += not pieces
             tally.split_samples += max(0, len(pieces) - 1)
-            for piece_ids, piece_labels in pieces:
+            for piece, (piece_ids, piece_labels) in enumerate(pieces):
+                uids.append(sample_uid(f"{origin}\0{piece}"))
                 input_ids.append(piece_ids)
                 labels.append(piece_labels)
                 sources.append(spec.name)
@@ -201,4 +209,6 @@ class Tokenize:
             "input_ids": pa.array(input_ids, type=TOKEN_LIST),
             "labels": pa.array(labels, type=TOKEN_LIST),
             "source": pa.array(sources, type=pa.string()),
+            "uid": pa.array(uids, type=pa.int64()),
+            "num_tokens": pa.array([len(ids) for ids in input_ids], type=pa.int32()),
         })

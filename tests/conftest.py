@@ -32,8 +32,9 @@ def ray_local():
     not fit in 2 and would hang (DESIGN.md, "CPU resources deadlock"); logical CPUs only schedule."""
     import ray
 
-    # Workers import functions defined in test modules (train loops), so tests/ joins their path.
+    # Workers import this checkout's rayjobs (whatever is pip-installed) and functions defined
+    # in test modules (train loops).
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT / "tests")}})
+             runtime_env={"env_vars": {"PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}})
     yield ray
     ray.shutdown()

@@ -27,11 +27,14 @@ def _merge(base: dict, patch: dict) -> dict:
     return merged
 
 
+ROW = '{"instruction": "a", "output": "b"}\n'  # files need a row: empty datasets are refused
+
+
 def _write(tmp_path: Path, patch: dict | None = None) -> Path:
     """A config at tmp_path/run.yaml whose data and tokenizer files exist, with `patch` merged in."""
     for relative in ("data/alpaca.json", "tok/tokenizer.json"):
         (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / relative).write_text("[]")
+        (tmp_path / relative).write_text(ROW)
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(_merge(BASE, patch or {})))
     return path
@@ -179,14 +182,14 @@ def test_relative_paths_resolve_against_the_config_directory(tmp_path, monkeypat
 ], ids=["json", "jsonl", "parquet", "csv", "txt", "md"])
 def test_format_is_inferred_from_the_extension(tmp_path, filename, expected):
     (tmp_path / "data" / filename).parent.mkdir(parents=True, exist_ok=True)
-    (tmp_path / "data" / filename).write_text("")
+    (tmp_path / "data" / filename).write_text(ROW)
     config = load_config(_write(tmp_path, _dataset(source=f"data/{filename}")))
     assert config.datasets[0].format == expected
 
 
 def test_explicit_format_is_kept(tmp_path):
     (tmp_path / "data" / "rows.log").parent.mkdir(parents=True, exist_ok=True)
-    (tmp_path / "data" / "rows.log").write_text("")
+    (tmp_path / "data" / "rows.log").write_text(ROW)
     config = load_config(_write(tmp_path, _dataset(source="data/rows.log", format="jsonl")))
     assert config.datasets[0].format == "jsonl"
 
@@ -194,7 +197,7 @@ def test_explicit_format_is_kept(tmp_path):
 def _data_dir(tmp_path: Path, *names: str) -> Path:
     for name in names:
         (tmp_path / "shards" / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / "shards" / name).write_text("")
+        (tmp_path / "shards" / name).write_text(ROW)
     return tmp_path / "shards"
 
 

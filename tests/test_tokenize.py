@@ -16,7 +16,7 @@ from rayjobs import tokenize
 from rayjobs.config import DatasetConfig, TokenizerConfig
 from rayjobs.sources import record_table
 from rayjobs.tokenize import (DataError, Tokenize, TokenizeCounts, Tokenizer, apply_overflow,
-                              shift_labels)
+                              sample_uid, shift_labels)
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 EOS = 50256  # GPT-2 "<|endoftext|>"
@@ -60,6 +60,8 @@ def _one(gpt2_config, template: str, record: dict, **fields) -> dict:
     tokenizer = Tokenize(datasets=[_spec(template, **fields)], tokenizer=gpt2_config, seq_len=4096,
                          overflow="truncate")
     [row] = tokenizer(_batch("d", [record])).to_pylist()
+    assert row.pop("num_tokens") == len(row["input_ids"])
+    assert row.pop("uid") == sample_uid("d\0/data/rows.jsonl\0" "1\0" "0")  # row 1, piece 0
     return row
 
 
@@ -219,7 +221,8 @@ def test_bad_row_under_skip_is_skipped_and_counted(gpt2_config, ledger):
                          tokenizer=gpt2_config, seq_len=4096, overflow="truncate", ledger=ledger,
                          epoch=3)
     table = tokenizer(_batch("alpaca", [SAY_HI, NO_OUTPUT, ADD], path="/data/alpaca.json"))
-    assert table.column_names == ["input_ids", "labels", "source"]
+    assert table.column_names == ["input_ids", "labels", "source", "uid", "num_tokens"]
+    assert len(set(table.column("uid").to_pylist())) == 2
     assert [len(ids) for ids in table.column("input_ids").to_pylist()] == [36, 52]
     assert table.column("source").to_pylist() == ["alpaca", "alpaca"]
     [(epoch, name, counts)] = ledger.calls

@@ -1,0 +1,180 @@
+"""Mixing: exact shares by samples or tokens, repetition and subsampling, interleaving, seeds;
+then the same properties end to end on real data through Ray."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import ALPACA, GPT2, GPTEACHER, HH_CHAT, ROOT
+from rayjobs.config import ConfigError, config_from_dict
+from rayjobs.metrics import Ledger
+from rayjobs.mix import plan_epoch
+
+RNG = np.random.default_rng(7)
+LENGTHS = [RNG.integers(50, 400, 999), RNG.integers(100, 800, 2300), RNG.integers(20, 200, 1923)]
+WEIGHTS = [0.5, 0.3, 0.2]
+
+
+def _shares(dataset_ids, tokens, by):
+    values = tokens if by == "tokens" else np.ones_like(tokens)
+    return np.array([values[dataset_ids == d].sum() for d in range(3)]) / values.sum()
+
+
+def _tokens(dataset_ids, sample_ids, lengths=LENGTHS):
+    return np.array([lengths[d][i] for d, i in zip(dataset_ids, sample_ids)])
+
+
+@pytest.mark.parametrize("by", ["tokens", "samples"])
+def test_realized_shares_match_weights(by):
+    dataset_ids, sample_ids = plan_epoch(LENGTHS, WEIGHTS, by=by)
+    shares = _shares(dataset_ids, _tokens(dataset_ids, sample_ids), by)
+    assert np.abs(shares - WEIGHTS).max() < 0.01
+    other = _shares(dataset_ids, _tokens(dataset_ids, sample_ids), "samples" if by == "tokens" else "tokens")
+    assert np.abs(other - WEIGHTS).max() > 0.05, "guard: the two units really differ on this data"
+
+
+def test_by_samples_counts_are_exact():
+    # 5222 samples split 0.5 / 0.3 / 0.2 by largest remainder: 2611, 1566.6 → 1567, 1044.4 → 1044.
+    dataset_ids, _ = plan_epoch(LENGTHS, WEIGHTS, by="samples")
+    assert np.bincount(dataset_ids).tolist() == [2611, 1567, 1044]
+
+
+@pytest.mark.parametrize("by,size", [("samples", {"epoch_samples": 1000}), ("tokens", {"epoch_tokens": 200_000})])
+def test_epoch_size(by, size):
+    dataset_ids, sample_ids = plan_epoch(LENGTHS, WEIGHTS, by=by, **size)
+    total = len(dataset_ids) if by == "samples" else _tokens(dataset_ids, sample_ids).sum()
+    target = next(iter(size.values()))
+    assert abs(total - target) <= (0 if by == "samples" else 3 * 800)
+
+
+def test_small_dataset_with_large_weight_is_repeated_with_fresh_shuffles():
+    lengths = [np.full(10, 100), np.full(1000, 100)]
+    dataset_ids, sample_ids = plan_epoch(lengths, [0.5, 0.5], by="samples", epoch_samples=1000)
+    small = sample_ids[dataset_ids == 0]  # a dataset's draws keep their order in the epoch
+    assert np.bincount(small, minlength=10).tolist() == [50] * 10  # 50 whole passes
+    first, second = small[:10], small[10:20]
+    assert sorted(first) == sorted(second) == list(range(10))  # each pass is a permutation
+    assert not np.array_equal(first, second), "passes are reshuffled"
+
+
+def test_large_dataset_with_small_weight_is_subsampled_without_replacement():
+    lengths = [np.full(10, 100), np.full(1000, 100)]
+    dataset_ids, sample_ids = plan_epoch(lengths, [0.5, 0.5], by="samples", epoch_samples=20)
+    big = sample_ids[dataset_ids == 1]
+    assert len(big) == 10 and len(set(big.tolist())) == 10
+
+
+def test_every_tenth_of_the_epoch_holds_every_dataset():
+    dataset_ids, sample_ids = plan_epoch(LENGTHS, WEIGHTS, by="tokens")
+    tokens = _tokens(dataset_ids, sample_ids)
+    for tenth in np.array_split(np.arange(len(dataset_ids)), 10):
+        shares = _shares(dataset_ids[tenth], tokens[tenth], "tokens")
+        assert np.abs(shares - WEIGHTS).max() < 0.05
+    first = dataset_ids[: len(dataset_ids) // 3]
+    assert len(set(first.tolist())) == 3, "guard: not one dataset after another"
+
+
+def test_seeded_and_different_each_epoch():
+    a = plan_epoch(LENGTHS, WEIGHTS, seed=3, epoch=0)
+    b = plan_epoch(LENGTHS, WEIGHTS, seed=3, epoch=0)
+    c = plan_epoch(LENGTHS, WEIGHTS, seed=3, epoch=1)
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert not np.array_equal(a[1], c[1])
+
+
+def test_empty_dataset_cannot_be_mixed():
+    with pytest.raises(ValueError, match="dataset 1 has no samples"):
+        plan_epoch([np.array([3]), np.array([], dtype=np.int64)], [1, 1])
+
+
+def _mix_config(by: str, **extra) -> dict:
+    return {
+        "datasets": [
+            {"name": "alpaca", "source": str(ALPACA), "template": "alpaca", "weight": 0.5},
+            {"name": "hh_chat", "source": str(HH_CHAT), "template": "chat", "weight": 0.3},
+            {"name": "roleplay", "source": str(GPTEACHER), "template": "alpaca", "weight": 0.2,
+             "column_map": {"output": "response"}},
+        ],
+        "tokenizer": {"path": str(GPT2)},
+        "packing": {"seq_len": 1024, "window": 256},  # 20+ windows: tenths of the epoch
+        "mix": {"by": by, **extra},
+    }
+
+
+@pytest.mark.parametrize("bad,key", [
+    ({"mix": {"by": "tokens", "epoch_samples": 10}}, "mix: Value error, epoch_samples does not apply"),
+    ({"mix": {"by": "words"}}, "mix.by"),
+    ({"datasets": [{"name": "a", "source": str(ALPACA), "template": "alpaca", "weight": 0}]},
+     "datasets.0.weight"),
+])
+def test_bad_mix_config(bad, key):
+    with pytest.raises(ConfigError, match=key.replace("(", r"\(")):
+        config_from_dict({**_mix_config("tokens"), **bad}, base_dir=ROOT)
+
+
+def test_empty_file_is_refused_before_ray(tmp_path):
+    empty = tmp_path / "empty.json"
+    empty.write_text("[]\n")
+    raw = _mix_config("tokens")
+    raw["datasets"][0]["source"] = str(empty)
+    with pytest.raises(ConfigError, match="datasets.0.source .dataset 'alpaca'.: every file is empty"):
+        config_from_dict(raw, base_dir=ROOT)
+
+
+@pytest.fixture(scope="module")
+def epochs_by(ray_local):
+    from rayjobs.pipeline import Epochs
+
+    made = {}
+
+    def get(by):
+        if by not in made:
+            ledger = Ledger.remote("test")
+            made[by] = (Epochs(config_from_dict(_mix_config(by), base_dir=ROOT), ledger), ledger)
+        return made[by]
+
+    return get
+
+
+@pytest.mark.parametrize("by", ["tokens", "samples"])
+def test_real_mix_shares_within_one_point(epochs_by, ray_local, by):
+    epochs, ledger = epochs_by(by)
+    realized = epochs.realized_mix(0)
+    for name, weight in zip(("alpaca", "hh_chat", "roleplay"), WEIGHTS):
+        assert abs(realized[name]["share"] - weight) <= 0.01, (name, realized)
+    rows = epochs.packed(0).take_all()
+    pack = ray_local.get(ledger.snapshot.remote())["pack"][0]
+    unit = "tokens_by_source" if by == "tokens" else "documents_by_source"
+    packed_total = sum(pack[unit].values())
+    for name, weight in zip(("alpaca", "hh_chat", "roleplay"), WEIGHTS):
+        assert abs(pack[unit][name] / packed_total - weight) <= 0.01  # what the packer really saw
+    assert sum(int(r["num_documents"]) for r in rows) == sum(r["samples"] for r in realized.values())
+
+
+def test_real_mix_is_interleaved_per_window(epochs_by):
+    epochs, _ = epochs_by("tokens")
+    dataset_ids, sample_ids = epochs.plan(0)
+    lengths = [lengths for _, lengths in epochs.samples]
+    tokens = _tokens(dataset_ids, sample_ids, lengths)
+    window = epochs.config.packing.window
+    windows = np.arange(len(dataset_ids)) // window
+    assert windows.max() >= 9, "guard: enough windows to split into tenths"
+    for tenth in np.array_split(np.unique(windows), 10):
+        mine = np.isin(windows, tenth)
+        shares = _shares(dataset_ids[mine], tokens[mine], "tokens")
+        assert np.abs(shares - WEIGHTS).max() <= 0.05
+
+
+def test_same_seed_same_packs_and_each_epoch_differs(epochs_by, ray_local):
+    from rayjobs.pipeline import Epochs
+
+    epochs, _ = epochs_by("tokens")
+
+    def packs(dataset):
+        return sorted(tuple(r["input_ids"].tolist()) for r in dataset.take_all())
+
+    first = packs(epochs.packed(0))
+    again = packs(Epochs(epochs.config).packed(0))  # a fresh tokenization and plan
+    assert first == again
+    assert packs(epochs.packed(1)) != first
