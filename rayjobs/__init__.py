@@ -11,7 +11,7 @@
 """
 
 from rayjobs.config import Config, ConfigError, config_from_dict, load_config
-from rayjobs.pack import pack_lengths, pack_window
+from rayjobs.pack import StreamPacker, pack_lengths
 from rayjobs.mix import plan_epoch
 from rayjobs.pipeline import Epochs, build_epoch, run
 
@@ -23,7 +23,7 @@ __all__ = [
     "config_from_dict",
     "load_config",
     "pack_lengths",
-    "pack_window",
+    "StreamPacker",
     "plan_epoch",
     "run",
 ]

@@ -33,6 +33,8 @@ class PackCounts:
     num_documents: int = 0
     documents_by_source: dict[str, int] = field(default_factory=dict)
     tokens_by_source: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+    """Wall time spent assembling these packs (a stage timer for the bench)."""
 
 
 def packing_efficiency(num_tokens: int, num_slots: int) -> float:

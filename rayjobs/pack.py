@@ -60,21 +60,26 @@ class _Packer:
         self.seq_len = seq_len
         self.remaining: list[int] = []  # remaining capacity of each bin, in opening order
 
-    def pack(self, lengths: np.ndarray) -> list[np.ndarray]:
-        """Packs validated ``lengths``; returns bins of indices in placement order."""
-        if self.sort_decreasing:
-            order = np.argsort(-lengths, kind="stable")
-        else:
-            order = np.arange(len(lengths))
-        bins: list[list[int]] = []
-        for index, length in zip(order.tolist(), lengths[order].tolist()):
+    def order(self, lengths: np.ndarray, first: np.ndarray | None) -> np.ndarray:
+        """Placement order: longest first for decreasing strategies, else as given; the items
+        marked ``first`` (if any) before all others, each group in that order."""
+        keys = [-lengths] if self.sort_decreasing else []
+        if first is not None:
+            keys.append(~first)
+        return np.lexsort(keys) if keys else np.arange(len(lengths))  # last key is primary
+
+    def assign(self, lengths: np.ndarray, first: np.ndarray | None = None
+               ) -> tuple[np.ndarray, np.ndarray, int]:
+        """Packs validated ``lengths``: (placement order, bin of each placed item, number of bins)."""
+        order = self.order(lengths, first)
+        assigned: list[int] = []
+        for length in lengths[order].tolist():
             bin_index = self._choose_bin(length)
             if bin_index is None:
                 bin_index = self._open_bin()
-                bins.append([])
-            bins[bin_index].append(index)
+            assigned.append(bin_index)
             self._set_remaining(bin_index, self.remaining[bin_index] - length)
-        return [np.array(indices, dtype=np.int64) for indices in bins]
+        return order, np.array(assigned, dtype=np.int64), len(self.remaining)
 
     def _choose_bin(self, length: int) -> int | None:
         """Returns the open bin that takes an item of ``length``, or None to open a new one."""
@@ -116,33 +121,40 @@ class _NextFit(_Packer):
 class _BestFitDecreasing(_Packer):
     """The tightest bin that still fits, over the lengths sorted longest first.
 
-    Keeps ``(remaining capacity, bin index)`` of every non-full bin in a sorted list, so the choice is
-    one ``bisect`` instead of a scan over all bins.
+    One tight loop instead of the generic per-item method calls: every non-full bin is one int key
+    ``remaining << 32 | bin`` in a sorted list, so the choice is one ``bisect`` and the update one
+    ``pop`` + ``insort`` (C-level memmoves); ties go to the oldest bin, as in the generic form.
     """
 
     sort_decreasing = True
 
-    def __init__(self, seq_len: int) -> None:
-        super().__init__(seq_len)
-        self._by_capacity: list[tuple[int, int]] = []
+    def assign(self, lengths: np.ndarray, first: np.ndarray | None = None
+               ) -> tuple[np.ndarray, np.ndarray, int]:
+        order = self.order(lengths, first)
+        keys: list[int] = []  # sorted: remaining capacity << 32 | bin index
+        assigned: list[int] = []
+        num_bins, seq_len, low = 0, self.seq_len, (1 << 32) - 1
+        bisect_left, insort = bisect.bisect_left, bisect.insort
+        for length in lengths[order].tolist():
+            position = bisect_left(keys, length << 32)
+            if position == len(keys):
+                chosen, remaining = num_bins, seq_len - length
+                num_bins += 1
+            else:
+                key = keys.pop(position)
+                chosen, remaining = key & low, (key >> 32) - length
+            if remaining:
+                insort(keys, remaining << 32 | chosen)
+            assigned.append(chosen)
+        return order, np.array(assigned, dtype=np.int64), num_bins
 
-    def _choose_bin(self, length: int) -> int | None:
-        position = bisect.bisect_left(self._by_capacity, (length, -1))
-        if position == len(self._by_capacity):
-            return None
-        return self._by_capacity[position][1]
 
-    def _open_bin(self) -> int:
-        bin_index = super()._open_bin()
-        self._by_capacity.append((self.seq_len, bin_index))  # the largest key: it goes last
-        return bin_index
-
-    def _set_remaining(self, bin_index: int, remaining: int) -> None:
-        old_key = (self.remaining[bin_index], bin_index)
-        del self._by_capacity[bisect.bisect_left(self._by_capacity, old_key)]
-        if remaining > 0:
-            bisect.insort(self._by_capacity, (remaining, bin_index))
-        super()._set_remaining(bin_index, remaining)
+def _bins_from_assignment(bin_of: np.ndarray, items: np.ndarray, num_bins: int) -> list[np.ndarray]:
+    """Group ``items`` by ``bin_of`` (same length), keeping their order inside each bin."""
+    grouping = np.argsort(bin_of, kind="stable")
+    bounds = np.searchsorted(bin_of[grouping], np.arange(num_bins + 1))
+    grouped = items[grouping]
+    return [grouped[bounds[b]:bounds[b + 1]] for b in range(num_bins)]
 
 
 _PACKERS: dict[str, type[_Packer]] = {
@@ -173,7 +185,8 @@ def _check_lengths(lengths: np.ndarray, seq_len: int) -> np.ndarray:
     return lengths.astype(np.int64, copy=False)
 
 
-def pack_lengths(lengths: np.ndarray, seq_len: int, strategy: str = "bfd") -> list[np.ndarray]:
+def pack_lengths(lengths: np.ndarray, seq_len: int, strategy: str = "bfd", *,
+                 first: np.ndarray | None = None) -> list[np.ndarray]:
     """Groups samples into bins whose total length is at most ``seq_len``.
 
     Deterministic: equal lengths are taken in index order.
@@ -184,6 +197,8 @@ def pack_lengths(lengths: np.ndarray, seq_len: int, strategy: str = "bfd") -> li
         strategy: one of :data:`STRATEGIES`: ``"bfd"`` (best-fit decreasing), ``"ffd"`` (first-fit
             decreasing), ``"first_fit"`` (first fit in the given order), ``"next_fit"`` (only the
             newest bin is open).
+        first: optional boolean mask of samples to place before all others (each group in the
+            strategy's order); ``StreamPacker`` uses it so waiting samples are placed first.
 
     Returns:
         The bins in the order they were opened, each a non-empty int64 array of indices into
@@ -200,7 +215,9 @@ def pack_lengths(lengths: np.ndarray, seq_len: int, strategy: str = "bfd") -> li
     """
     if strategy not in _PACKERS:
         raise ValueError(f"Unknown packing strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}.")
-    return _PACKERS[strategy](seq_len).pack(_check_lengths(lengths, seq_len))
+    order, assigned, num_bins = _PACKERS[strategy](seq_len).assign(_check_lengths(lengths, seq_len),
+                                                                     first)
+    return _bins_from_assignment(assigned, order, num_bins)
 
 
 def _sample_lengths(input_ids: Sequence[np.ndarray], labels: Sequence[np.ndarray]) -> np.ndarray:
@@ -287,100 +304,73 @@ def assemble_rows(
     return rows
 
 
-def pack_window(
-    input_ids: Sequence[np.ndarray],
-    labels: Sequence[np.ndarray],
-    seq_len: int,
-    pad_id: int,
-    rng: np.random.Generator,
-    strategy: str = "bfd",
-) -> dict[str, np.ndarray]:
-    """Packs a whole window into rows: shuffle samples, pack, shuffle rows and documents, assemble.
+class StreamPacker:
+    """Packs a stream of samples window by window; under-filled packs wait for the next window.
 
-    Every sample of the window lands in exactly one row; nothing is carried over.
+    A stateless per-window packer wastes the tail of every window: its last packs are the leftovers
+    nothing else fitted. Here a pack filled below ``carry_below`` × seq_len is not emitted; its
+    samples rejoin the next window's pool, where smaller samples can complete them. A sample waits
+    at most ``max_delay`` windows (then its pack is emitted as it is), and ``flush()`` packs what is
+    left at the end of the stream, so nothing is lost and the delay is bounded. Randomness: the pool
+    is shuffled before packing, emitted packs are shuffled, and so are the documents inside each.
 
-    Args:
-        input_ids: token ids of each sample in the window.
-        labels: per-sample labels, same lengths as ``input_ids``, already shifted within the sample.
-        seq_len: length of every row; every sample must have 1..seq_len tokens.
-        pad_id: token id that fills the tail of a row.
-        rng: the only source of randomness; the same seed gives the same rows.
-        strategy: one of :data:`STRATEGIES`, see :func:`pack_lengths`.
-
-    Returns:
-        The columns of :func:`assemble_rows`, one row per pack, packs in random order.
-
-    Raises:
-        ValueError: if a sample is empty or longer than seq_len (naming its index in the window), or
-            its labels differ in length from its input_ids.
-
-    >>> input_ids = [np.arange(1, n + 1) for n in (5, 3, 2, 4)]
-    >>> labels = [np.append(ids[1:], -100) for ids in input_ids]
-    >>> rows = pack_window(input_ids, labels, seq_len=8, pad_id=0, rng=np.random.default_rng(0))
-    >>> rows["input_ids"].tolist()
-    [[1, 2, 3, 4, 1, 2, 0, 0], [1, 2, 3, 4, 5, 1, 2, 3]]
-    """
-    lengths = _check_lengths(_sample_lengths(input_ids, labels), seq_len)
-    shuffled = rng.permutation(len(lengths))
-    bins = [shuffled[indices] for indices in pack_lengths(lengths[shuffled], seq_len, strategy)]
-    bins = [rng.permutation(bins[row]) for row in rng.permutation(len(bins))]
-    return assemble_rows(input_ids, labels, bins, seq_len, pad_id)
-
-
-def _list_column(batch: pa.Table, name: str) -> list[np.ndarray]:
-    """A list<int32> Arrow column as per-row numpy views (no per-token Python objects)."""
-    column = batch.column(name).combine_chunks()
-    values = column.values.to_numpy(zero_copy_only=False)
-    offsets = column.offsets.to_numpy()
-    return [values[start:end] for start, end in zip(offsets[:-1], offsets[1:])]
-
-
-class PackWindow:
-    """Ray Data ``map_groups`` class: one window of tokenized samples → packed rows.
-
-    The pipeline groups samples by their ``window`` (from the epoch's mixing plan) so every call
-    sees exactly one whole window; it is packed completely (see module note), the actor keeps no
-    state between calls, and nothing is lost at shutdown. Samples are put in plan order
-    (``position``) before packing and the generator is seeded by (seed, epoch, window), so a
-    window packs identically in every run however Ray delivered its rows, and differently each
-    epoch. Counts go to the run's ``Ledger``.
+    >>> packer = StreamPacker(seq_len=8, rng=np.random.default_rng(0))
+    >>> emitted = packer.push(np.arange(3), np.array([8, 5, 2]))  # [8] full; [5, 2] waits
+    >>> [sorted(b.tolist()) for b in emitted], [sorted(b.tolist()) for b in packer.flush()]
+    ([[0]], [[1, 2]])
     """
 
-    def __init__(self, seq_len: int, pad_id: int, strategy: str = "bfd", seed: int = 0,
-                 epoch: int = 0, ledger: Any = None):
-        self.seq_len = seq_len
-        self.pad_id = pad_id
-        self.strategy = strategy
-        self.seed = seed
-        self.epoch = epoch
-        self.ledger = ledger
+    def __init__(self, seq_len: int, strategy: str = "bfd", *, rng: np.random.Generator,
+                 carry_below: float = 0.999, max_delay: int = 1):
+        if strategy not in _PACKERS:
+            raise ValueError(f"Unknown packing strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}.")
+        self.seq_len, self.strategy, self.rng = seq_len, strategy, rng
+        self.carry_below, self.max_delay = carry_below, max_delay
+        self._ids = np.empty(0, dtype=np.int64)
+        self._lengths = np.empty(0, dtype=np.int64)
+        self._ages = np.empty(0, dtype=np.int64)
+        self.max_delay_seen = 0
+        """Most windows any emitted sample waited."""
 
-    def __call__(self, batch: pa.Table) -> dict[str, np.ndarray]:
-        batch = batch.sort_by("position")
-        windows = pa.compute.unique(batch.column("window")).to_pylist()
-        if len(windows) != 1:
-            raise ValueError(f"PackWindow got rows of windows {windows}; group rows by window first")
-        input_ids = _list_column(batch, "input_ids")
-        labels = _list_column(batch, "labels")
-        rng = np.random.default_rng([self.seed, self.epoch, windows[0]])
-        rows = pack_window(input_ids, labels, self.seq_len, self.pad_id, rng, self.strategy)
-        if self.ledger is not None:
-            self._account(batch, rows)
-        return rows
+    def push(self, ids: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
+        """Add one window of samples (ids and token lengths); return the packs (arrays of ids)
+        ready to emit."""
+        lengths = _check_lengths(lengths, self.seq_len)
+        pool_ids = np.concatenate([self._ids, np.asarray(ids, dtype=np.int64)])
+        pool_lengths = np.concatenate([self._lengths, lengths])
+        pool_ages = np.concatenate([self._ages, np.zeros(len(lengths), dtype=np.int64)])
+        return self._pack(pool_ids, pool_lengths, pool_ages, final=False)
 
-    def _account(self, batch: pa.Table, rows: dict[str, np.ndarray]) -> None:
-        import ray
+    def flush(self) -> list[np.ndarray]:
+        """Pack and return every sample still waiting (call once, at the end of the stream)."""
+        return self._pack(self._ids, self._lengths, self._ages, final=True)
 
-        from rayjobs.metrics import PackCounts
-
-        sources = batch.column("source").to_numpy(zero_copy_only=False)
-        lengths = batch.column("num_tokens").to_numpy()
-        names, documents = np.unique(sources, return_counts=True)
-        counts = PackCounts(num_packs=len(rows["num_tokens"]),
-                            num_tokens=int(rows["num_tokens"].sum()),
-                            num_slots=len(rows["num_tokens"]) * self.seq_len,
-                            num_documents=len(lengths),
-                            documents_by_source=dict(zip(map(str, names), map(int, documents))),
-                            tokens_by_source={str(name): int(lengths[sources == name].sum())
-                                              for name in names})
-        ray.get(self.ledger.add_pack.remote(self.epoch, counts))
+    def _pack(self, ids: np.ndarray, lengths: np.ndarray, ages: np.ndarray,
+              final: bool) -> list[np.ndarray]:
+        if not len(ids):
+            return []
+        shuffled = self.rng.permutation(len(ids))
+        order, assigned, num_bins = _PACKERS[self.strategy](self.seq_len).assign(
+            lengths[shuffled], first=ages[shuffled] > 0)
+        bin_of = np.empty(len(ids), dtype=np.int64)
+        bin_of[shuffled[order]] = assigned
+        held = np.zeros(num_bins, dtype=bool)
+        if not final:
+            fills = np.bincount(bin_of, weights=lengths, minlength=num_bins)
+            oldest = np.zeros(num_bins, dtype=np.int64)
+            np.maximum.at(oldest, bin_of, ages)
+            held = (fills < self.carry_below * self.seq_len) & (oldest < self.max_delay)
+        waiting = held[bin_of]
+        self._ids, self._lengths, self._ages = ids[waiting], lengths[waiting], ages[waiting] + 1
+        emitted = np.flatnonzero(~held)
+        rank = np.empty(num_bins, dtype=np.int64)
+        rank[self.rng.permutation(emitted)] = np.arange(len(emitted))  # packs in random order
+        items = np.flatnonzero(~waiting)
+        item_rank = rank[bin_of[items]]
+        items = items[np.lexsort((self.rng.random(len(items)), item_rank))]  # documents shuffled
+        if len(items):
+            self.max_delay_seen = max(self.max_delay_seen, int(ages[items].max()))
+        if not len(emitted):
+            return []
+        sizes = np.bincount(item_rank, minlength=len(emitted))
+        return np.split(ids[items], np.cumsum(sizes)[:-1])

@@ -1,23 +1,16 @@
-"""The job: config → tokenized samples (once) → a mixed, packed Ray dataset per epoch → TorchTrainer.
+"""The job: config → tokenized samples (once) → mixed, packed rows per epoch → TorchTrainer.
 
-Design note. The data side has two phases.
-1. ``tokenize``: read → template → tokenize for every dataset through one Tokenize actor pool,
-   materialized once in the object store (spilled to disk when large) and reused by every epoch,
-   so epochs re-mix and re-pack without re-tokenizing.
-2. ``Epochs.packed(epoch)``: the driver pulls only (dataset, uid, length) of each sample, plans the
-   epoch's mix with ``mix.plan_epoch`` (exact shares by samples or tokens, interleaved, seeded per
-   epoch), cuts the plan into windows of ``packing.window`` samples, and Ray joins the plan to the
-   samples (``ExpandPlan``), groups them by window and packs each window whole (``PackWindow``).
-   Grouping gives every window a definite end, so no sample can be stranded in a packer actor, and
-   window contents depend only on the plan, so the same seed gives the same packs.
-The price is a barrier: packing of an epoch starts once tokenization is complete. For fine-tuning
-sets (up to millions of samples) that is seconds to minutes on a cluster, and it buys exact mixes,
-reproducible packs and tokenization once per run.
+Design note. ``tokenize`` is read → template → tokenize for every dataset through one Tokenize
+actor pool; ``epochs.Epochs`` materializes it once and plans every epoch from sample lengths
+(mixing, then streaming best-fit-decreasing packing), so epochs re-mix and re-pack without
+re-tokenizing. The price is a barrier: an epoch's packs flow once tokenization is complete, which
+for fine-tuning sets (up to millions of samples) is seconds to minutes on a cluster.
 
-Resources: one Tokenize actor pool (1 CPU per actor), PackWindow actors at 0.5 CPU, trainers at
-``train.cpus_per_worker``; an embedded local Ray declares max(4, 2 × cores) logical CPUs so read
-tasks, the actor pools and the trainers fit at once (with only as many logical CPUs as cores, the
-trainers starve the data operators and the job hangs: DESIGN.md, "CPU resources deadlock").
+Resources: one Tokenize actor pool (1 CPU per actor), plan-join and assembly actors at 0.5 CPU,
+trainers at ``train.cpus_per_worker``; an embedded local Ray declares max(4, 2 × cores) logical
+CPUs so read tasks, the actor pools and the trainers fit at once (with only as many logical CPUs
+as cores, the trainers starve the data operators and the job hangs: DESIGN.md, "CPU resources
+deadlock").
 """
 
 from __future__ import annotations
@@ -26,15 +19,12 @@ import os
 import uuid
 from typing import Any
 
-import numpy as np
-import pyarrow as pa
 import ray
 import ray.data
 
 from rayjobs.config import Config, ConfigError
 from rayjobs.metrics import Ledger, packing_efficiency
-from rayjobs.mix import plan_epoch
-from rayjobs.pack import PackWindow
+from rayjobs.epochs import Epochs
 from rayjobs.sources import read_dataset
 from rayjobs.tokenize import Tokenize, Tokenizer
 
@@ -74,96 +64,14 @@ def tokenize(config: Config, ledger: Any = None) -> ray.data.Dataset:
                                "overflow": config.packing.overflow, "ledger": ledger})
 
 
-class ExpandPlan:
-    """Ray Data ``map_batches`` function: each sample → one row per occurrence in the epoch plan,
-    with its ``position`` in the epoch and its ``window``; samples not drawn disappear."""
-
-    def __init__(self, plan: dict[str, np.ndarray], window: int):
-        self.uids, self.positions, self.window = plan["uid"], plan["position"], window
-
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        uids = batch.column("uid").to_numpy()
-        starts = np.searchsorted(self.uids, uids, side="left")
-        counts = np.searchsorted(self.uids, uids, side="right") - starts
-        rows = np.repeat(np.arange(len(uids)), counts)
-        occurrences = np.repeat(starts - np.cumsum(counts) + counts, counts) + np.arange(len(rows))
-        positions = self.positions[occurrences]
-        expanded = batch.take(pa.array(rows, type=pa.int64()))
-        expanded = expanded.append_column("position", pa.array(positions, type=pa.int64()))
-        return expanded.append_column("window", pa.array(positions // self.window, type=pa.int64()))
-
-
-class Epochs:
-    """The packed rows of each epoch, planned from one materialized tokenization."""
-
-    def __init__(self, config: Config, ledger: Any = None):
-        self.config = config
-        self.ledger = ledger
-        self.pad_id = load_tokenizer(config).pad_id
-        self.tokenized = tokenize(config, ledger).materialize()
-        catalog = {name: [] for name in ("source", "uid", "num_tokens")}
-        for batch in self.tokenized.select_columns(list(catalog)).iter_batches(batch_format="numpy"):
-            for name in catalog:
-                catalog[name].append(batch[name])
-        source, uid, num_tokens = (np.concatenate(catalog[n]) if catalog[n] else np.array([])
-                                   for n in ("source", "uid", "num_tokens"))
-        self.samples: list[tuple[np.ndarray, np.ndarray]] = []  # per dataset: (uids, lengths)
-        for spec in config.datasets:
-            mine = source == spec.name
-            order = np.argsort(uid[mine], kind="stable")
-            if not order.size:
-                raise ConfigError(f"dataset {spec.name!r} has no samples after tokenization "
-                                  f"(see skipped_rows and dropped_samples); it cannot be mixed")
-            self.samples.append((uid[mine][order], num_tokens[mine][order].astype(np.int64)))
-
-    def plan(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        """(dataset index, sample index) of each occurrence, in epoch order."""
-        mix = self.config.mix
-        weights = [spec.weight for spec in self.config.datasets]
-        return plan_epoch([lengths for _, lengths in self.samples],
-                          None if weights[0] is None else weights, by=mix.by,
-                          seed=self.config.seed, epoch=epoch, epoch_samples=mix.epoch_samples,
-                          epoch_tokens=mix.epoch_tokens)
-
-    def realized_mix(self, epoch: int) -> dict[str, dict[str, float]]:
-        """Per dataset: samples, tokens and share (in ``mix.by`` units) of the epoch's plan."""
-        dataset_ids, sample_ids = self.plan(epoch)
-        tokens = np.concatenate([lengths for _, lengths in self.samples])
-        offsets = np.cumsum([0] + [len(lengths) for _, lengths in self.samples])
-        occurrence_tokens = tokens[offsets[dataset_ids] + sample_ids]
-        realized = {}
-        for index, spec in enumerate(self.config.datasets):
-            mine = dataset_ids == index
-            realized[spec.name] = {"samples": int(mine.sum()),
-                                   "tokens": int(occurrence_tokens[mine].sum())}
-        unit = "tokens" if self.config.mix.by == "tokens" else "samples"
-        total = sum(r[unit] for r in realized.values()) or 1
-        for stats in realized.values():
-            stats["share"] = stats[unit] / total
-        return realized
-
-    def packed(self, epoch: int = 0) -> ray.data.Dataset:
-        """The packed rows of one epoch as a lazy Ray dataset (data-contract columns)."""
-        dataset_ids, sample_ids = self.plan(epoch)
-        uids = np.concatenate([uids for uids, _ in self.samples])
-        offsets = np.cumsum([0] + [len(u) for u, _ in self.samples])
-        occurrence_uids = uids[offsets[dataset_ids] + sample_ids]
-        order = np.argsort(occurrence_uids, kind="stable")
-        plan = {"uid": occurrence_uids[order], "position": order.astype(np.int64)}
-        packing = self.config.packing
-        expanded = self.tokenized.map_batches(
-            ExpandPlan, batch_format="pyarrow", num_cpus=0.5, concurrency=1,
-            fn_constructor_kwargs={"plan": plan, "window": packing.window})
-        return expanded.groupby("window").map_groups(
-            PackWindow, batch_format="pyarrow", num_cpus=0.5, concurrency=1,
-            fn_constructor_kwargs={"seq_len": packing.seq_len, "pad_id": self.pad_id,
-                                   "strategy": packing.strategy, "seed": self.config.seed,
-                                   "epoch": epoch, "ledger": self.ledger})
+def build_epochs(config: Config, ledger: Any = None) -> Epochs:
+    """Tokenize (materialized once) and return the per-epoch planner."""
+    return Epochs(config, tokenize(config, ledger), load_tokenizer(config).pad_id, ledger)
 
 
 def build_epoch(config: Config, epoch: int = 0, ledger: Any = None) -> ray.data.Dataset:
-    """The packed rows of one epoch (tokenizes first; use ``Epochs`` to share that work)."""
-    return Epochs(config, ledger).packed(epoch)
+    """The packed rows of one epoch (tokenizes first; use ``build_epochs`` to share that work)."""
+    return build_epochs(config, ledger).packed(epoch)
 
 
 def run(config: Config) -> dict[str, Any]:
@@ -177,7 +85,7 @@ def run(config: Config) -> dict[str, Any]:
     init_ray(config)
     run_name = f"rayjobs-{uuid.uuid4().hex[:8]}"
     ledger = Ledger.remote(run_name)
-    epochs = Epochs(config, ledger)
+    epochs = build_epochs(config, ledger)
     datasets = {f"train_epoch_{epoch}": epochs.packed(epoch) for epoch in range(config.train.epochs)}
     mixes = [epochs.realized_mix(epoch) for epoch in range(config.train.epochs)]
     ray.get(ledger.add_mix.remote(mixes))
@@ -199,6 +107,8 @@ def run(config: Config) -> dict[str, Any]:
     for name, stats in summary["datasets"].items():
         stats["share"] = sum(mix[name]["share"] for mix in mixes) / len(mixes)
     summary["mix"] = [{"epoch": epoch, "datasets": mix} for epoch, mix in enumerate(mixes)]
+    summary["packed"]["max_delay_windows"] = epochs.max_delay_windows
+    summary["packed"]["plan_seconds"] = epochs.plan_seconds
     return summary
 
 

@@ -40,6 +40,78 @@ def record_table(dataset: str, paths: list[str], rows: list[int], records: list[
     })
 
 
+def parse_file(data: bytes, path: str, *, format: str, dataset: str,
+               text_split: str = "paragraph") -> tuple[list[int], list[str]]:
+    """One file's bytes → (row numbers, records as JSON object strings); see module note.
+
+    Raises:
+        SourceError: naming the dataset, the file and, for JSON, the line.
+    """
+    if format in ("parquet", "csv"):
+        import pyarrow.csv as pacsv
+        import pyarrow.parquet as pq
+
+        buffer = pa.BufferReader(data)
+        table = pq.read_table(buffer) if format == "parquet" else pacsv.read_csv(buffer)
+        return list(range(table.num_rows)), [json.dumps(r, ensure_ascii=False, default=str)
+                                             for r in table.to_pylist()]
+    text = data.decode("utf-8")
+    try:
+        if format == "json":
+            return _json(text)
+        if format == "jsonl":
+            return _jsonl(text)
+    except ValueError as error:
+        raise SourceError(f"dataset {dataset!r}, file {path}: {error}") from None
+    return _text(text, text_split)
+
+
+def _json(text: str) -> tuple[list[int], list[str]]:
+    try:
+        records = json.loads(text)
+    except json.JSONDecodeError as error:
+        hint = " (one object per line? set format: jsonl)" if "Extra data" in str(error) else ""
+        raise ValueError(f"not valid JSON at line {error.lineno}: {error.msg}{hint}") from None
+    if isinstance(records, dict):
+        records = [records]
+    if not isinstance(records, list):
+        raise ValueError("a .json file must hold a list of records")
+    return list(range(len(records))), [json.dumps(r, ensure_ascii=False) for r in records]
+
+
+def _jsonl(text: str) -> tuple[list[int], list[str]]:
+    rows, records = [], []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"line {number} is not valid JSON: {error.msg}") from None
+        rows.append(number)
+        records.append(line)
+    return rows, records
+
+
+def _text(text: str, text_split: str) -> tuple[list[int], list[str]]:
+    if text_split == "file":
+        return [1], [json.dumps({"text": text}, ensure_ascii=False)]
+    lines = text.splitlines()
+    if text_split == "line":
+        pairs = [(number, line) for number, line in enumerate(lines, start=1) if line.strip()]
+    else:  # paragraphs: runs of non-blank lines
+        pairs, current, start = [], [], 1
+        for number, line in enumerate(lines + [""], start=1):
+            if line.strip():
+                start = start if current else number
+                current.append(line)
+            elif current:
+                pairs.append((start, "\n".join(current)))
+                current = []
+    return ([number for number, _ in pairs],
+            [json.dumps({"text": document}, ensure_ascii=False) for _, document in pairs])
+
+
 class RowFileDatasource(FileBasedDatasource):
     """JSON / JSONL / CSV / Parquet / text files → rows with ``_path`` and ``_row``."""
 
@@ -50,69 +122,12 @@ class RowFileDatasource(FileBasedDatasource):
         self.text_split = text_split
 
     def _read_stream(self, f: pa.NativeFile, path: str) -> Iterator[pa.Table]:
-        if self.file_format in ("parquet", "csv"):
-            import pyarrow.csv as pacsv
-            import pyarrow.parquet as pq
-
-            if self.file_format == "parquet":  # Parquet needs a seekable file; streams are not
-                table = pq.read_table(pa.BufferReader(f.readall()))
-            else:
-                table = pacsv.read_csv(f)
-            rows = list(range(table.num_rows))
-            records = [json.dumps(r, ensure_ascii=False, default=str) for r in table.to_pylist()]
-        else:
-            text = f.readall().decode("utf-8")
-            reader = {"json": self._json, "jsonl": self._jsonl, "text": self._text}[self.file_format]
-            rows, records = reader(text, path)
+        rows, records = parse_file(f.readall(), path, format=self.file_format,
+                                   dataset=self.dataset, text_split=self.text_split)
         for start in range(0, len(rows), _BLOCK_ROWS):
-            yield record_table(self.dataset, [path] * len(rows[start:start + _BLOCK_ROWS]),
-                               rows[start:start + _BLOCK_ROWS], records[start:start + _BLOCK_ROWS])
-
-    def _error(self, path: str, problem: str) -> SourceError:
-        return SourceError(f"dataset {self.dataset!r}, file {path}: {problem}")
-
-    def _json(self, text: str, path: str) -> tuple[list[int], list[str]]:
-        try:
-            records = json.loads(text)
-        except json.JSONDecodeError as error:
-            hint = " (one object per line? set format: jsonl)" if "Extra data" in str(error) else ""
-            raise self._error(path, f"not valid JSON at line {error.lineno}: {error.msg}{hint}") from None
-        if isinstance(records, dict):
-            records = [records]
-        if not isinstance(records, list):
-            raise self._error(path, "a .json file must hold a list of records")
-        return list(range(len(records))), [json.dumps(r, ensure_ascii=False) for r in records]
-
-    def _jsonl(self, text: str, path: str) -> tuple[list[int], list[str]]:
-        rows, records = [], []
-        for number, line in enumerate(text.splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                json.loads(line)
-            except json.JSONDecodeError as error:
-                raise self._error(path, f"line {number} is not valid JSON: {error.msg}") from None
-            rows.append(number)
-            records.append(line)
-        return rows, records
-
-    def _text(self, text: str, path: str) -> tuple[list[int], list[str]]:
-        if self.text_split == "file":
-            return [1], [json.dumps({"text": text}, ensure_ascii=False)]
-        lines = text.splitlines()
-        if self.text_split == "line":
-            pairs = [(number, line) for number, line in enumerate(lines, start=1) if line.strip()]
-        else:  # paragraphs: runs of non-blank lines
-            pairs, current, start = [], [], 1
-            for number, line in enumerate(lines + [""], start=1):
-                if line.strip():
-                    start = start if current else number
-                    current.append(line)
-                elif current:
-                    pairs.append((start, "\n".join(current)))
-                    current = []
-        return ([number for number, _ in pairs],
-                [json.dumps({"text": document}, ensure_ascii=False) for _, document in pairs])
+            end = start + _BLOCK_ROWS
+            yield record_table(self.dataset, [path] * len(rows[start:end]), rows[start:end],
+                               records[start:end])
 
 
 def read_dataset(spec: DatasetConfig) -> ray.data.Dataset:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -136,6 +137,8 @@ class TokenizeCounts:
     split_samples: int = 0
     skipped_rows: int = 0
     skipped_examples: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    """Wall time spent in Tokenize calls (a stage timer for the bench)."""
 
 
 def sample_uid(origin: str) -> int:
@@ -166,6 +169,7 @@ class Tokenize:
         return getattr(templates, spec.template)(record, spec.column_map)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
+        started = time.perf_counter()
         counts: dict[str, TokenizeCounts] = defaultdict(TokenizeCounts)
         rows: list[tuple[DatasetConfig, str, list[Segment]]] = []
         columns = [batch.column(name).to_pylist() for name in ("_dataset", "_path", "_row", "_record")]
@@ -203,6 +207,9 @@ class Tokenize:
         if self.ledger is not None:
             import ray
 
+            seconds = (time.perf_counter() - started) / max(1, len(counts))
+            for tally in counts.values():
+                tally.seconds = seconds
             ray.get([self.ledger.add_tokenize.remote(self.epoch, name, tally)
                      for name, tally in counts.items()])
         return pa.table({

@@ -124,14 +124,14 @@ def test_empty_file_is_refused_before_ray(tmp_path):
 
 @pytest.fixture(scope="module")
 def epochs_by(ray_local):
-    from rayjobs.pipeline import Epochs
+    from rayjobs.pipeline import build_epochs
 
     made = {}
 
     def get(by):
         if by not in made:
             ledger = Ledger.remote("test")
-            made[by] = (Epochs(config_from_dict(_mix_config(by), base_dir=ROOT), ledger), ledger)
+            made[by] = (build_epochs(config_from_dict(_mix_config(by), base_dir=ROOT), ledger), ledger)
         return made[by]
 
     return get
@@ -167,7 +167,7 @@ def test_real_mix_is_interleaved_per_window(epochs_by):
 
 
 def test_same_seed_same_packs_and_each_epoch_differs(epochs_by, ray_local):
-    from rayjobs.pipeline import Epochs
+    from rayjobs.pipeline import build_epochs
 
     epochs, _ = epochs_by("tokens")
 
@@ -175,6 +175,6 @@ def test_same_seed_same_packs_and_each_epoch_differs(epochs_by, ray_local):
         return sorted(tuple(r["input_ids"].tolist()) for r in dataset.take_all())
 
     first = packs(epochs.packed(0))
-    again = packs(Epochs(epochs.config).packed(0))  # a fresh tokenization and plan
+    again = packs(build_epochs(epochs.config).packed(0))  # a fresh tokenization and plan
     assert first == again
     assert packs(epochs.packed(1)) != first

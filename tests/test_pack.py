@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rayjobs import pack
-from rayjobs.pack import IGNORE_INDEX, STRATEGIES, assemble_rows, pack_lengths, pack_window
+from rayjobs.pack import IGNORE_INDEX, STRATEGIES, StreamPacker, assemble_rows, pack_lengths
 
 SEQ_LEN = 10
 
@@ -188,7 +188,7 @@ def test_bfd_matches_linear_scan_reference(window: tuple[int, np.ndarray]) -> No
     assert [indices.tolist() for indices in bins] == _best_fit_decreasing_reference(lengths, seq_len)
 
 
-# --- Rows: assemble_rows and pack_window ----------------------------------------------------------
+# --- Rows: assemble_rows over StreamPacker packs ----------------------------------------------------------
 
 PAD_ID = 0
 
@@ -269,33 +269,45 @@ def test_assemble_rows_literal() -> None:
     assert rows["num_tokens"].tolist() == [6, 3]
 
 
+def _stream(lengths: np.ndarray, seq_len: int, window: int, seed: int = 0, strategy: str = "bfd",
+            **options) -> tuple[list[list[np.ndarray]], StreamPacker]:
+    """Push ``lengths`` (ids 0..n-1) window by window, then flush: the packs of each push."""
+    packer = StreamPacker(seq_len, strategy, rng=np.random.default_rng(seed), **options)
+    ids = np.arange(len(lengths))
+    pushes = [packer.push(ids[start:start + window], lengths[start:start + window])
+              for start in range(0, len(lengths), window)]
+    return pushes + [packer.flush()], packer
+
+
+def _stream_rows(input_ids, labels, seq_len, seed=0, strategy="bfd", window=64):
+    lengths = np.array([len(ids) for ids in input_ids])
+    pushes, _ = _stream(lengths, seq_len, window, seed, strategy)
+    return assemble_rows(input_ids, labels, [p for push in pushes for p in push], seq_len, PAD_ID)
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_pack_window_rows_keep_the_data_contract(strategy: str) -> None:
+def test_stream_rows_keep_the_data_contract(strategy: str) -> None:
     seq_len = 64
     input_ids, labels = _random_window(np.random.default_rng(7), num_samples=300, seq_len=seq_len)
-    rows = pack_window(input_ids, labels, seq_len, PAD_ID, np.random.default_rng(1), strategy)
+    rows = _stream_rows(input_ids, labels, seq_len, 1, strategy)
     assert (rows["num_documents"] >= 2).any(), "guard: no row packs several documents"
     assert (rows["num_tokens"] < seq_len).any(), "guard: no row is padded"
     assert (rows["num_tokens"] == seq_len).any(), "guard: no row is exactly full"
     _check_rows(rows, input_ids, labels, seq_len)
 
 
-def test_pack_window_is_deterministic_per_seed() -> None:
+def test_stream_is_deterministic_per_seed() -> None:
     input_ids, labels = _random_window(np.random.default_rng(3), num_samples=100, seq_len=32)
-
-    def rows_for(seed: int) -> dict[str, np.ndarray]:
-        return pack_window(input_ids, labels, 32, PAD_ID, np.random.default_rng(seed))
-
-    first, again, other = rows_for(0), rows_for(0), rows_for(1)
+    first, again, other = (_stream_rows(input_ids, labels, 32, seed) for seed in (0, 0, 1))
     assert all(np.array_equal(first[name], again[name]) for name in first)
     assert not np.array_equal(first["input_ids"], other["input_ids"])
 
 
-def test_pack_window_shuffles_rows_and_documents() -> None:
+def test_stream_shuffles_packs_and_documents() -> None:
     # BFD alone opens rows longest sample first and places each row's longest document first.
     seq_len = 64
     input_ids, labels = _random_window(np.random.default_rng(5), num_samples=300, seq_len=seq_len)
-    rows = pack_window(input_ids, labels, seq_len, PAD_ID, np.random.default_rng(0))
+    rows = _stream_rows(input_ids, labels, seq_len, window=300)
     first_lengths = (rows["document_ids"] == 0).sum(axis=1)
     rows_and_sizes = zip(rows["document_ids"], rows["num_tokens"])
     longest_lengths = np.array([np.bincount(row[:num_tokens]).max() for row, num_tokens in rows_and_sizes])
@@ -303,9 +315,49 @@ def test_pack_window_shuffles_rows_and_documents() -> None:
     assert (np.diff(first_lengths) > 0).any(), "rows come out in packing order"
 
 
-def test_pack_window_empty() -> None:
-    rows = pack_window([], [], 8, PAD_ID, np.random.default_rng(0))
-    assert rows["input_ids"].shape == (0, 8) and rows["num_tokens"].shape == (0,)
+# StreamPacker scenarios: seq_len 10, one sample per window, max_delay 1. Each entry: lengths, then
+# the packs (sorted ids) emitted by each push and, last, by the flush.
+STREAM_SCENARIOS = {
+    # [6] alone is 60% full: it waits. Next window the waiting 6 is placed first and 4 completes it.
+    "underfilled_pack_waits_and_is_completed": ([6, 4], [[], [[0, 1]], []]),
+    # A full pack never waits; the lone 3 waits and leaves at the flush.
+    "full_pack_is_emitted_at_once": ([10, 3], [[[0]], [], [[1]]]),
+    # 6#0 waits one window; 6#1 does not fit with it, so #0 leaves as it is (its one window of wait
+    # is used up) while #1 starts waiting, and so on; the flush emits the last one.
+    "wait_is_bounded": ([6, 6, 6], [[], [[0]], [[1]], [[2]]]),
+    # 7#0 waits; 5#1 does not fit with it: #0 leaves alone, #1 waits; 3#2 joins #1 (8 tokens, not
+    # full), but #1 has waited its window, so they leave together.
+    "late_sample_rides_with_a_waiting_one": ([7, 5, 3], [[], [[0]], [[1, 2]], []]),
+}
+
+
+@pytest.mark.parametrize("lengths,expected", STREAM_SCENARIOS.values(), ids=STREAM_SCENARIOS.keys())
+def test_stream_scenarios(lengths: list[int], expected: list[list[list[int]]]) -> None:
+    pushes, packer = _stream(np.array(lengths), SEQ_LEN, window=1)
+    assert [sorted(sorted(p.tolist()) for p in push) for push in pushes] == expected
+    assert packer.max_delay_seen == 1  # every scenario has a sample that waited one window
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    strategy=st.sampled_from(STRATEGIES),
+    seq_len=st.integers(4, 40),
+    window=st.integers(1, 12),
+    max_delay=st.integers(0, 3),
+    data=st.data(),
+)
+def test_stream_packer_properties(strategy, seq_len, window, max_delay, data) -> None:
+    lengths = np.array(data.draw(st.lists(st.integers(1, seq_len), min_size=0, max_size=60)), dtype=np.int64)
+    pushes, packer = _stream(lengths, seq_len, window, strategy=strategy, max_delay=max_delay)
+    packs = [p for push in pushes for p in push]
+    emitted = np.concatenate(packs) if packs else np.empty(0, dtype=np.int64)
+    assert sorted(emitted.tolist()) == list(range(len(lengths)))  # none lost, none duplicated
+    assert all(0 < len(p) and lengths[p].sum() <= seq_len for p in packs)
+    assert packer.max_delay_seen <= max_delay
+    for number, push in enumerate(pushes[:-1]):  # each sample leaves within max_delay windows
+        for pack_ids in push:
+            arrived = pack_ids // window
+            assert (number - arrived <= max_delay).all()
 
 
 # --- Errors ----------------------------------------------------------------------------------------
@@ -324,11 +376,10 @@ def test_out_of_range_length_names_the_sample(lengths: list[int], message: str) 
             pack_lengths(np.array(lengths), SEQ_LEN, strategy)
 
 
-def test_pack_window_error_names_the_index_before_shuffling() -> None:
-    input_ids = [np.arange(1, n + 1) for n in (3, 4, 5, 12, 2)]
-    labels = [np.full(len(ids), IGNORE_INDEX) for ids in input_ids]
+def test_stream_error_names_the_sample_in_the_window() -> None:
+    packer = StreamPacker(SEQ_LEN, rng=np.random.default_rng(0))
     with pytest.raises(ValueError, match="Sample 3 has length 12"):
-        pack_window(input_ids, labels, SEQ_LEN, PAD_ID, np.random.default_rng(0))
+        packer.push(np.arange(5), np.array([3, 4, 5, 12, 2]))
 
 
 def test_unknown_strategy() -> None:

@@ -1,0 +1,185 @@
+"""``rayjobs bench packing``: every packing strategy and two reference packers on real data.
+
+Each real set in ``../shared/data`` is tokenized with the GPT-2 tokenizer through the same templates
+and Tokenize code the job uses (in-process, no Ray), over-length samples truncated, and streamed as
+the set concatenated 10 times, each copy freshly shuffled. For seq_len 2048, 4096 and 8192 the bench
+packs that stream with every strategy (``StreamPacker``, windows of ``--window`` samples), with two
+reference packers implemented here from their published behaviour, and with global best-fit
+decreasing over the whole stream (the offline yardstick), and reports efficiency (non-pad tokens /
+slots), packs vs the lower bound ceil(tokens / seq_len), samples/s of the packing function and the
+longest wait of any sample in windows.
+
+- ``trl``: TRL's ``pack_dataset(strategy="bfd")``: BFD inside each chunk of 1000 samples (the
+  ``datasets.map`` batch), every bin emitted.
+- ``torchtune``: the on-the-fly packer of torchtune PR 2819: a FIFO buffer of 100 samples; the
+  oldest sample opens each pack, then the first buffered samples (oldest first) that still fit
+  fill it; the pack is emitted when no buffered sample fits.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from rayjobs.config import DatasetConfig, TokenizerConfig
+from rayjobs.pack import STRATEGIES, StreamPacker, pack_lengths
+from rayjobs.sources import parse_file, record_table
+
+SEQ_LENS = (2048, 4096, 8192)
+COPIES = 10
+
+# name, file under shared/data, format, template, column_map, text_split
+BENCH_SETS = [
+    ("alpaca", "sft/alpaca_en_demo.json", "json", "alpaca", {}, "paragraph"),
+    ("gpteacher", "sft/gpteacher_roleplay.json", "json", "alpaca", {"output": "response"}, "paragraph"),
+    ("hh_chat", "chat/hh_rlhf_harmless_chosen.messages.jsonl", "jsonl", "chat", {}, "paragraph"),
+    ("glaive_sharegpt", "chat/glaive_toolcall.sharegpt.json", "json", "chat", {}, "paragraph"),
+    ("hh_dpo_text", "dpo/hh_rlhf_harmless.dpo.jsonl", "jsonl", "text", {}, "paragraph"),
+    ("shakespeare", "text/tinyshakespeare.txt", "text", "text", {}, "paragraph"),
+    ("c4", "text/c4_demo.jsonl", "jsonl", "text", {}, "paragraph"),
+]
+
+
+@dataclass
+class BenchRow:
+    dataset: str
+    seq_len: int
+    strategy: str
+    window: int
+    efficiency: float
+    global_bfd_efficiency: float
+    lower_bound_packs: int
+    packs: int
+    samples_per_s: float
+    max_delay_windows: int
+
+
+def load_lengths(data_dir: Path, names: list[str] | None = None) -> dict[str, np.ndarray]:
+    """Token length of every sample of each bench set (GPT-2, job templates, EOS included)."""
+    from rayjobs.tokenize import Tokenize
+
+    tokenizer = TokenizerConfig(path=str(data_dir / "tokenizers" / "gpt2"))
+    chosen = [entry for entry in BENCH_SETS if not names or entry[0] in names]
+    specs = [DatasetConfig(name=name, source=str(data_dir / relative), format=fmt,
+                           template=template, column_map=column_map)
+             for name, relative, fmt, template, column_map, _ in chosen]
+    tokenize = Tokenize(specs, tokenizer, seq_len=1 << 30, overflow="truncate")
+    lengths = {}
+    for name, relative, fmt, _, _, text_split in chosen:
+        path = data_dir / relative
+        rows, records = parse_file(path.read_bytes(), str(path), format=fmt, dataset=name,
+                                   text_split=text_split)
+        if name == "hh_dpo_text":  # a DPO pair rendered as one text: prompt + chosen answer
+            records = [json.dumps({"text": (r := json.loads(x))["prompt"] + r["chosen"]})
+                       for x in records]
+        table = tokenize(record_table(name, [str(path)] * len(rows), rows, records))
+        lengths[name] = table.column("num_tokens").to_numpy().astype(np.int64)
+    return lengths
+
+
+def stream(lengths: np.ndarray, copies: int = COPIES, seed: int = 0) -> np.ndarray:
+    """The set concatenated ``copies`` times, each copy in its own random order."""
+    rng = np.random.default_rng(seed)
+    return np.concatenate([lengths[rng.permutation(len(lengths))] for _ in range(copies)])
+
+
+def stream_pack(lengths: np.ndarray, seq_len: int, strategy: str, window: int,
+                seed: int = 0) -> tuple[list[np.ndarray], int]:
+    """Pack a stream with ``StreamPacker`` over windows of ``window`` samples: (packs, max delay)."""
+    packer = StreamPacker(seq_len, strategy, rng=np.random.default_rng(seed))
+    packs: list[np.ndarray] = []
+    ids = np.arange(len(lengths))
+    for start in range(0, len(lengths), window):
+        packs += packer.push(ids[start:start + window], lengths[start:start + window])
+    packs += packer.flush()
+    return packs, packer.max_delay_seen
+
+
+def trl_chunk_bfd(lengths: np.ndarray, seq_len: int, chunk: int = 1000) -> list[np.ndarray]:
+    packs: list[np.ndarray] = []
+    for start in range(0, len(lengths), chunk):
+        packs += [b + start for b in pack_lengths(lengths[start:start + chunk], seq_len, "bfd")]
+    return packs
+
+
+def torchtune_fifo(lengths: np.ndarray, seq_len: int, buffer_size: int = 100) -> list[np.ndarray]:
+    packs: list[np.ndarray] = []
+    buffer: list[int] = []
+    upcoming: Iterator[int] = iter(range(len(lengths)))
+
+    def refill() -> None:
+        while len(buffer) < buffer_size and (index := next(upcoming, None)) is not None:
+            buffer.append(index)
+
+    refill()
+    while buffer:
+        pack = [buffer.pop(0)]
+        room = seq_len - int(lengths[pack[0]])
+        while True:
+            fits = next((i for i, index in enumerate(buffer) if lengths[index] <= room), None)
+            if fits is None:
+                break
+            pack.append(buffer.pop(fits))
+            room -= int(lengths[pack[-1]])
+            refill()
+        packs.append(np.array(pack))
+        refill()
+    return packs
+
+
+def _efficiency(lengths: np.ndarray, packs: list[np.ndarray], seq_len: int) -> float:
+    placed = np.concatenate(packs)
+    if len(placed) != len(lengths) or len(np.unique(placed)) != len(lengths):
+        raise AssertionError("a packer lost or duplicated samples")
+    return float(lengths.sum()) / (len(packs) * seq_len)
+
+
+def bench_packing(all_lengths: dict[str, np.ndarray], seq_lens=SEQ_LENS,
+                  window: int = 4096) -> list[BenchRow]:
+    rows = []
+    for name, lengths in all_lengths.items():
+        full = stream(lengths)
+        for seq_len in seq_lens:
+            clipped = np.minimum(full, seq_len)
+            lower = int(-(-clipped.sum() // seq_len))
+            global_packs = pack_lengths(clipped, seq_len, "bfd")
+            global_efficiency = _efficiency(clipped, global_packs, seq_len)
+            candidates = [(strategy, window) for strategy in STRATEGIES]
+            candidates += [("trl", 1000), ("torchtune", 100), ("global_bfd", len(clipped))]
+            for strategy, size in candidates:
+                started = time.perf_counter()
+                delay = 0
+                if strategy == "trl":
+                    packs = trl_chunk_bfd(clipped, seq_len)
+                elif strategy == "torchtune":
+                    packs = torchtune_fifo(clipped, seq_len)
+                elif strategy == "global_bfd":
+                    packs = pack_lengths(clipped, seq_len, "bfd")
+                else:
+                    packs, delay = stream_pack(clipped, seq_len, strategy, window)
+                seconds = time.perf_counter() - started
+                rows.append(BenchRow(name, seq_len, strategy, size,
+                                     _efficiency(clipped, packs, seq_len), global_efficiency,
+                                     lower, len(packs), len(clipped) / seconds, delay))
+    return rows
+
+
+def format_table(rows: list[BenchRow]) -> str:
+    header = (f"{'dataset':<16}{'seq_len':>8} {'strategy':<11}{'window':>7}{'efficiency':>11}"
+              f"{'vs global':>10}{'packs':>7}{'lower':>7}{'samples/s':>12}{'delay':>6}")
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        lines.append(f"{r.dataset:<16}{r.seq_len:>8} {r.strategy:<11}{r.window:>7}"
+                     f"{r.efficiency:>11.4%}{(r.efficiency - r.global_bfd_efficiency) * 100:>+9.2f}p"
+                     f"{r.packs:>7}{r.lower_bound_packs:>7}{r.samples_per_s:>12,.0f}"
+                     f"{r.max_delay_windows:>6}")
+    return "\n".join(lines)
+
+
+def write_json(rows: list[BenchRow], out: str) -> None:
+    Path(out).write_text(json.dumps([asdict(r) for r in rows], indent=1))

@@ -1,0 +1,185 @@
+"""Epochs: from one materialized tokenization, the packed rows of each epoch as a Ray dataset.
+
+Design note. Mixing and packing decisions need only each sample's length, so the driver makes them
+for a whole epoch, and Ray moves the tokens:
+
+1. The tokenized samples (``pipeline.tokenize``) are materialized once; the driver pulls only
+   (dataset, uid, length) of each sample.
+2. ``mix.plan_epoch`` decides which samples make the epoch and in what interleaved order.
+3. ``pack.StreamPacker`` packs that order window by window (``packing.window`` samples), carrying
+   under-filled packs into the next window (at most ``max_delay`` windows) and flushing at the
+   end: the driver knows where the stream ends, which a ``map_batches`` actor never does, so no
+   sample can be stranded, and the efficiency matches global best-fit decreasing (bench).
+4. Ray joins the plan to the samples (``ExpandPlan``: sample → its occurrences, each with its
+   pack, slot and emission group) and assembles each group's rows (``AssemblePacks``, one
+   ``map_groups`` call per emitted window). Rows depend only on the plan: same seed, same packs.
+
+Planning costs O(samples) of driver memory and ~1 µs per sample; assembly is vectorized numpy.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import ray.data
+
+from rayjobs.config import Config, ConfigError
+from rayjobs.mix import plan_epoch
+from rayjobs.pack import StreamPacker, assemble_rows
+
+
+class ExpandPlan:
+    """Ray Data ``map_batches`` class: each sample → one row per occurrence in the epoch plan,
+    with that occurrence's ``pack``, ``slot`` (place inside the pack) and ``group``."""
+
+    def __init__(self, plan: dict[str, np.ndarray]):
+        self.plan = plan  # sorted by uid
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        uids = batch.column("uid").to_numpy()
+        starts = np.searchsorted(self.plan["uid"], uids, side="left")
+        counts = np.searchsorted(self.plan["uid"], uids, side="right") - starts
+        rows = np.repeat(np.arange(len(uids)), counts)
+        offsets = np.repeat(starts - np.cumsum(counts) + counts, counts) + np.arange(len(rows))
+        expanded = batch.take(pa.array(rows, type=pa.int64()))
+        for name in ("pack", "slot", "group"):
+            expanded = expanded.append_column(name, pa.array(self.plan[name][offsets]))
+        return expanded
+
+
+def _list_column(batch: pa.Table, name: str) -> list[np.ndarray]:
+    """A list<int32> Arrow column as per-row numpy views (no per-token Python objects)."""
+    column = batch.column(name).combine_chunks()
+    values = column.values.to_numpy(zero_copy_only=False)
+    offsets = column.offsets.to_numpy()
+    return [values[start:end] for start, end in zip(offsets[:-1], offsets[1:])]
+
+
+class AssemblePacks:
+    """Ray Data ``map_groups`` class: the samples of one emission group → their packed rows."""
+
+    def __init__(self, seq_len: int, pad_id: int, epoch: int = 0, ledger: Any = None):
+        self.seq_len, self.pad_id, self.epoch, self.ledger = seq_len, pad_id, epoch, ledger
+
+    def __call__(self, batch: pa.Table) -> dict[str, np.ndarray]:
+        started = time.perf_counter()
+        batch = batch.sort_by([("pack", "ascending"), ("slot", "ascending")])
+        packs = batch.column("pack").to_numpy()
+        starts = np.flatnonzero(np.diff(packs, prepend=-1))
+        bins = np.split(np.arange(len(packs)), starts[1:])
+        rows = assemble_rows(_list_column(batch, "input_ids"), _list_column(batch, "labels"), bins,
+                             self.seq_len, self.pad_id)
+        if self.ledger is not None:
+            self._account(batch, rows, time.perf_counter() - started)
+        return rows
+
+    def _account(self, batch: pa.Table, rows: dict[str, np.ndarray], seconds: float) -> None:
+        import ray
+
+        from rayjobs.metrics import PackCounts
+
+        by_source = batch.group_by("source").aggregate([("num_tokens", "sum"),
+                                                        ("num_tokens", "count")])
+        names = by_source.column("source").to_pylist()
+        counts = PackCounts(
+            num_packs=len(rows["num_tokens"]), num_tokens=int(rows["num_tokens"].sum()),
+            num_slots=len(rows["num_tokens"]) * self.seq_len, num_documents=batch.num_rows,
+            documents_by_source=dict(zip(names, by_source.column("num_tokens_count").to_pylist())),
+            tokens_by_source=dict(zip(names, by_source.column("num_tokens_sum").to_pylist())),
+            seconds=seconds)
+        ray.get(self.ledger.add_pack.remote(self.epoch, counts))
+
+
+class Epochs:
+    """The packed rows of each epoch, planned in the driver from one materialized tokenization."""
+
+    def __init__(self, config: Config, tokenized: ray.data.Dataset, pad_id: int,
+                 ledger: Any = None):
+        self.config, self.ledger, self.pad_id = config, ledger, pad_id
+        self.tokenized = tokenized.materialize()
+        columns = self.tokenized.select_columns(["source", "uid", "num_tokens"]).to_arrow_refs()
+        table = pa.concat_tables(ray.get(columns)) if columns else None
+        self.samples: list[tuple[np.ndarray, np.ndarray]] = []  # per dataset: (uids, lengths)
+        for spec in config.datasets:
+            mine = table.filter(pc.equal(table["source"], spec.name)) if table else None
+            if mine is None or not mine.num_rows:
+                raise ConfigError(f"dataset {spec.name!r} has no samples after tokenization "
+                                  f"(see skipped_rows and dropped_samples); it cannot be mixed")
+            mine = mine.sort_by("uid")
+            self.samples.append((mine["uid"].to_numpy(), mine["num_tokens"].to_numpy().astype(np.int64)))
+        self.plan_seconds = 0.0
+        self.max_delay_windows = 0
+
+    def plan(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """(dataset index, sample index) of each occurrence, in epoch order."""
+        weights = [spec.weight for spec in self.config.datasets]
+        mix = self.config.mix
+        return plan_epoch([lengths for _, lengths in self.samples],
+                          None if weights[0] is None else weights, by=mix.by,
+                          seed=self.config.seed, epoch=epoch, epoch_samples=mix.epoch_samples,
+                          epoch_tokens=mix.epoch_tokens)
+
+    def _occurrences(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """uid, length and dataset index of each occurrence, in epoch order."""
+        dataset_ids, sample_ids = self.plan(epoch)
+        offsets = np.cumsum([0] + [len(uids) for uids, _ in self.samples])
+        flat = offsets[dataset_ids] + sample_ids
+        uids = np.concatenate([uids for uids, _ in self.samples])[flat]
+        lengths = np.concatenate([lengths for _, lengths in self.samples])[flat]
+        return uids, lengths, dataset_ids
+
+    def realized_mix(self, epoch: int) -> dict[str, dict[str, float]]:
+        """Per dataset: samples, tokens and share (in ``mix.by`` units) of the epoch's plan."""
+        _, lengths, dataset_ids = self._occurrences(epoch)
+        realized = {spec.name: {"samples": int((dataset_ids == i).sum()),
+                                "tokens": int(lengths[dataset_ids == i].sum())}
+                    for i, spec in enumerate(self.config.datasets)}
+        unit = self.config.mix.by
+        total = sum(stats[unit] for stats in realized.values()) or 1
+        for stats in realized.values():
+            stats["share"] = stats[unit] / total
+        return realized
+
+    def pack_plan(self, epoch: int) -> dict[str, np.ndarray]:
+        """Every occurrence's uid, pack, slot and emission group, sorted by uid."""
+        started = time.perf_counter()
+        uids, lengths, _ = self._occurrences(epoch)
+        packing = self.config.packing
+        packer = StreamPacker(packing.seq_len, packing.strategy,
+                              rng=np.random.default_rng([self.config.seed, epoch, 2]))
+        occurrences = np.arange(len(uids))
+        packs: list[np.ndarray] = []
+        groups: list[int] = []
+        windows = range(0, len(uids), packing.window)
+        for group, start in enumerate(windows):
+            window = slice(start, start + packing.window)
+            emitted = packer.push(occurrences[window], lengths[window])
+            packs += emitted
+            groups += [group] * len(emitted)
+        final = packer.flush()
+        packs += final
+        groups += [len(windows)] * len(final)  # the flush is one more emission group
+        sizes = np.array([len(p) for p in packs], dtype=np.int64)
+        order = np.concatenate(packs)
+        plan = {"uid": uids[order],
+                "pack": np.repeat(np.arange(len(packs)), sizes),
+                "slot": np.arange(len(order)) - np.repeat(np.cumsum(sizes) - sizes, sizes),
+                "group": np.repeat(np.array(groups, dtype=np.int64), sizes)}
+        by_uid = np.argsort(plan["uid"], kind="stable")
+        self.plan_seconds += time.perf_counter() - started
+        self.max_delay_windows = max(self.max_delay_windows, packer.max_delay_seen)
+        return {name: values[by_uid] for name, values in plan.items()}
+
+    def packed(self, epoch: int = 0) -> ray.data.Dataset:
+        """The packed rows of one epoch as a lazy Ray dataset (data-contract columns)."""
+        expanded = self.tokenized.map_batches(
+            ExpandPlan, batch_format="pyarrow", num_cpus=0.5, concurrency=1,
+            fn_constructor_kwargs={"plan": self.pack_plan(epoch)})
+        return expanded.groupby("group").map_groups(
+            AssemblePacks, batch_format="pyarrow", num_cpus=0.5, concurrency=1,
+            fn_constructor_kwargs={"seq_len": self.config.packing.seq_len, "pad_id": self.pad_id,
+                                   "epoch": epoch, "ledger": self.ledger})
