@@ -183,3 +183,95 @@ def format_table(rows: list[BenchRow]) -> str:
 
 def write_json(rows: list[BenchRow], out: str) -> None:
     Path(out).write_text(json.dumps([asdict(r) for r in rows], indent=1))
+
+
+def select_sets(requested: list[str] | None) -> list[str] | None:
+    """Bench set names from names or file paths (``sft/alpaca_en_demo.json``); None means all."""
+    if not requested:
+        return None
+    by_file = {relative: name for name, relative, *_ in BENCH_SETS}
+    names = {name for name, *_ in BENCH_SETS}
+    chosen = []
+    for item in requested:
+        name = by_file.get(item, item if item in names else None)
+        if name is None:
+            raise ValueError(f"--data {item!r}: not a bench set; choose from {sorted(names)} "
+                             f"or {sorted(by_file)}")
+        chosen.append(name)
+    return chosen
+
+
+def packing_function_speed(all_lengths: dict[str, np.ndarray], seq_len: int = 2048,
+                           window: int = 4096) -> float:
+    """Samples/s of ``pack_lengths`` (bfd) alone over windows of the bench streams, one core."""
+    samples, seconds = 0, 0.0
+    for lengths in all_lengths.values():
+        full = np.minimum(stream(lengths), seq_len)
+        for start in range(0, len(full), window):
+            chunk = full[start:start + window]
+            started = time.perf_counter()
+            pack_lengths(chunk, seq_len, "bfd")
+            seconds += time.perf_counter() - started
+            samples += len(chunk)
+    return samples / seconds
+
+
+def format_verdict(rows: list[BenchRow], window: int, function_speed: float) -> str:
+    by_key: dict[tuple[str, int], dict[str, BenchRow]] = {}
+    for row in rows:
+        by_key.setdefault((row.dataset, row.seq_len), {})[row.strategy] = row
+    gaps = [(k, r["bfd"].efficiency - r["bfd"].global_bfd_efficiency) for k, r in by_key.items()]
+    worst_key, worst_gap = min(gaps, key=lambda item: item[1])
+    beaten = [k for k, r in by_key.items()
+              if r["bfd"].efficiency < max(r["trl"].efficiency, r["torchtune"].efficiency)]
+    delay = max(r["bfd"].max_delay_windows for r in by_key.values())
+    return (f"\nbfd (window {window}) vs global BFD: worst {worst_gap * 100:+.3f} points "
+            f"({worst_key[0]}, seq_len {worst_key[1]}); behind a reference packer on "
+            f"{len(beaten)} of {len(by_key)} rows {beaten or ''}; longest wait {delay} window(s)\n"
+            f"packing function (pack_lengths bfd, windows of {window}, one core): "
+            f"{function_speed:,.0f} samples/s")
+
+
+def time_pipeline(data_dir: Path) -> dict[str, float]:
+    """Stage timers of the real Ray pipeline over every bench set that needs no rendering (GPT-2,
+    seq_len 2048): seconds in Tokenize calls vs packing (driver plan) and row assembly."""
+    import ray
+
+    from rayjobs.config import config_from_dict
+    from rayjobs.metrics import Ledger
+    from rayjobs.pipeline import build_epochs, init_ray
+
+    config = config_from_dict({
+        "datasets": [{"name": name, "source": str(data_dir / relative), "format": fmt,
+                      "template": template, "column_map": column_map, "text_split": text_split}
+                     for name, relative, fmt, template, column_map, text_split in BENCH_SETS
+                     if name != "hh_dpo_text"],
+        "tokenizer": {"path": str(data_dir / "tokenizers/gpt2")},
+        "packing": {"seq_len": 2048, "window": 4096}})
+    init_ray(config)
+    ledger = Ledger.remote("bench")
+    epochs = build_epochs(config, ledger)
+    plan_seconds = []
+    for epoch in range(3):
+        before = epochs.plan_seconds
+        epochs.packed(epoch).materialize()
+        plan_seconds.append(epochs.plan_seconds - before)
+    snapshot = ray.get(ledger.snapshot.remote())
+    tokenize = sum(c["seconds"] for per_dataset in snapshot["tokenize"].values()
+                   for c in per_dataset.values())
+    return {"tokenize_s": tokenize,
+            "samples": sum(c["samples"] for c in snapshot["tokenize"][0].values()),
+            "epochs": [{"plan_s": plan_seconds[epoch], "assemble_s": snapshot["pack"][epoch]["seconds"],
+                        "packs": snapshot["pack"][epoch]["num_packs"]} for epoch in range(3)]}
+
+
+def format_stage_times(times: dict) -> str:
+    lines = [f"\nRay pipeline stage timers (wall time inside the stage's calls), {times['samples']} "
+             f"samples of every bench set but DPO, GPT-2, seq_len 2048: tokenize (once) "
+             f"{times['tokenize_s']:.2f} s"]
+    for epoch, stats in enumerate(times["epochs"]):
+        pack = stats["plan_s"] + stats["assemble_s"]
+        lines.append(f"  epoch {epoch}: pack {pack:.3f} s (plan {stats['plan_s']:.3f} s + assemble "
+                     f"{stats['assemble_s']:.3f} s, {stats['packs']} packs) = "
+                     f"{pack / times['tokenize_s']:.2%} of tokenize")
+    return "\n".join(lines)

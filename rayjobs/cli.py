@@ -1,4 +1,10 @@
-"""Command line: ``rayjobs run CONFIG [dotted.key=value ...] [--json] [--address ADDR]``."""
+"""Command line.
+
+    rayjobs run CONFIG [dotted.key=value ...] [--address ADDR] [--json]
+    rayjobs export CONFIG [dotted.key=value ...] --out DIR [--epochs N] [--address ADDR]
+    rayjobs bench packing [--data NAME ...] [--data-dir DIR] [--seq-len N ...] [--window N]
+                          [--json OUT] [--no-pipeline]
+"""
 
 from __future__ import annotations
 
@@ -16,12 +22,27 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rayjobs", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="build the packed pipeline and train on Ray")
-    run.add_argument("config", help="YAML config file (see configs/)")
-    run.add_argument("overrides", nargs="*", metavar="dotted.key=value",
-                     help="config overrides, e.g. packing.seq_len=4096 train.max_steps=20")
-    run.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else local)")
+    export = commands.add_parser("export", help="write the packed rows as Parquet + manifest.json")
+    for command in (run, export):
+        command.add_argument("config", help="YAML config file (see configs/)")
+        command.add_argument("overrides", nargs="*", metavar="dotted.key=value",
+                             help="config overrides, e.g. packing.seq_len=4096 train.max_steps=20")
+        command.add_argument("--address",
+                             help="Ray cluster address (default: $RAY_ADDRESS, else local)")
     run.add_argument("--json", action="store_true",
                      help="print the summary as one JSON object on the last line of stdout")
+    export.add_argument("--out", required=True, help="output directory")
+    export.add_argument("--epochs", type=int, help="epochs to export (default: train.epochs)")
+    bench = commands.add_parser("bench", help="benchmarks")
+    bench.add_argument("what", choices=["packing"])
+    bench.add_argument("--data", nargs="*", metavar="NAME",
+                       help="bench sets by name or file (default: all; see rayjobs/bench.py)")
+    bench.add_argument("--data-dir", default="../shared/data", help="the real data folder")
+    bench.add_argument("--seq-len", type=int, nargs="*", default=[2048, 4096, 8192])
+    bench.add_argument("--window", type=int, default=4096, help="samples per packing window")
+    bench.add_argument("--json", metavar="OUT", help="also write the rows as JSON to OUT")
+    bench.add_argument("--no-pipeline", action="store_true",
+                       help="skip timing the pack stage against tokenize in the Ray pipeline")
     return parser
 
 
@@ -56,8 +77,37 @@ def format_summary(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from rayjobs import bench
+
+    data_dir = Path(args.data_dir)
+    if not data_dir.is_dir():
+        print(f"rayjobs: --data-dir {data_dir} is not a folder (the bench reads real data there)",
+              file=sys.stderr)
+        return 2
+    try:
+        names = bench.select_sets(args.data)
+    except ValueError as error:
+        print(f"rayjobs: {error}", file=sys.stderr)
+        return 2
+    lengths = bench.load_lengths(data_dir, names)
+    rows = bench.bench_packing(lengths, args.seq_len, args.window)
+    print(bench.format_table(rows))
+    speed = bench.packing_function_speed(lengths, window=args.window)
+    print(bench.format_verdict(rows, args.window, speed))
+    if args.json:
+        bench.write_json(rows, args.json)
+    if not args.no_pipeline:
+        print(bench.format_stage_times(bench.time_pipeline(data_dir)))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "bench":
+        return _bench(args)
     try:
         config = load_config(args.config, args.overrides)
         if args.address:
@@ -66,9 +116,17 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"rayjobs: {error}", file=sys.stderr)
         return 2
-    from rayjobs.pipeline import run
-
     try:
+        if args.command == "export":
+            from rayjobs.export import export
+
+            manifest = export(config, args.out, args.epochs)
+            packed = manifest["packed"]
+            print(f"wrote {packed['num_packs']} packs ({packed['efficiency']:.4f} efficiency) "
+                  f"over {len(manifest['epochs'])} epoch(s) to {args.out}")
+            return 0
+        from rayjobs.pipeline import run
+
         summary = run(config)
     except Exception as error:  # noqa: BLE001 - user errors are reported without a traceback
         message = _user_error(error)

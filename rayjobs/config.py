@@ -260,7 +260,7 @@ def _resolve_dataset(spec: DatasetConfig, index: int, base_dir: Path) -> Dataset
             matches = sorted(glob.glob(str(full), recursive=True))
         if not matches:
             raise ConfigError(f"{key} (dataset {spec.name!r}): no file matches {full}")
-        files.extend(matches)
+        files.extend(m for m in matches if m not in files)  # a file listed twice is read once
     if all(_is_empty(f) for f in files):
         raise ConfigError(f"{key} (dataset {spec.name!r}): every file is empty ({files[:3]}); "
                           f"a dataset in the mix needs at least one row")

@@ -29,7 +29,7 @@ import ray.data
 
 from rayjobs.config import Config, ConfigError
 from rayjobs.mix import plan_epoch
-from rayjobs.pack import StreamPacker, assemble_rows
+from rayjobs.pack import StreamPacker, assemble_flat
 
 
 class ExpandPlan:
@@ -51,14 +51,6 @@ class ExpandPlan:
         return expanded
 
 
-def _list_column(batch: pa.Table, name: str) -> list[np.ndarray]:
-    """A list<int32> Arrow column as per-row numpy views (no per-token Python objects)."""
-    column = batch.column(name).combine_chunks()
-    values = column.values.to_numpy(zero_copy_only=False)
-    offsets = column.offsets.to_numpy()
-    return [values[start:end] for start, end in zip(offsets[:-1], offsets[1:])]
-
-
 class AssemblePacks:
     """Ray Data ``map_groups`` class: the samples of one emission group → their packed rows."""
 
@@ -69,10 +61,11 @@ class AssemblePacks:
         started = time.perf_counter()
         batch = batch.sort_by([("pack", "ascending"), ("slot", "ascending")])
         packs = batch.column("pack").to_numpy()
-        starts = np.flatnonzero(np.diff(packs, prepend=-1))
-        bins = np.split(np.arange(len(packs)), starts[1:])
-        rows = assemble_rows(_list_column(batch, "input_ids"), _list_column(batch, "labels"), bins,
-                             self.seq_len, self.pad_id)
+        documents_per_row = np.diff(np.flatnonzero(np.diff(packs, prepend=-1, append=-1)))
+        tokens, labels = (batch.column(name).combine_chunks().flatten().to_numpy()
+                          for name in ("input_ids", "labels"))
+        rows = assemble_flat(tokens, labels, batch.column("num_tokens").to_numpy(),
+                             documents_per_row, self.seq_len, self.pad_id)
         if self.ledger is not None:
             self._account(batch, rows, time.perf_counter() - started)
         return rows

@@ -57,24 +57,55 @@ def layout_from_lengths(lengths: Sequence[int] | np.ndarray, seq_len: int) -> tu
     [0, 1, 2, 0, 1, 0, 1]
     """
     lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
+    document_ids, position_ids = layout_rows(lengths, np.array([len(lengths)]), seq_len)
+    return document_ids[0], position_ids[0]
+
+
+def layout_rows(lengths: np.ndarray, documents_per_row: np.ndarray,
+                seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """``layout_from_lengths`` for many rows at once, vectorized (the packer's hot path).
+
+    Args:
+        lengths: token count of every document, row after row, in pack order.
+        documents_per_row: how many of ``lengths`` belong to each row.
+        seq_len: length of every row.
+
+    Returns:
+        ``(document_ids, position_ids)``, int32 [num_rows, seq_len], as ``layout_from_lengths``.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    documents_per_row = np.asarray(documents_per_row, dtype=np.int64)
     if seq_len <= 0:
         raise ValueError(f"seq_len must be positive, got {seq_len}.")
     if (lengths <= 0).any():
         raise ValueError(
-            f"Every document length must be positive, got {lengths.tolist()}; drop empty documents before packing."
+            f"Every document length must be positive, got {lengths.tolist()[:20]}; drop empty documents before packing."
         )
-    num_tokens = int(lengths.sum())
-    if num_tokens > seq_len:
+    num_rows = len(documents_per_row)
+    row_of_document = np.repeat(np.arange(num_rows), documents_per_row)
+    row_tokens = np.bincount(row_of_document, weights=lengths, minlength=num_rows).astype(np.int64)
+    if (row_tokens > seq_len).any():
+        row = int(np.flatnonzero(row_tokens > seq_len)[0])
+        mine = lengths[row_of_document == row]
         raise ValueError(
-            f"Documents of lengths {lengths.tolist()} hold {num_tokens} tokens, more than seq_len={seq_len}; "
+            f"Documents of lengths {mine.tolist()} hold {int(row_tokens[row])} tokens, more than seq_len={seq_len}; "
             "the packer must not put them in one row."
         )
-    if num_tokens < seq_len:
-        lengths = np.append(lengths, seq_len - num_tokens)
-    document_ids = np.repeat(np.arange(len(lengths), dtype=np.int32), lengths)
-    starts = np.cumsum(lengths) - lengths
-    position_ids = (np.arange(seq_len) - np.repeat(starts, lengths)).astype(np.int32)
-    return document_ids, position_ids
+    # Segments: every document, then one padding segment per row that is not full.
+    padded = np.flatnonzero(row_tokens < seq_len)
+    first_document = np.cumsum(documents_per_row) - documents_per_row
+    segment_rows = np.concatenate([row_of_document, padded])
+    segment_lengths = np.concatenate([lengths, seq_len - row_tokens[padded]])
+    segment_ids = np.concatenate([np.arange(len(lengths)) - first_document[row_of_document],
+                                  documents_per_row[padded]])
+    order = np.argsort(segment_rows, kind="stable")  # each row: its documents, then its padding
+    segment_lengths, segment_ids = segment_lengths[order], segment_ids[order]
+    # int32 throughout: these arrays are num_rows × seq_len, the largest the packer makes.
+    document_ids = np.repeat(segment_ids.astype(np.int32), segment_lengths)
+    starts = (np.cumsum(segment_lengths) - segment_lengths).astype(np.int32)
+    position_ids = np.arange(num_rows * seq_len, dtype=np.int32)
+    position_ids -= np.repeat(starts, segment_lengths)
+    return document_ids.reshape(num_rows, seq_len), position_ids.reshape(num_rows, seq_len)
 
 
 def _document_starts(document_ids: torch.Tensor) -> torch.Tensor:

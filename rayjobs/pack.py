@@ -42,7 +42,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute  # noqa: F401  (pa.compute)
 
-from rayjobs.masks import layout_from_lengths
+from rayjobs.masks import layout_rows
 
 IGNORE_INDEX = -100
 """Label value of positions that carry no loss (prompt tokens, each sample's last token, padding)."""
@@ -259,7 +259,7 @@ def assemble_rows(
 
     Returns:
         ``input_ids`` (padded with ``pad_id``), ``labels`` (-100 on padding), ``position_ids`` and
-        ``document_ids`` (from :func:`rayjobs.masks.layout_from_lengths`), each int32
+        ``document_ids`` (from :func:`rayjobs.masks.layout_rows`), each int32
         ``[num_bins, seq_len]``; ``num_documents`` and ``num_tokens`` (non-pad tokens), int32
         ``[num_bins]``.
 
@@ -275,32 +275,39 @@ def assemble_rows(
     ([[0, 0, 1, 1, 1, 2]], [[0, 1, 0, 1, 2, 0]])
     """
     sample_lengths = _sample_lengths(input_ids, labels)
-    num_rows = len(bins)
-    shape = (num_rows, seq_len)
-    rows = {
-        "input_ids": np.full(shape, pad_id, dtype=np.int32),
-        "labels": np.full(shape, IGNORE_INDEX, dtype=np.int32),
-        "position_ids": np.empty(shape, dtype=np.int32),
-        "document_ids": np.empty(shape, dtype=np.int32),
-        "num_documents": np.fromiter(map(len, bins), dtype=np.int32, count=num_rows),
-        "num_tokens": np.empty(num_rows, dtype=np.int32),
-    }
+    order = np.concatenate(bins) if bins else np.empty(0, dtype=np.int64)
     for row, indices in enumerate(bins):
-        document_lengths = sample_lengths[indices]
-        num_tokens = int(document_lengths.sum())
-        if num_tokens > seq_len:
+        if sample_lengths[indices].sum() > seq_len:
             raise ValueError(
-                f"Bin {row} holds samples {indices.tolist()} with {num_tokens} tokens, more than "
-                f"seq_len={seq_len}; build bins with pack_lengths(lengths, {seq_len})."
+                f"Bin {row} holds samples {indices.tolist()} with {sample_lengths[indices].sum()} tokens, "
+                f"more than seq_len={seq_len}; build bins with pack_lengths(lengths, {seq_len})."
             )
-        rows["num_tokens"][row] = num_tokens
-        rows["document_ids"][row], rows["position_ids"][row] = layout_from_lengths(document_lengths, seq_len)
-    if num_rows:
-        # Boolean-mask assignment fills row by row, left to right: exactly the packed layout.
-        is_token = np.arange(seq_len) < rows["num_tokens"][:, None]
-        order = np.concatenate(bins).tolist()
-        rows["input_ids"][is_token] = np.concatenate([input_ids[index] for index in order])
-        rows["labels"][is_token] = np.concatenate([labels[index] for index in order])
+    concatenated = [np.concatenate([column[i] for i in order.tolist()]) if len(order)
+                    else np.empty(0, dtype=np.int32) for column in (input_ids, labels)]
+    return assemble_flat(*concatenated, sample_lengths[order],
+                         np.fromiter(map(len, bins), dtype=np.int64, count=len(bins)), seq_len, pad_id)
+
+
+def assemble_flat(tokens: np.ndarray, labels: np.ndarray, document_lengths: np.ndarray,
+                  documents_per_row: np.ndarray, seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
+    """:func:`assemble_rows` for documents already concatenated in row order (no Python loop
+    over samples): ``tokens``/``labels`` hold every document of row 0, then row 1, ...
+
+    Returns:
+        The columns of :func:`assemble_rows`.
+    """
+    num_rows = len(documents_per_row)
+    document_ids, position_ids = layout_rows(document_lengths, documents_per_row, seq_len)
+    row_of_document = np.repeat(np.arange(num_rows), documents_per_row)
+    num_tokens = np.bincount(row_of_document, weights=document_lengths, minlength=num_rows)
+    is_token = np.arange(seq_len) < num_tokens[:, None]  # row by row, left to right
+    rows = {"input_ids": np.full((num_rows, seq_len), pad_id, dtype=np.int32),
+            "labels": np.full((num_rows, seq_len), IGNORE_INDEX, dtype=np.int32),
+            "position_ids": position_ids, "document_ids": document_ids,
+            "num_documents": np.asarray(documents_per_row, dtype=np.int32),
+            "num_tokens": num_tokens.astype(np.int32)}
+    rows["input_ids"][is_token] = tokens
+    rows["labels"][is_token] = labels
     return rows
 
 

@@ -179,3 +179,16 @@ def test_compiled_flex_forward_matches_sdpa():
     with torch.no_grad():
         got = torch.compile(flex_attention)(q, k, v, block_mask=masks.block_mask(document_ids))
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def test_layout_rows_equals_layout_from_lengths_row_by_row():
+    rng = np.random.default_rng(11)
+    rows = [rng.integers(1, 20, rng.integers(0, 5)) for _ in range(40)]
+    rows = [r for r in rows if r.sum() <= 64]
+    rows.append(np.array([30, 34]))  # a full row: no padding segment
+    document_ids, position_ids = masks.layout_rows(np.concatenate(rows), [len(r) for r in rows], 64)
+    assert any(len(r) == 0 for r in rows) and any(len(r) >= 3 for r in rows), "guard: varied rows"
+    for row, lengths in enumerate(rows):
+        expected_documents, expected_positions = masks.layout_from_lengths(lengths, 64)
+        np.testing.assert_array_equal(document_ids[row], expected_documents)
+        np.testing.assert_array_equal(position_ids[row], expected_positions)
