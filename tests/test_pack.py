@@ -354,6 +354,8 @@ def test_stream_packer_properties(strategy, seq_len, window, max_delay, data) ->
     assert sorted(emitted.tolist()) == list(range(len(lengths)))  # none lost, none duplicated
     assert all(0 < len(p) and lengths[p].sum() <= seq_len for p in packs)
     assert packer.max_delay_seen <= max_delay
+    again, _ = _stream(lengths, seq_len, window, strategy=strategy, max_delay=max_delay)
+    assert [[p.tolist() for p in push] for push in again] == [[p.tolist() for p in push] for push in pushes]
     for number, push in enumerate(pushes[:-1]):  # each sample leaves within max_delay windows
         for pack_ids in push:
             arrived = pack_ids // window
