@@ -4,10 +4,10 @@
     sources.py     each dataset's files → rows {_dataset, _path, _row, _record}
     templates.py   tokenize.py   row → segments (alpaca | chat | text) → input_ids + shifted labels
     mix.py         per-epoch plan: weighted shares by tokens or samples, interleaved, seeded
-    pack.py        PackWindow: best-fit-decreasing over a window → rows of exactly seq_len
+    pack.py        epochs.py   streaming best-fit decreasing (planned in the driver) → rows of seq_len
     train.py       TorchTrainer: equal batches per rank → document-masked decoder (model.py, masks.py)
 
-``pipeline.Epochs`` is the data side (one lazy Ray dataset per epoch); ``pipeline.run`` the job.
+``pipeline.build_epochs`` gives the data side (one lazy Ray dataset per epoch); ``pipeline.run`` the job.
 """
 
 from rayjobs.config import Config, ConfigError, config_from_dict, load_config

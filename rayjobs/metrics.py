@@ -1,7 +1,7 @@
 """Metrics: exact per-run accounting (the ``Ledger`` actor) and Prometheus series for the dashboard.
 
 Design note. Two needs, one place. The run summary needs *exact* counts (samples, tokens,
-truncation, drops, skips per dataset; packs and pad slots), gathered from Tokenize and PackWindow
+truncation, drops, skips per dataset; packs and pad slots), gathered from Tokenize and AssemblePacks
 actors spread over the cluster. Each of those calls ``ray.get(ledger.add_….remote(...))`` once per
 batch, synchronously, so by the time a batch's rows reach a trainer its counts are already in the
 ledger and the driver's final ``snapshot()`` misses nothing. The same calls feed ``ray.util.metrics``

@@ -1,35 +1,31 @@
-"""Pack tokenized samples into fixed-length rows: pure numpy over one window, no Ray.
+"""Pack tokenized samples into fixed-length rows: pure numpy, no Ray.
 
 Design note
 -----------
-A window of samples is packed *completely* into rows of exactly ``seq_len`` tokens: nothing is carried
-over to the next window, so nothing can be lost when a ``map_batches`` actor shuts down (see DESIGN.md,
-"Packing"). The price is one partly filled row per window tail, which a large window makes small.
+Algorithm: best-fit decreasing (BFD). Sort a window's lengths longest first (stable, so equal
+lengths keep index order), then put each sample into the open bin with the *smallest* remaining
+capacity that still fits it, opening a new bin only when none does. Open bins are int keys
+``remaining << 32 | bin`` in a sorted list: one ``bisect`` finds the best bin, ties go to the oldest
+bin, updates are C-level memmoves, full bins leave the list. ~3M samples/s for a window of 4096 on
+one core (``rayjobs bench packing``); the generic per-item form of the other strategies ~200k/s.
 
-Algorithm: best-fit decreasing (BFD). Sort the window's lengths longest first (stable, so equal lengths
-keep index order), then put each sample into the open bin with the *smallest* remaining capacity that
-still fits it, opening a new bin only when none does. Open bins live in a list sorted by
-``(remaining capacity, bin index)``: ``bisect`` finds the best bin in O(log bins), ties go to the
-oldest bin, and the update is a C-level ``list`` memmove, so no Python loop over bins runs per sample.
-Full bins leave the list.
+Windows: ``StreamPacker`` packs a stream window by window. A stateless per-window packer wastes
+every window's tail (its last bins hold what nothing else fitted); here a bin below 99.9% full
+waits, and its samples are placed *first* in the next window (placed last, the small ones would
+land in the tail bin again and again). A sample waits at most ``max_delay`` windows and ``flush()``
+ends the stream, so nothing is lost. On the real sets streamed 10x this matches global BFD over the
+whole stream at seq_len 2048/4096/8192; without the carry it trails by up to 2.2 points, and carried
+samples placed last by up to 0.5. The carry is safe because the stream is planned in the driver,
+which knows where it ends (``epochs.py``); inside a ``map_batches`` actor, which has no end-of-data
+hook, it would lose samples (DESIGN.md, "Packing").
 
-Why BFD: on the real sets in ``../shared/data`` global BFD reaches 99.7-99.9% token efficiency at
-``seq_len`` 2048, next-fit 92-94% (DESIGN.md). Measured here on synthetic windows (20 windows of 4096
-lengths, lognormal with mean 250 tokens and sigma 1, clipped to 1..2048; ``seq_len`` 2048; one core,
-best of 5 runs): token efficiency bfd 99.87% (at the ``ceil(sum / seq_len)`` lower bound in 18 of 20
-windows), ffd 99.87%, first_fit 99.65%, next_fit 86.8%. BFD packs ~1.1M samples/s (3.6 ms per window);
-:func:`pack_window` including row assembly ~200k samples/s (20 ms per window).
+Why BFD: global BFD reaches 99.7-99.9% token efficiency at seq_len 2048 on the real sets, next-fit
+92-94%. BFD is not optimal, nor pointwise better than next-fit: next-fit on a lucky order can beat
+it (scenario table in ``tests/test_pack.py``); it is the best of these on realistic lengths.
 
-Rejected: a linear scan over the open bins per sample (same bins, ~170k samples/s: 6.7x slower at this
-window size; ffd and first_fit still scan, they are here for comparison); carrying leftover samples
-between windows (lost at actor shutdown; an end-of-data sentinel does not arrive last). BFD is not
-optimal, nor pointwise better than next-fit: next-fit on a lucky order can beat it (scenario table in
-``tests/test_pack.py``); it is the best of these on realistic length distributions, for its cost.
-
-Randomness comes only from the ``np.random.Generator`` passed to :func:`pack_window`: samples are
+Randomness comes only from the ``np.random.Generator`` given to ``StreamPacker``: samples are
 shuffled before packing (so equal lengths land in random bins), packs are shuffled on emission and
-documents are shuffled inside each pack, so long and short samples do not arrive in runs. The same
-seed gives the same rows.
+documents inside each pack, so long and short samples do not arrive in runs. Same seed, same packs.
 """
 
 from __future__ import annotations
@@ -48,7 +44,7 @@ IGNORE_INDEX = -100
 """Label value of positions that carry no loss (prompt tokens, each sample's last token, padding)."""
 
 STRATEGIES = ("bfd", "ffd", "first_fit", "next_fit")
-"""Names accepted by the ``strategy`` argument of :func:`pack_lengths` and :func:`pack_window`."""
+"""Names accepted by the ``strategy`` argument of :func:`pack_lengths` and ``StreamPacker``."""
 
 
 class _Packer:

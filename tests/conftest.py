@@ -28,7 +28,7 @@ if not (SHARED / "SOURCES.md").is_file():
 @pytest.fixture(scope="module")
 def ray_local():
     """A module-scoped local Ray. 4 logical CPUs on this 2-core machine: the job's resource plan
-    (read tasks + a 1-CPU Tokenize actor + a 0.5-CPU PackWindow actor + two 0.5-CPU trainers) does
+    (read tasks + a 1-CPU Tokenize actor + 0.5-CPU plan-join and assembly actors + two 0.5-CPU trainers) does
     not fit in 2 and would hang (DESIGN.md, "CPU resources deadlock"); logical CPUs only schedule."""
     import ray
 
