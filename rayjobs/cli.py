@@ -105,7 +105,15 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    # Overrides may also follow options (`run CONFIG --address auto a.b=1`), which argparse does
+    # not interleave with positionals on its own.
+    overrides = [item for item in extra if "=" in item and not item.startswith("-")]
+    if args.command == "bench" or len(overrides) != len(extra):
+        parser.parse_args(argv)  # reports what it does not recognise and exits 2
+    if overrides:
+        args.overrides = [*args.overrides, *overrides]
     if args.command == "bench":
         return _bench(args)
     try:

@@ -29,3 +29,24 @@ def test_run_on_real_alpaca_and_chat_with_two_workers(tmp_path):
     assert sum(s["truncated_tokens"] for s in summary["datasets"].values()) > 0  # seq_len 256 cuts
     assert os.path.isfile(os.path.join(summary["checkpoint"], "model.pt"))
     assert "packing efficiency" in done.stdout  # the human summary precedes the JSON line
+
+
+def test_overrides_may_follow_options(tmp_path, monkeypatch):
+    import rayjobs.pipeline
+
+    seen = {}
+
+    def fake_run(config):
+        seen["config"] = config
+        raise SystemExit(0)
+
+    monkeypatch.setattr(rayjobs.pipeline, "run", fake_run)
+    from rayjobs.cli import main
+
+    try:
+        main(["run", str(ROOT / "configs" / "demo.yaml"), "packing.seq_len=256", "--address", "auto",
+              "train.epochs=1"])
+    except SystemExit:
+        pass
+    config = seen["config"]
+    assert (config.packing.seq_len, config.train.epochs, config.ray.address) == (256, 1, "auto")
