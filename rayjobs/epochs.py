@@ -51,6 +51,16 @@ class ExpandPlan:
         return expanded
 
 
+def _gather(column: pa.ChunkedArray, order: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The tokens of a list<int32> column, rows taken in ``order``, concatenated (one numpy gather
+    instead of an Arrow ``take`` that rebuilds the list array)."""
+    column = column.combine_chunks()
+    values = column.values.to_numpy()
+    starts = column.offsets.to_numpy()[:-1][order].astype(np.int64)
+    shift = np.repeat(starts - (np.cumsum(lengths) - lengths), lengths)
+    return values[shift + np.arange(len(shift))]
+
+
 class AssemblePacks:
     """Ray Data ``map_groups`` class: the samples of one emission group → their packed rows."""
 
@@ -59,13 +69,13 @@ class AssemblePacks:
 
     def __call__(self, batch: pa.Table) -> dict[str, np.ndarray]:
         started = time.perf_counter()
-        batch = batch.sort_by([("pack", "ascending"), ("slot", "ascending")])
-        packs = batch.column("pack").to_numpy()
+        order = np.lexsort((batch.column("slot").to_numpy(), batch.column("pack").to_numpy()))
+        packs = batch.column("pack").to_numpy()[order]
         documents_per_row = np.diff(np.flatnonzero(np.diff(packs, prepend=-1, append=-1)))
-        tokens, labels = (batch.column(name).combine_chunks().flatten().to_numpy()
+        lengths = batch.column("num_tokens").to_numpy().astype(np.int64)[order]
+        tokens, labels = (_gather(batch.column(name), order, lengths)
                           for name in ("input_ids", "labels"))
-        rows = assemble_flat(tokens, labels, batch.column("num_tokens").to_numpy(),
-                             documents_per_row, self.seq_len, self.pad_id)
+        rows = assemble_flat(tokens, labels, lengths, documents_per_row, self.seq_len, self.pad_id)
         if self.ledger is not None:
             self._account(batch, rows, time.perf_counter() - started)
         return rows
