@@ -116,6 +116,7 @@ class Epochs:
             self.samples.append((mine["uid"].to_numpy(), mine["num_tokens"].to_numpy().astype(np.int64)))
         self.plan_seconds = 0.0
         self.max_delay_windows = 0
+        self._occurrence_cache: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     def plan(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         """(dataset index, sample index) of each occurrence, in epoch order."""
@@ -127,7 +128,12 @@ class Epochs:
                           epoch_tokens=mix.epoch_tokens)
 
     def _occurrences(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """uid, length and dataset index of each occurrence, in epoch order."""
+        """uid, length and dataset index of each occurrence, in epoch order (planned once)."""
+        if epoch not in self._occurrence_cache:
+            self._occurrence_cache[epoch] = self._plan_occurrences(epoch)
+        return self._occurrence_cache[epoch]
+
+    def _plan_occurrences(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         dataset_ids, sample_ids = self.plan(epoch)
         offsets = np.cumsum([0] + [len(uids) for uids, _ in self.samples])
         flat = offsets[dataset_ids] + sample_ids

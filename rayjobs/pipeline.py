@@ -81,17 +81,17 @@ def run(config: Config) -> dict[str, Any]:
 
     from rayjobs.train import train_loop
 
-    vocab_size = load_tokenizer(config).vocab_size  # fail on a bad tokenizer before Ray starts
+    tokenizer = load_tokenizer(config)  # fail on a bad tokenizer before Ray starts
     init_ray(config)
     run_name = f"rayjobs-{uuid.uuid4().hex[:8]}"
     ledger = Ledger.remote(run_name)
-    epochs = build_epochs(config, ledger)
+    epochs = Epochs(config, tokenize(config, ledger), tokenizer.pad_id, ledger)
     datasets = {f"train_epoch_{epoch}": epochs.packed(epoch) for epoch in range(config.train.epochs)}
     mixes = [epochs.realized_mix(epoch) for epoch in range(config.train.epochs)]
     ray.get(ledger.add_mix.remote(mixes))
     trainer = TorchTrainer(
         train_loop,
-        train_loop_config={"config": config.model_dump(), "vocab_size": vocab_size},
+        train_loop_config={"config": config.model_dump(), "vocab_size": tokenizer.vocab_size},
         scaling_config=ScalingConfig(num_workers=config.train.num_workers,
                                      use_gpu=config.train.use_gpu,
                                      resources_per_worker={"CPU": config.train.cpus_per_worker}),
