@@ -68,7 +68,7 @@ class AssemblePacks:
         self.seq_len, self.pad_id, self.epoch, self.ledger = seq_len, pad_id, epoch, ledger
 
     def __call__(self, batch: pa.Table) -> dict[str, np.ndarray]:
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         order = np.lexsort((batch.column("slot").to_numpy(), batch.column("pack").to_numpy()))
         packs = batch.column("pack").to_numpy()[order]
         documents_per_row = np.diff(np.flatnonzero(np.diff(packs, prepend=-1, append=-1)))
@@ -77,10 +77,12 @@ class AssemblePacks:
                           for name in ("input_ids", "labels"))
         rows = assemble_flat(tokens, labels, lengths, documents_per_row, self.seq_len, self.pad_id)
         if self.ledger is not None:
-            self._account(batch, rows, time.perf_counter() - started)
+            self._account(batch, rows, time.perf_counter() - started,
+                          time.process_time() - cpu_started)
         return rows
 
-    def _account(self, batch: pa.Table, rows: dict[str, np.ndarray], seconds: float) -> None:
+    def _account(self, batch: pa.Table, rows: dict[str, np.ndarray], seconds: float,
+                 cpu_seconds: float) -> None:
         import ray
 
         from rayjobs.metrics import PackCounts
@@ -93,7 +95,7 @@ class AssemblePacks:
             num_slots=len(rows["num_tokens"]) * self.seq_len, num_documents=batch.num_rows,
             documents_by_source=dict(zip(names, by_source.column("num_tokens_count").to_pylist())),
             tokens_by_source=dict(zip(names, by_source.column("num_tokens_sum").to_pylist())),
-            seconds=seconds)
+            seconds=seconds, cpu_seconds=cpu_seconds)
         ray.get(self.ledger.add_pack.remote(self.epoch, counts))
 
 
@@ -114,7 +116,7 @@ class Epochs:
                                   f"(see skipped_rows and dropped_samples); it cannot be mixed")
             mine = mine.sort_by("uid")
             self.samples.append((mine["uid"].to_numpy(), mine["num_tokens"].to_numpy().astype(np.int64)))
-        self.plan_seconds = 0.0
+        self.plan_seconds = self.plan_cpu_seconds = 0.0
         self.max_delay_windows = 0
         self._occurrence_cache: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
@@ -155,7 +157,7 @@ class Epochs:
 
     def pack_plan(self, epoch: int) -> dict[str, np.ndarray]:
         """Every occurrence's uid, pack, slot and emission group, sorted by uid."""
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         uids, lengths, _ = self._occurrences(epoch)
         packing = self.config.packing
         packer = StreamPacker(packing.seq_len, packing.strategy,
@@ -180,6 +182,7 @@ class Epochs:
                 "group": np.repeat(np.array(groups, dtype=np.int64), sizes)}
         by_uid = np.argsort(plan["uid"], kind="stable")
         self.plan_seconds += time.perf_counter() - started
+        self.plan_cpu_seconds += time.process_time() - cpu_started
         self.max_delay_windows = max(self.max_delay_windows, packer.max_delay_seen)
         return {name: values[by_uid] for name, values in plan.items()}
 

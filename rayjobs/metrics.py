@@ -35,6 +35,8 @@ class PackCounts:
     tokens_by_source: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
     """Wall time spent assembling these packs (a stage timer for the bench)."""
+    cpu_seconds: float = 0.0
+    """CPU time of the assembling process during those calls."""
 
 
 def packing_efficiency(num_tokens: int, num_slots: int) -> float:

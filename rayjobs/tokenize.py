@@ -139,6 +139,8 @@ class TokenizeCounts:
     skipped_examples: list[str] = field(default_factory=list)
     seconds: float = 0.0
     """Wall time spent in Tokenize calls (a stage timer for the bench)."""
+    cpu_seconds: float = 0.0
+    """CPU time of the actor process during those calls (all threads: the Rust tokenizer's too)."""
 
 
 def sample_uid(origin: str) -> int:
@@ -169,7 +171,7 @@ class Tokenize:
         return getattr(templates, spec.template)(record, spec.column_map)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         counts: dict[str, TokenizeCounts] = defaultdict(TokenizeCounts)
         rows: list[tuple[DatasetConfig, str, list[Segment]]] = []
         columns = [batch.column(name).to_pylist() for name in ("_dataset", "_path", "_row", "_record")]
@@ -208,8 +210,9 @@ class Tokenize:
             import ray
 
             seconds = (time.perf_counter() - started) / max(1, len(counts))
+            cpu_seconds = (time.process_time() - cpu_started) / max(1, len(counts))
             for tally in counts.values():
-                tally.seconds = seconds
+                tally.seconds, tally.cpu_seconds = seconds, cpu_seconds
             ray.get([self.ledger.add_tokenize.remote(self.epoch, name, tally)
                      for name, tally in counts.items()])
         return pa.table({
