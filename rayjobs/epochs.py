@@ -108,6 +108,9 @@ class Epochs:
         self.tokenized = tokenized.materialize()
         columns = self.tokenized.select_columns(["source", "uid", "num_tokens"]).to_arrow_refs()
         table = pa.concat_tables(ray.get(columns)) if columns else None
+        if table is not None and pc.count_distinct(table["uid"]).as_py() != table.num_rows:
+            raise ValueError("two samples share a uid (the same dataset, file and row read twice?); "
+                             "the epoch plan could not tell them apart")
         self.samples: list[tuple[np.ndarray, np.ndarray]] = []  # per dataset: (uids, lengths)
         for spec in config.datasets:
             mine = table.filter(pc.equal(table["source"], spec.name)) if table else None
