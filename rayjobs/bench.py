@@ -234,7 +234,7 @@ def format_verdict(rows: list[BenchRow], window: int, function_speed: float) -> 
 
 def time_pipeline(data_dir: Path) -> dict[str, float]:
     """Stage timers of the real Ray pipeline over every bench set that needs no rendering (GPT-2,
-    seq_len 2048): seconds in Tokenize calls vs packing (driver plan) and row assembly."""
+    seq_len 2048): seconds in Tokenize calls vs packing (driver plan, plan join, row assembly)."""
     import ray
 
     from rayjobs.config import config_from_dict
@@ -274,7 +274,7 @@ def format_stage_times(times: dict) -> str:
     for epoch, stats in enumerate(times["epochs"]):
         wall = stats["plan_s"] + stats["assemble_s"]
         cpu = stats["plan_cpu_s"] + stats["assemble_cpu_s"]
-        lines.append(f"  epoch {epoch}: pack (plan + assemble, {stats['packs']} packs) {wall:.3f} s "
+        lines.append(f"  epoch {epoch}: pack (plan + join + assemble, {stats['packs']} packs) {wall:.3f} s "
                      f"wall = {wall / times['tokenize_s']:.2%} of tokenize, {cpu:.3f} s CPU = "
                      f"{cpu / times['tokenize_cpu_s']:.2%}")
     return "\n".join(lines)

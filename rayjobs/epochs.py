@@ -36,18 +36,32 @@ class ExpandPlan:
     """Ray Data ``map_batches`` class: each sample → one row per occurrence in the epoch plan,
     with that occurrence's ``pack``, ``slot`` (place inside the pack) and ``group``."""
 
-    def __init__(self, plan: dict[str, np.ndarray]):
-        self.plan = plan  # sorted by uid
+    def __init__(self, plan: dict[str, np.ndarray], epoch: int = 0, ledger: Any = None):
+        self.plan, self.epoch, self.ledger = plan, epoch, ledger  # plan: sorted by uid
 
     def __call__(self, batch: pa.Table) -> pa.Table:
+        started, cpu_started = time.perf_counter(), time.process_time()
         uids = batch.column("uid").to_numpy()
         starts = np.searchsorted(self.plan["uid"], uids, side="left")
         counts = np.searchsorted(self.plan["uid"], uids, side="right") - starts
         rows = np.repeat(np.arange(len(uids)), counts)
         offsets = np.repeat(starts - np.cumsum(counts) + counts, counts) + np.arange(len(rows))
-        expanded = batch.take(pa.array(rows, type=pa.int64()))
+        if (counts == 1).all():  # every sample once (no weights): no token is copied
+            expanded = batch
+        elif (counts <= 1).all():
+            expanded = batch.filter(pa.array(counts == 1))
+        else:
+            expanded = batch.take(pa.array(rows, type=pa.int64()))
         for name in ("pack", "slot", "group"):
             expanded = expanded.append_column(name, pa.array(self.plan[name][offsets]))
+        if self.ledger is not None:  # the join is part of the pack stage's time
+            import ray
+
+            from rayjobs.metrics import PackCounts
+
+            ray.get(self.ledger.add_pack.remote(self.epoch, PackCounts(
+                seconds=time.perf_counter() - started,
+                cpu_seconds=time.process_time() - cpu_started)))
         return expanded
 
 
@@ -193,7 +207,8 @@ class Epochs:
         """The packed rows of one epoch as a lazy Ray dataset (data-contract columns)."""
         expanded = self.tokenized.map_batches(
             ExpandPlan, batch_format="pyarrow", num_cpus=0.5, concurrency=1,
-            fn_constructor_kwargs={"plan": self.pack_plan(epoch)})
+            fn_constructor_kwargs={"plan": self.pack_plan(epoch), "epoch": epoch,
+                                   "ledger": self.ledger})
         return expanded.groupby("group").map_groups(
             AssemblePacks, batch_format="pyarrow", num_cpus=0.5, concurrency=1,
             fn_constructor_kwargs={"seq_len": self.config.packing.seq_len, "pad_id": self.pad_id,
