@@ -257,10 +257,10 @@ def time_pipeline(data_dir: Path) -> dict[str, float]:
         epochs.packed(epoch).materialize()
         plans.append((epochs.plan_seconds - before[0], epochs.plan_cpu_seconds - before[1]))
     snapshot = ray.get(ledger.snapshot.remote())
-    tokenized = [c for per_dataset in snapshot["tokenize"].values() for c in per_dataset.values()]
+    tokenized = snapshot["tokenize"].values()
     return {"tokenize_s": sum(c["seconds"] for c in tokenized),
             "tokenize_cpu_s": sum(c["cpu_seconds"] for c in tokenized),
-            "samples": sum(c["samples"] for c in snapshot["tokenize"][0].values()),
+            "samples": sum(c["samples"] for c in tokenized),
             "epochs": [{"plan_s": plans[epoch][0], "plan_cpu_s": plans[epoch][1],
                         "assemble_s": snapshot["pack"][epoch]["seconds"],
                         "assemble_cpu_s": snapshot["pack"][epoch]["cpu_seconds"],

@@ -32,6 +32,16 @@ from rayjobs.mix import plan_epoch
 from rayjobs.pack import StreamPacker, assemble_flat
 
 
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """``concat(arange(s, s + n) for s, n in zip(starts, lengths))``, vectorized.
+
+    >>> _ranges(np.array([5, 0]), np.array([2, 3])).tolist()
+    [5, 6, 0, 1, 2]
+    """
+    shift = np.repeat(starts - (np.cumsum(lengths) - lengths), lengths)
+    return shift + np.arange(len(shift))
+
+
 class ExpandPlan:
     """Ray Data ``map_batches`` class: each sample → one row per occurrence in the epoch plan,
     with that occurrence's ``pack``, ``slot`` (place inside the pack) and ``group``."""
@@ -45,7 +55,7 @@ class ExpandPlan:
         starts = np.searchsorted(self.plan["uid"], uids, side="left")
         counts = np.searchsorted(self.plan["uid"], uids, side="right") - starts
         rows = np.repeat(np.arange(len(uids)), counts)
-        offsets = np.repeat(starts - np.cumsum(counts) + counts, counts) + np.arange(len(rows))
+        offsets = _ranges(starts, counts)  # each sample's occurrences in the plan
         if (counts == 1).all():  # every sample once (no weights): no token is copied
             expanded = batch
         elif (counts <= 1).all():
@@ -70,9 +80,7 @@ def _gather(column: pa.ChunkedArray, order: np.ndarray, lengths: np.ndarray) -> 
     instead of an Arrow ``take`` that rebuilds the list array)."""
     column = column.combine_chunks()
     values = column.values.to_numpy()
-    starts = column.offsets.to_numpy()[:-1][order].astype(np.int64)
-    shift = np.repeat(starts - (np.cumsum(lengths) - lengths), lengths)
-    return values[shift + np.arange(len(shift))]
+    return values[_ranges(column.offsets.to_numpy()[:-1][order].astype(np.int64), lengths)]
 
 
 class AssemblePacks:
@@ -195,7 +203,7 @@ class Epochs:
         order = np.concatenate(packs)
         plan = {"uid": uids[order],
                 "pack": np.repeat(np.arange(len(packs)), sizes),
-                "slot": np.arange(len(order)) - np.repeat(np.cumsum(sizes) - sizes, sizes),
+                "slot": _ranges(np.zeros(len(sizes), dtype=np.int64), sizes),
                 "group": np.repeat(np.array(groups, dtype=np.int64), sizes)}
         by_uid = np.argsort(plan["uid"], kind="stable")
         self.plan_seconds += time.perf_counter() - started

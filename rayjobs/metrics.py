@@ -6,8 +6,8 @@ actors spread over the cluster. Each of those calls ``ray.get(ledger.add_….rem
 batch, synchronously, so by the time a batch's rows reach a trainer its counts are already in the
 ledger and the driver's final ``snapshot()`` misses nothing. The same calls feed ``ray.util.metrics``
 counters, exported by every Ray node to Prometheus (``ray_rayjobs_*``) and shown on the Ray dashboard
-/ Grafana while the job runs. A retried Ray task would count its batch twice; the summary says which
-epoch each count belongs to.
+/ Grafana while the job runs. Tokenization is counted once per run, by dataset; packing once per
+epoch. A retried Ray task would count its batch twice.
 """
 
 from __future__ import annotations
@@ -58,12 +58,12 @@ def _merge(total: Any, part: Any) -> None:
 
 @ray.remote(num_cpus=0)
 class Ledger:
-    """Cluster-wide counters of one run, keyed by epoch and dataset."""
+    """Cluster-wide counters of one run: tokenization by dataset, packing by epoch."""
 
     def __init__(self, run_name: str = "rayjobs"):
         from ray.util import metrics
 
-        self.tokenize: dict[tuple[int, str], TokenizeCounts] = defaultdict(TokenizeCounts)
+        self.tokenize: dict[str, TokenizeCounts] = defaultdict(TokenizeCounts)  # by dataset
         self.pack: dict[int, PackCounts] = defaultdict(PackCounts)
         tags = ("run", "dataset")
         self._run = run_name
@@ -96,8 +96,8 @@ class Ledger:
                                          description="Non-pad tokens / slots so far",
                                          tag_keys=pack_tags)
 
-    def add_tokenize(self, epoch: int, dataset: str, counts: TokenizeCounts) -> None:
-        _merge(self.tokenize[(epoch, dataset)], counts)
+    def add_tokenize(self, dataset: str, counts: TokenizeCounts) -> None:
+        _merge(self.tokenize[dataset], counts)
         tags = {"run": self._run, "dataset": dataset}
         for name, counter in self._counters.items():
             if getattr(counts, name):
@@ -123,9 +123,7 @@ class Ledger:
                     gauge.set(stats[name], tags=tags)
 
     def snapshot(self) -> dict[str, Any]:
-        """Plain-dict copy: ``{"tokenize": {epoch: {dataset: counts}}, "pack": {epoch: counts}}``."""
-        tokenize: dict[int, dict[str, Any]] = defaultdict(dict)
-        for (epoch, dataset), counts in sorted(self.tokenize.items()):
-            tokenize[epoch][dataset] = asdict(counts)
-        return {"tokenize": dict(tokenize),
+        """Plain-dict copy: ``{"tokenize": {dataset: counts}, "pack": {epoch: counts}}``
+        (tokenization runs once per run; packing once per epoch)."""
+        return {"tokenize": {dataset: asdict(c) for dataset, c in sorted(self.tokenize.items())},
                 "pack": {epoch: asdict(c) for epoch, c in sorted(self.pack.items())}}

@@ -113,16 +113,10 @@ def run(config: Config) -> dict[str, Any]:
 
 
 def accounting(snapshot: dict[str, Any]) -> dict[str, Any]:
-    """Per-dataset totals over all epochs from a ``Ledger`` snapshot."""
-    keys = ("samples", "tokens", "trained_tokens", "truncated_tokens", "dropped_samples",
-            "split_samples", "skipped_rows")
-    datasets: dict[str, dict[str, Any]] = {}
-    for per_dataset in snapshot["tokenize"].values():
-        for name, counts in per_dataset.items():
-            total = datasets.setdefault(name, {key: 0 for key in keys} | {"skipped_examples": []})
-            for key in keys:
-                total[key] += counts[key]
-            total["skipped_examples"] = (total["skipped_examples"] + counts["skipped_examples"])[:5]
+    """Per-dataset tokenization counts and pack totals over all epochs from a ``Ledger`` snapshot."""
+    timers = ("seconds", "cpu_seconds")
+    datasets = {name: {key: value for key, value in counts.items() if key not in timers}
+                for name, counts in snapshot["tokenize"].items()}
     pack = snapshot["pack"].values()
     num_tokens = sum(c["num_tokens"] for c in pack)
     num_slots = sum(c["num_slots"] for c in pack)

@@ -157,13 +157,12 @@ class Tokenize:
     """
 
     def __init__(self, datasets: Sequence[DatasetConfig], tokenizer: TokenizerConfig, seq_len: int,
-                 overflow: str, ledger: Any = None, epoch: int = 0):
+                 overflow: str, ledger: Any = None):
         self.datasets = {spec.name: spec for spec in datasets}
         self.tokenizer = Tokenizer(tokenizer)
         self.seq_len = seq_len
         self.overflow = overflow
         self.ledger = ledger
-        self.epoch = epoch
 
     def _segments(self, spec: DatasetConfig, record: dict[str, Any]) -> list[Segment]:
         if spec.template == "chat":
@@ -213,7 +212,7 @@ class Tokenize:
             cpu_seconds = (time.process_time() - cpu_started) / max(1, len(counts))
             for tally in counts.values():
                 tally.seconds, tally.cpu_seconds = seconds, cpu_seconds
-            ray.get([self.ledger.add_tokenize.remote(self.epoch, name, tally)
+            ray.get([self.ledger.add_tokenize.remote(name, tally)
                      for name, tally in counts.items()])
         return pa.table({
             "input_ids": pa.array(input_ids, type=TOKEN_LIST),

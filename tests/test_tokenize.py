@@ -219,15 +219,14 @@ def test_bad_row_under_error_raises_data_error_naming_dataset_file_row_field(gpt
 
 def test_bad_row_under_skip_is_skipped_and_counted(gpt2_config, ledger):
     tokenizer = Tokenize(datasets=[_spec("alpaca", name="alpaca", on_bad_row="skip")],
-                         tokenizer=gpt2_config, seq_len=4096, overflow="truncate", ledger=ledger,
-                         epoch=3)
+                         tokenizer=gpt2_config, seq_len=4096, overflow="truncate", ledger=ledger)
     table = tokenizer(_batch("alpaca", [SAY_HI, NO_OUTPUT, ADD], path="/data/alpaca.json"))
     assert table.column_names == ["input_ids", "labels", "source", "uid", "num_tokens"]
     assert len(set(table.column("uid").to_pylist())) == 2
     assert [len(ids) for ids in table.column("input_ids").to_pylist()] == [36, 52]
     assert table.column("source").to_pylist() == ["alpaca", "alpaca"]
-    [(epoch, name, counts)] = ledger.calls
-    assert (epoch, name) == (3, "alpaca")
+    [(name, counts)] = ledger.calls
+    assert name == "alpaca"
     assert (counts.samples, counts.tokens, counts.trained_tokens, counts.skipped_rows) == (2, 88, 5, 1)
     [example] = counts.skipped_examples
     assert example.startswith("dataset 'alpaca', file /data/alpaca.json, row 2: field 'output'")
@@ -249,9 +248,9 @@ def test_overflow_rows_and_counts(gpt2_config, ledger, overflow, rows, counts):
                          overflow=overflow, ledger=ledger)
     table = tokenizer(_batch("d", [{"text": "Hello world!"}]))
     assert list(zip(table.column("input_ids").to_pylist(), table.column("labels").to_pylist())) == rows
-    [(epoch, name, got)] = ledger.calls
+    [(name, got)] = ledger.calls
     assert got.seconds > 0  # the stage timer ran; the counts are exact
-    assert (epoch, name, dataclasses.replace(got, seconds=0.0, cpu_seconds=0.0)) == (0, "d", counts)
+    assert (name, dataclasses.replace(got, seconds=0.0, cpu_seconds=0.0)) == ("d", counts)
 
 
 def test_one_batch_serves_several_datasets(gpt2_config, ledger):
@@ -266,7 +265,7 @@ def test_one_batch_serves_several_datasets(gpt2_config, ledger):
     table = tokenizer(batch)
     assert table.column("source").to_pylist() == ["web", "sft", "web"]
     assert [ids[-1] for ids in table.column("input_ids").to_pylist()] == [EOS, EOS, EOS]
-    assert {name: (c.samples, c.tokens) for _, name, c in ledger.calls} == {"web": (2, 6), "sft": (1, 52)}
+    assert {name: (c.samples, c.tokens) for name, c in ledger.calls} == {"web": (2, 6), "sft": (1, 52)}
 
 
 @pytest.mark.parametrize("on_bad_row", ["error", "skip"])
