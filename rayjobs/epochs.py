@@ -29,17 +29,15 @@ import ray.data
 
 from rayjobs.config import Config, ConfigError
 from rayjobs.mix import plan_epoch
-from rayjobs.pack import StreamPacker, assemble_flat
+from rayjobs.masks import ranges
+from rayjobs.pack import StreamPacker, assemble_gather
 
 
-def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """``concat(arange(s, s + n) for s, n in zip(starts, lengths))``, vectorized.
-
-    >>> _ranges(np.array([5, 0]), np.array([2, 3])).tolist()
-    [5, 6, 0, 1, 2]
-    """
-    shift = np.repeat(starts - (np.cumsum(lengths) - lengths), lengths)
-    return shift + np.arange(len(shift))
+PACK_STAGE_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**30), "MALLOC_TRIM_THRESHOLD_": str(2**32)}
+"""Environment of the pack-stage actors: glibc keeps freed memory for the next call. Its default
+returns every large array to the kernel on free, so each call page-faults its row-size arrays
+again; on the bench's real data that made assembly 3x slower per call (``rayjobs bench packing``
+prints the stage timers). The heap stays at the largest group's working set, tens of MB."""
 
 
 class ExpandPlan:
@@ -55,7 +53,7 @@ class ExpandPlan:
         starts = np.searchsorted(self.plan["uid"], uids, side="left")
         counts = np.searchsorted(self.plan["uid"], uids, side="right") - starts
         rows = np.repeat(np.arange(len(uids)), counts)
-        offsets = _ranges(starts, counts)  # each sample's occurrences in the plan
+        offsets = ranges(starts, counts)  # each sample's occurrences in the plan
         if (counts == 1).all():  # every sample once (no weights): no token is copied
             expanded = batch
         elif (counts <= 1).all():
@@ -75,12 +73,16 @@ class ExpandPlan:
         return expanded
 
 
-def _gather(column: pa.ChunkedArray, order: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """The tokens of a list<int32> column, rows taken in ``order``, concatenated (one numpy gather
-    instead of an Arrow ``take`` that rebuilds the list array)."""
-    column = column.combine_chunks()
-    values = column.values.to_numpy()
-    return values[_ranges(column.offsets.to_numpy()[:-1][order].astype(np.int64), lengths)]
+def _flat_values(column: pa.ChunkedArray) -> tuple[list[np.ndarray], np.ndarray]:
+    """A list<int32> column as its chunks' values (zero-copy) and each row's start in their
+    concatenation."""
+    values, starts, offset = [], [], 0
+    for chunk in column.chunks:
+        offsets = chunk.offsets.to_numpy()
+        values.append(chunk.values.to_numpy()[offsets[0]:offsets[-1]])
+        starts.append(offsets[:-1] - offsets[0] + offset)
+        offset += int(offsets[-1] - offsets[0])
+    return values, np.concatenate(starts) if starts else np.empty(0, dtype=np.int64)
 
 
 class AssemblePacks:
@@ -95,9 +97,12 @@ class AssemblePacks:
         packs = batch.column("pack").to_numpy()[order]
         documents_per_row = np.diff(np.flatnonzero(np.diff(packs, prepend=-1, append=-1)))
         lengths = batch.column("num_tokens").to_numpy().astype(np.int64)[order]
-        tokens, labels = (_gather(batch.column(name), order, lengths)
-                          for name in ("input_ids", "labels"))
-        rows = assemble_flat(tokens, labels, lengths, documents_per_row, self.seq_len, self.pad_id)
+        tokens, starts = _flat_values(batch.column("input_ids"))
+        labels, label_starts = _flat_values(batch.column("labels"))
+        if not np.array_equal(starts, label_starts):
+            raise ValueError("a sample's labels differ in length from its input_ids")
+        rows = assemble_gather(tokens, labels, starts[order], lengths, documents_per_row,
+                               self.seq_len, self.pad_id)
         if self.ledger is not None:
             self._account(batch, rows, time.perf_counter() - started,
                           time.process_time() - cpu_started)
@@ -203,7 +208,7 @@ class Epochs:
         order = np.concatenate(packs)
         plan = {"uid": uids[order],
                 "pack": np.repeat(np.arange(len(packs)), sizes),
-                "slot": _ranges(np.zeros(len(sizes), dtype=np.int64), sizes),
+                "slot": ranges(np.zeros(len(sizes), dtype=np.int64), sizes),
                 "group": np.repeat(np.array(groups, dtype=np.int64), sizes)}
         by_uid = np.argsort(plan["uid"], kind="stable")
         self.plan_seconds += time.perf_counter() - started
@@ -215,9 +220,11 @@ class Epochs:
         """The packed rows of one epoch as a lazy Ray dataset (data-contract columns)."""
         expanded = self.tokenized.map_batches(
             ExpandPlan, batch_format="pyarrow", num_cpus=0.5, concurrency=1,
+            runtime_env={"env_vars": PACK_STAGE_ENV},
             fn_constructor_kwargs={"plan": self.pack_plan(epoch), "epoch": epoch,
                                    "ledger": self.ledger})
         return expanded.groupby("group").map_groups(
             AssemblePacks, batch_format="pyarrow", num_cpus=0.5, concurrency=1,
+            runtime_env={"env_vars": PACK_STAGE_ENV},
             fn_constructor_kwargs={"seq_len": self.config.packing.seq_len, "pad_id": self.pad_id,
                                    "epoch": epoch, "ledger": self.ledger})

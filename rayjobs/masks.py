@@ -61,9 +61,9 @@ def layout_from_lengths(lengths: Sequence[int] | np.ndarray, seq_len: int) -> tu
     return document_ids[0], position_ids[0]
 
 
-def layout_rows(lengths: np.ndarray, documents_per_row: np.ndarray,
-                seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """``layout_from_lengths`` for many rows at once, vectorized (the packer's hot path).
+def row_segments(lengths: np.ndarray, documents_per_row: np.ndarray,
+                 seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The segments of packed rows, row after row: each row's documents, then its padding.
 
     Args:
         lengths: token count of every document, row after row, in pack order.
@@ -71,7 +71,12 @@ def layout_rows(lengths: np.ndarray, documents_per_row: np.ndarray,
         seq_len: length of every row.
 
     Returns:
-        ``(document_ids, position_ids)``, int32 [num_rows, seq_len], as ``layout_from_lengths``.
+        ``(segment_lengths, segment_ids, segment_documents)`` in layout order, int64: the length
+        of each segment, its id inside the row (documents 0..k-1, padding k) and the index into
+        ``lengths`` of its document (-1 for padding). The lengths add up to rows × seq_len.
+
+    Raises:
+        ValueError: if a length is not positive or a row's lengths add up to more than ``seq_len``.
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     documents_per_row = np.asarray(documents_per_row, dtype=np.int64)
@@ -91,21 +96,60 @@ def layout_rows(lengths: np.ndarray, documents_per_row: np.ndarray,
             f"Documents of lengths {mine.tolist()} hold {int(row_tokens[row])} tokens, more than seq_len={seq_len}; "
             "the packer must not put them in one row."
         )
-    # Segments: every document, then one padding segment per row that is not full.
     padded = np.flatnonzero(row_tokens < seq_len)
     first_document = np.cumsum(documents_per_row) - documents_per_row
-    segment_rows = np.concatenate([row_of_document, padded])
-    segment_lengths = np.concatenate([lengths, seq_len - row_tokens[padded]])
+    order = np.argsort(np.concatenate([row_of_document, padded]), kind="stable")
+    segment_lengths = np.concatenate([lengths, seq_len - row_tokens[padded]])[order]
     segment_ids = np.concatenate([np.arange(len(lengths)) - first_document[row_of_document],
-                                  documents_per_row[padded]])
-    order = np.argsort(segment_rows, kind="stable")  # each row: its documents, then its padding
-    segment_lengths, segment_ids = segment_lengths[order], segment_ids[order]
-    # int32 throughout: these arrays are num_rows × seq_len, the largest the packer makes.
+                                  documents_per_row[padded]])[order]
+    segment_documents = np.concatenate([np.arange(len(lengths)),
+                                        np.full(len(padded), -1, dtype=np.int64)])[order]
+    return segment_lengths, segment_ids, segment_documents
+
+
+def index_dtype(size: int) -> type:
+    """int32 when every index below ``size`` fits (half the memory traffic), else int64."""
+    return np.int32 if size < 2**31 else np.int64
+
+
+def ranges(starts: np.ndarray, lengths: np.ndarray, dtype: type = np.int64) -> np.ndarray:
+    """``concat(arange(s, s + n) for s, n in zip(starts, lengths))``, vectorized.
+
+    Builds one array in place (ones, a jump at each range start, a cumulative sum): the packer's
+    output arrays are large and fresh memory costs a page fault per 4 KiB, so temporaries matter.
+
+    >>> ranges(np.array([5, 0, 9]), np.array([2, 0, 3])).tolist()
+    [5, 6, 9, 10, 11]
+    """
+    starts, lengths = np.asarray(starts, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+    nonempty = lengths > 0
+    starts, lengths = starts[nonempty], lengths[nonempty]
+    out = np.ones(int(lengths.sum()), dtype=dtype)
+    if len(out):
+        first = np.cumsum(lengths) - lengths
+        out[0] = starts[0]
+        out[first[1:]] = starts[1:] - (starts[:-1] + lengths[:-1] - 1)
+        np.cumsum(out, out=out)
+    return out
+
+
+def layout_rows(lengths: np.ndarray, documents_per_row: np.ndarray,
+                seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """``layout_from_lengths`` for many rows at once, vectorized.
+
+    Args:
+        lengths: token count of every document, row after row, in pack order.
+        documents_per_row: how many of ``lengths`` belong to each row.
+        seq_len: length of every row.
+
+    Returns:
+        ``(document_ids, position_ids)``, int32 [num_rows, seq_len], as ``layout_from_lengths``.
+    """
+    segment_lengths, segment_ids, _ = row_segments(lengths, documents_per_row, seq_len)
+    shape = (len(documents_per_row), seq_len)
     document_ids = np.repeat(segment_ids.astype(np.int32), segment_lengths)
-    starts = (np.cumsum(segment_lengths) - segment_lengths).astype(np.int32)
-    position_ids = np.arange(num_rows * seq_len, dtype=np.int32)
-    position_ids -= np.repeat(starts, segment_lengths)
-    return document_ids.reshape(num_rows, seq_len), position_ids.reshape(num_rows, seq_len)
+    position_ids = ranges(np.zeros_like(segment_lengths), segment_lengths, np.int32)
+    return document_ids.reshape(shape), position_ids.reshape(shape)
 
 
 def _document_starts(document_ids: torch.Tensor) -> torch.Tensor:

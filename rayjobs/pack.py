@@ -38,7 +38,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute  # noqa: F401  (pa.compute)
 
-from rayjobs.masks import layout_rows
+from rayjobs.masks import index_dtype, ranges, row_segments
 
 IGNORE_INDEX = -100
 """Label value of positions that carry no loss (prompt tokens, each sample's last token, padding)."""
@@ -255,7 +255,7 @@ def assemble_rows(
 
     Returns:
         ``input_ids`` (padded with ``pad_id``), ``labels`` (-100 on padding), ``position_ids`` and
-        ``document_ids`` (from :func:`rayjobs.masks.layout_rows`), each int32
+        ``document_ids`` (as :func:`rayjobs.masks.layout_rows`), each int32
         ``[num_bins, seq_len]``; ``num_documents`` and ``num_tokens`` (non-pad tokens), int32
         ``[num_bins]``.
 
@@ -278,33 +278,68 @@ def assemble_rows(
                 f"Bin {row} holds samples {indices.tolist()} with {sample_lengths[indices].sum()} tokens, "
                 f"more than seq_len={seq_len}; build bins with pack_lengths(lengths, {seq_len})."
             )
-    concatenated = [np.concatenate([column[i] for i in order.tolist()]) if len(order)
-                    else np.empty(0, dtype=np.int32) for column in (input_ids, labels)]
-    return assemble_flat(*concatenated, sample_lengths[order],
-                         np.fromiter(map(len, bins), dtype=np.int64, count=len(bins)), seq_len, pad_id)
+    starts = np.cumsum(sample_lengths) - sample_lengths
+    return assemble_gather(input_ids, labels, starts[order], sample_lengths[order],
+                           np.fromiter(map(len, bins), dtype=np.int64, count=len(bins)), seq_len, pad_id)
 
 
-def assemble_flat(tokens: np.ndarray, labels: np.ndarray, document_lengths: np.ndarray,
-                  documents_per_row: np.ndarray, seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
-    """:func:`assemble_rows` for documents already concatenated in row order (no Python loop
-    over samples): ``tokens``/``labels`` hold every document of row 0, then row 1, ...
+def assemble_gather(tokens: Sequence[np.ndarray], labels: Sequence[np.ndarray], starts: np.ndarray,
+                    document_lengths: np.ndarray, documents_per_row: np.ndarray, seq_len: int,
+                    pad_id: int) -> dict[str, np.ndarray]:
+    """:func:`assemble_rows` with no Python loop over samples: every token is gathered once,
+    straight into its row (the hot path of ``epochs.AssemblePacks``).
+
+    The index of each output slot comes from the row segments (``masks.row_segments``): a slot at
+    position p of a document reads ``start + p``; a padding slot reads a run of ``seq_len`` pad
+    values appended after the tokens. One index array serves ``input_ids`` and ``labels``, and
+    no other temporary of the row size is made (fresh memory costs a page fault per 4 KiB).
+
+    Args:
+        tokens: arrays whose concatenation holds every document's token ids, in any order.
+        labels: arrays of the same sizes, holding the labels.
+        starts: offset of each document in the concatenation, row after row, in pack order.
+        document_lengths: token count of each document, in the same order.
+        documents_per_row: how many documents each row holds.
+        seq_len: length of every row.
+        pad_id: token id that fills the tail of a row.
 
     Returns:
         The columns of :func:`assemble_rows`.
+
+    >>> rows = assemble_gather([np.array([5, 6, 7, 8, 9])], [np.array([6, 7, -100, 9, -100])],
+    ...                        starts=np.array([3, 0]), document_lengths=np.array([2, 3]),
+    ...                        documents_per_row=np.array([2]), seq_len=6, pad_id=0)
+    >>> rows["input_ids"].tolist(), rows["position_ids"].tolist()
+    ([[8, 9, 5, 6, 7, 0]], [[0, 1, 0, 1, 2, 0]])
     """
+    tokens = np.concatenate([*tokens, np.full(seq_len, pad_id, dtype=np.int32)])
+    labels = np.concatenate([*labels, np.full(seq_len, IGNORE_INDEX, dtype=np.int32)])
+    num_values = len(tokens) - seq_len
+    starts = np.asarray(starts, dtype=np.int64)
+    document_lengths = np.asarray(document_lengths, dtype=np.int64)
+    if len(labels) != len(tokens):
+        raise ValueError(f"Got {num_values} tokens but {len(labels) - seq_len} labels; give one label per token.")
+    if len(starts) != len(document_lengths):
+        raise ValueError(f"Got {len(starts)} starts for {len(document_lengths)} documents.")
+    outside = (starts < 0) | (starts + document_lengths > num_values)
+    if outside.any():
+        document = int(np.flatnonzero(outside)[0])
+        raise ValueError(f"Document {document} (start {starts[document]}, {document_lengths[document]} tokens) "
+                         f"reaches outside the {num_values} tokens given.")
+    segment_lengths, segment_ids, segment_documents = row_segments(document_lengths, documents_per_row, seq_len)
     num_rows = len(documents_per_row)
-    document_ids, position_ids = layout_rows(document_lengths, documents_per_row, seq_len)
+    position_ids = ranges(np.zeros_like(segment_lengths), segment_lengths, np.int32)
+    segment_sources = np.append(starts, num_values)[segment_documents]  # -1 (padding) → the pad run
+    sources = ranges(segment_sources, segment_lengths, index_dtype(len(tokens)))
     row_of_document = np.repeat(np.arange(num_rows), documents_per_row)
     num_tokens = np.bincount(row_of_document, weights=document_lengths, minlength=num_rows)
-    is_token = np.arange(seq_len) < num_tokens[:, None]  # row by row, left to right
-    rows = {"input_ids": np.full((num_rows, seq_len), pad_id, dtype=np.int32),
-            "labels": np.full((num_rows, seq_len), IGNORE_INDEX, dtype=np.int32),
-            "position_ids": position_ids, "document_ids": document_ids,
+    shape = (num_rows, seq_len)
+    return {"input_ids": tokens[sources].astype(np.int32, copy=False).reshape(shape),
+            "labels": labels[sources].astype(np.int32, copy=False).reshape(shape),
+            "position_ids": position_ids.reshape(shape),
+            "document_ids": np.repeat(segment_ids.astype(np.int32), segment_lengths).reshape(shape),
             "num_documents": np.asarray(documents_per_row, dtype=np.int32),
             "num_tokens": num_tokens.astype(np.int32)}
-    rows["input_ids"][is_token] = tokens
-    rows["labels"][is_token] = labels
-    return rows
 
 
 class StreamPacker:

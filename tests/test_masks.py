@@ -7,6 +7,8 @@ import doctest
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -192,3 +194,11 @@ def test_layout_rows_equals_layout_from_lengths_row_by_row():
         expected_documents, expected_positions = masks.layout_from_lengths(lengths, 64)
         np.testing.assert_array_equal(document_ids[row], expected_documents)
         np.testing.assert_array_equal(position_ids[row], expected_positions)
+
+
+@given(st.lists(st.tuples(st.integers(0, 2**31 - 100), st.integers(0, 20)), max_size=30))
+def test_ranges_equals_concatenated_aranges(pairs):
+    starts = np.array([s for s, _ in pairs], dtype=np.int64)
+    lengths = np.array([n for _, n in pairs], dtype=np.int64)
+    expected = np.concatenate([np.arange(s, s + n) for s, n in pairs] + [np.empty(0, dtype=np.int64)])
+    np.testing.assert_array_equal(masks.ranges(starts, lengths, np.int32), expected)

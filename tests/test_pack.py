@@ -269,6 +269,43 @@ def test_assemble_rows_literal() -> None:
     assert rows["num_tokens"].tolist() == [6, 3]
 
 
+def test_assemble_gather_equals_a_row_by_row_reference() -> None:
+    """Documents stored in shuffled chunks (as Arrow hands them to ``AssemblePacks``) gather into
+    the same rows as concatenating each bin's samples by hand."""
+    rng = np.random.default_rng(5)
+    seq_len = 48
+    input_ids, labels = _random_window(rng, num_samples=120, seq_len=seq_len)
+    bins = pack_lengths(np.array([len(ids) for ids in input_ids]), seq_len, "first_fit")
+    stored = rng.permutation(len(input_ids))  # storage order differs from pack order
+    chunks = np.array_split(stored, 7)
+    lengths = np.array([len(ids) for ids in input_ids])
+    starts = np.empty(len(input_ids), dtype=np.int64)
+    starts[stored] = np.cumsum(lengths[stored]) - lengths[stored]
+    order = np.concatenate(bins)
+    rows = pack.assemble_gather(
+        [np.concatenate([input_ids[i] for i in chunk]) for chunk in chunks],
+        [np.concatenate([labels[i] for i in chunk]) for chunk in chunks],
+        starts[order], lengths[order], np.array([len(b) for b in bins]), seq_len, PAD_ID)
+    full = [sum(lengths[b]) == seq_len for b in bins]
+    assert any(full) and not all(full), "guard: full rows and padded rows"
+    assert max(len(b) for b in bins) >= 3, "guard: a row holds several documents"
+    for row, indices in enumerate(bins):
+        tokens = np.concatenate([input_ids[i] for i in indices])
+        padding = seq_len - len(tokens)
+        np.testing.assert_array_equal(rows["input_ids"][row], np.append(tokens, [PAD_ID] * padding))
+        np.testing.assert_array_equal(rows["labels"][row], np.concatenate(
+            [labels[i] for i in indices] + [np.full(padding, IGNORE_INDEX)]))
+        segments = [lengths[i] for i in indices] + ([padding] if padding else [])
+        np.testing.assert_array_equal(rows["document_ids"][row], np.repeat(np.arange(len(segments)), segments))
+        np.testing.assert_array_equal(rows["position_ids"][row], np.concatenate([np.arange(n) for n in segments]))
+
+
+def test_assemble_gather_rejects_documents_outside_the_tokens() -> None:
+    with pytest.raises(ValueError, match="Document 1 \\(start 3, 3 tokens\\) reaches outside the 5 tokens"):
+        pack.assemble_gather([np.arange(5)], [np.arange(5)], np.array([0, 3]), np.array([2, 3]),
+                             np.array([2]), seq_len=8, pad_id=PAD_ID)
+
+
 def _stream(lengths: np.ndarray, seq_len: int, window: int, seed: int = 0, strategy: str = "bfd",
             **options) -> tuple[list[list[np.ndarray]], StreamPacker]:
     """Push ``lengths`` (ids 0..n-1) window by window, then flush: the packs of each push."""
