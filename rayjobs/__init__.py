@@ -10,20 +10,21 @@
 ``pipeline.build_epochs`` gives the data side (one lazy Ray dataset per epoch); ``pipeline.run`` the job.
 """
 
-from rayjobs.config import Config, ConfigError, config_from_dict, load_config
-from rayjobs.pack import StreamPacker, pack_lengths
-from rayjobs.mix import plan_epoch
-from rayjobs.pipeline import Epochs, build_epoch, run
+import importlib
+from typing import Any
 
-__all__ = [
-    "Config",
-    "ConfigError",
-    "Epochs",
-    "build_epoch",
-    "config_from_dict",
-    "load_config",
-    "pack_lengths",
-    "StreamPacker",
-    "plan_epoch",
-    "run",
-]
+_EXPORTS = {
+    "Config": "rayjobs.config", "ConfigError": "rayjobs.config", "config_from_dict": "rayjobs.config",
+    "load_config": "rayjobs.config", "StreamPacker": "rayjobs.pack", "pack_lengths": "rayjobs.pack",
+    "plan_epoch": "rayjobs.mix", "Epochs": "rayjobs.pipeline", "build_epoch": "rayjobs.pipeline",
+    "run": "rayjobs.pipeline",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    """Exports load on first use, so ``rayjobs.masks`` and ``rayjobs.model`` import without Ray or
+    pydantic (the GPU checks run where only torch is installed)."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'rayjobs' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -4,6 +4,7 @@
     rayjobs export CONFIG [dotted.key=value ...] --out DIR [--epochs N] [--address ADDR]
     rayjobs bench packing [--data NAME ...] [--data-dir DIR] [--seq-len N ...] [--window N]
                           [--json OUT] [--no-pipeline]
+    rayjobs bench attention [--seq-len N ...] [--mean-length L] [--json OUT]     (CUDA GPU)
 """
 
 from __future__ import annotations
@@ -34,13 +35,17 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--out", required=True, help="output directory")
     export.add_argument("--epochs", type=int, help="epochs to export (default: train.epochs)")
     bench = commands.add_parser("bench", help="benchmarks")
-    bench.add_argument("what", choices=["packing"])
+    bench.add_argument("what", choices=["packing", "attention"],
+                       help="packing: efficiency and speed on real data; attention: the document "
+                            "mask on a CUDA GPU, FlexAttention vs dense SDPA")
     bench.add_argument("--data", nargs="*", metavar="NAME",
                        help="bench sets by name or file (default: all; see rayjobs/bench.py)")
     bench.add_argument("--data-dir", default="../shared/data", help="the real data folder")
     bench.add_argument("--seq-len", type=int, nargs="*", default=[2048, 4096, 8192])
     bench.add_argument("--window", type=int, default=4096, help="samples per packing window")
     bench.add_argument("--json", metavar="OUT", help="also write the rows as JSON to OUT")
+    bench.add_argument("--mean-length", type=float, default=300.0,
+                       help="attention: mean document length in tokens")
     bench.add_argument("--no-pipeline", action="store_true",
                        help="skip timing the pack stage against tokenize in the Ray pipeline")
     return parser
@@ -78,6 +83,8 @@ def format_summary(summary: dict[str, Any]) -> str:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.what == "attention":
+        return _bench_attention(args)
     from pathlib import Path
 
     from rayjobs import bench
@@ -101,6 +108,19 @@ def _bench(args: argparse.Namespace) -> int:
         bench.write_json(rows, args.json)
     if not args.no_pipeline:
         print(bench.format_stage_times(bench.time_pipeline(data_dir)))
+    return 0
+
+
+def _bench_attention(args: argparse.Namespace) -> int:
+    import torch
+
+    from rayjobs import bench_attention
+
+    if not torch.cuda.is_available():
+        print("rayjobs: bench attention needs a CUDA GPU (FlexAttention's training path)", file=sys.stderr)
+        return 2
+    argv = ["--seq-len", *map(str, args.seq_len), "--mean-length", str(args.mean_length)]
+    bench_attention.main(argv + (["--json", args.json] if args.json else []))
     return 0
 
 

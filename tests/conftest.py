@@ -20,7 +20,8 @@ SHAKESPEARE = SHARED / "text" / "tinyshakespeare.txt"
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
-if not (SHARED / "SOURCES.md").is_file():
+# Only the GPU checks (tests/test_cuda.py) run where ../shared is absent, with this set explicitly.
+if not (SHARED / "SOURCES.md").is_file() and not os.environ.get("RAYJOBS_TESTS_WITHOUT_DATA"):
     raise RuntimeError(f"the real test data is missing: expected {SHARED} (../shared/data from the "
                        "project root). CI always has it; tests never skip it silently.")
 
