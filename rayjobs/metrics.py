@@ -56,45 +56,71 @@ def _merge(total: Any, part: Any) -> None:
             setattr(total, name, current + value)
 
 
+METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
+    # name (exported as ray_<name>, counters with a _total suffix): (kind, tag keys, description)
+    "rayjobs_samples": ("counter", ("run", "dataset"), "Tokenized samples"),
+    "rayjobs_tokens": ("counter", ("run", "dataset"), "Tokenized tokens"),
+    "rayjobs_trained_tokens": ("counter", ("run", "dataset"), "Tokens with a label"),
+    "rayjobs_truncated_tokens": ("counter", ("run", "dataset"), "Tokens cut by overflow: truncate"),
+    "rayjobs_dropped_samples": ("counter", ("run", "dataset"), "Over-length samples dropped by overflow: drop"),
+    "rayjobs_split_samples": ("counter", ("run", "dataset"), "Extra pieces made by overflow: split"),
+    "rayjobs_skipped_rows": ("counter", ("run", "dataset"), "Bad rows skipped under on_bad_row: skip"),
+    "rayjobs_packs": ("counter", ("run",), "Packed rows emitted"),
+    "rayjobs_pack_slots": ("counter", ("run",), "Token slots in packs"),
+    "rayjobs_pack_tokens": ("counter", ("run",), "Non-pad tokens in packs"),
+    "rayjobs_packing_efficiency": ("gauge", ("run",), "Non-pad tokens / slots so far"),
+    "rayjobs_mix_share": ("gauge", ("run", "dataset", "epoch"), "Realized share of the epoch (mix.by units)"),
+    "rayjobs_mix_samples": ("gauge", ("run", "dataset", "epoch"), "Samples of the dataset in the epoch"),
+    "rayjobs_mix_tokens": ("gauge", ("run", "dataset", "epoch"), "Tokens of the dataset in the epoch"),
+    "rayjobs_train_steps": ("counter", ("run",), "Optimizer steps taken (counted by rank 0)"),
+    "rayjobs_train_tokens": ("counter", ("run",), "Labelled tokens trained on, all ranks"),
+    "rayjobs_train_loss": ("gauge", ("run",), "Last step's loss, mean over the global batch's labelled tokens"),
+}
+"""Every series the job exports (the README's metrics table and cluster/grafana are checked against it)."""
+
+_TOKENIZE_COUNTERS = ("samples", "tokens", "trained_tokens", "truncated_tokens", "dropped_samples",
+                      "split_samples", "skipped_rows")
+
+
+def _series(names) -> dict[str, Any]:
+    """``ray.util.metrics`` objects for some of ``METRICS`` (create them in the process that records)."""
+    from ray.util import metrics
+
+    kinds = {"counter": metrics.Counter, "gauge": metrics.Gauge}
+    return {name: kinds[METRICS[name][0]](name, description=METRICS[name][2], tag_keys=METRICS[name][1])
+            for name in names}
+
+
+class TrainMetrics:
+    """The training series, recorded by every train worker (steps and loss by rank 0 only)."""
+
+    def __init__(self, run_name: str, rank: int):
+        self.tags, self.rank = {"run": run_name}, rank
+        self._steps, self._tokens, self._loss = _series(
+            ["rayjobs_train_steps", "rayjobs_train_tokens", "rayjobs_train_loss"]).values()
+
+    def step(self, loss: float, local_tokens: int) -> None:
+        if local_tokens:
+            self._tokens.inc(local_tokens, tags=self.tags)
+        if self.rank == 0:
+            self._steps.inc(1, tags=self.tags)
+            self._loss.set(loss, tags=self.tags)
+
+
 @ray.remote(num_cpus=0)
 class Ledger:
     """Cluster-wide counters of one run: tokenization by dataset, packing by epoch."""
 
     def __init__(self, run_name: str = "rayjobs"):
-        from ray.util import metrics
-
         self.tokenize: dict[str, TokenizeCounts] = defaultdict(TokenizeCounts)  # by dataset
         self.pack: dict[int, PackCounts] = defaultdict(PackCounts)
-        tags = ("run", "dataset")
         self._run = run_name
-        self._counters = {
-            name: metrics.Counter(f"rayjobs_{name}", description=text, tag_keys=tags)
-            for name, text in [
-                ("samples", "Tokenized samples"), ("tokens", "Tokenized tokens"),
-                ("trained_tokens", "Tokens with a label"),
-                ("truncated_tokens", "Tokens cut by overflow: truncate"),
-                ("dropped_samples", "Over-length samples dropped by overflow: drop"),
-                ("split_samples", "Extra pieces made by overflow: split"),
-                ("skipped_rows", "Bad rows skipped under on_bad_row: skip"),
-            ]
-        }
-        pack_tags = ("run",)
-        self._packs = metrics.Counter("rayjobs_packs", description="Packed rows emitted",
-                                      tag_keys=pack_tags)
-        self._pack_slots = metrics.Counter("rayjobs_pack_slots", description="Token slots in packs",
-                                           tag_keys=pack_tags)
-        self._pack_tokens = metrics.Counter("rayjobs_pack_tokens",
-                                            description="Non-pad tokens in packs", tag_keys=pack_tags)
-        self._mix = {
-            name: metrics.Gauge(f"rayjobs_mix_{name}", description=text,
-                                tag_keys=("run", "dataset", "epoch"))
-            for name, text in [("share", "Realized share of the epoch (mix.by units)"),
-                               ("samples", "Samples of the dataset in the epoch"),
-                               ("tokens", "Tokens of the dataset in the epoch")]
-        }
-        self._efficiency = metrics.Gauge("rayjobs_packing_efficiency",
-                                         description="Non-pad tokens / slots so far",
-                                         tag_keys=pack_tags)
+        self._series = _series(name for name in METRICS if not name.startswith("rayjobs_train_"))
+        self._counters = {name: self._series[f"rayjobs_{name}"] for name in _TOKENIZE_COUNTERS}
+        self._packs, self._pack_slots, self._pack_tokens, self._efficiency = (
+            self._series[f"rayjobs_{name}"] for name in ("packs", "pack_slots", "pack_tokens",
+                                                         "packing_efficiency"))
+        self._mix = {name: self._series[f"rayjobs_mix_{name}"] for name in ("share", "samples", "tokens")}
 
     def add_tokenize(self, dataset: str, counts: TokenizeCounts) -> None:
         _merge(self.tokenize[dataset], counts)

@@ -91,7 +91,8 @@ def run(config: Config) -> dict[str, Any]:
     ray.get(ledger.add_mix.remote(mixes))
     trainer = TorchTrainer(
         train_loop,
-        train_loop_config={"config": config.model_dump(), "vocab_size": tokenizer.vocab_size},
+        train_loop_config={"config": config.model_dump(), "vocab_size": tokenizer.vocab_size,
+                           "run_name": run_name},
         scaling_config=ScalingConfig(num_workers=config.train.num_workers,
                                      use_gpu=config.train.use_gpu,
                                      resources_per_worker={"CPU": config.train.cpus_per_worker}),

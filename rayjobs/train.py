@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from rayjobs.collate import collate
 from rayjobs.config import Config
+from rayjobs.metrics import TrainMetrics
 from rayjobs.model import Decoder, DecoderConfig, loss_sum
 
 
@@ -104,6 +105,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.train.lr,
                                   weight_decay=config.train.weight_decay)
     seq_len = config.packing.seq_len
+    series = TrainMetrics(loop_config.get("run_name", "rayjobs"), rank)
     losses: list[float] = []
     steps = rows = pack_tokens = trained_tokens = guard_dropped = 0
     for epoch in range(config.train.epochs):
@@ -120,6 +122,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             optimizer.step()
             step_loss = float(_all_reduce(local_sum.detach().clone()) / global_count)
             losses.append(step_loss)
+            series.step(step_loss, int(local_count))
             steps += 1
             rows += len(batch["input_ids"])
             pack_tokens += int(batch["num_tokens"].sum())
