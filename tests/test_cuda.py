@@ -17,20 +17,12 @@ from torch.nn.attention.flex_attention import flex_attention
 from rayjobs import masks
 from rayjobs.bench_attention import packed_document_ids
 from rayjobs.model import Decoder, DecoderConfig, loss_sum
+from test_masks import _tiles_from_dense
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 CUDA = torch.device("cuda")
 VOCAB_SIZE = 512
-
-
-def _tiles(mask: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense [B,S,S] mask → (full, partial) [B,S/bs,S/bs] tiles."""
-    batch_size, seq_len, _ = mask.shape
-    blocks = seq_len // block_size
-    tiles = mask.reshape(batch_size, blocks, block_size, blocks, block_size).transpose(2, 3)
-    full = tiles.all(dim=(-1, -2))
-    return full, tiles.any(dim=(-1, -2)) & ~full
 
 
 def _block_mask_tiles(block_mask) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,7 +59,7 @@ def _model() -> Decoder:
 
 def test_block_mask_built_on_cuda_matches_dense_tiles():
     document_ids = packed_document_ids(np.random.default_rng(0), 8, 2048, 300.0)[0].to(CUDA)
-    full, partial = _tiles(masks.document_causal_mask(document_ids), 128)
+    full, partial = _tiles_from_dense(masks.document_causal_mask(document_ids), 128)
     assert full.any() and partial.any(), "guard: full and partial tiles"
     assert not torch.equal(partial[0], partial[1]), "guard: rows differ (B=None would broadcast row 0)"
     block_mask = masks.block_mask(document_ids)
