@@ -1,30 +1,52 @@
 """rayjobs: raw text datasets → packed fixed-length training rows on Ray Data → Ray Train.
 
-    config.py      YAML + dotted overrides → typed Config, validated before Ray starts
-    sources.py     each dataset's files → rows {_dataset, _path, _row, _record}
-    templates.py   tokenize.py   row → segments (alpaca | chat | text) → input_ids + shifted labels
-    mix.py         per-epoch plan: weighted shares by tokens or samples, interleaved, seeded
-    pack.py        epochs.py   streaming best-fit decreasing (planned in the driver) → rows of seq_len
-    train.py       TorchTrainer: equal batches per rank → document-masked decoder (model.py, masks.py)
+The package has two sides, one per kind of node, and the job on top (README, "Design"):
 
-``pipeline.build_epochs`` gives the data side (one lazy Ray dataset per epoch); ``pipeline.run`` the job.
+data side (CPU nodes; numpy, pyarrow, Ray Data; never torch):
+    formats.py     one file's bytes → records (json | jsonl | parquet | csv | text registry)
+    sources.py     each dataset's files → Ray rows {_dataset, _path, _row, _record}
+    templates.py   row → text segments, trainable or not (alpaca | chat | text registry)
+    tokenize.py    segments → input_ids + labels shifted per sample; overflow policy
+    mix.py         per-epoch plan: weighted shares by tokens or samples, interleaved
+    pack.py        streaming best-fit decreasing (strategy registry)
+    rows.py        the packed-row contract: columns, dtypes, ignore index, layout, assembly
+    epochs.py      the Ray adapters: plan in the driver, assemble rows in Ray Data
+    seeds.py       every random stream of a run, from one table
+train side (GPU nodes; torch):
+    masks.py       document_ids → dense mask (SDPA) and BlockMask (FlexAttention)
+    collate.py     packed rows → tensors on the rank's device
+    model.py       the document-masked decoder and the token-summed loss
+    train.py       the TorchTrainer loop: equal batches per rank, guard, checkpoint
+on top:
+    config.py      YAML + dotted overrides → typed Config, validated against the registries
+    pipeline.py    the job: ``start_job`` (data side, shared by run/export/bench) and ``run``
+    metrics.py     the run's Ledger (exact counts) and its Prometheus series; stage timers
+    export.py      ``rayjobs export``: packed rows as Parquet + manifest
+    bench.py, bench_attention.py, cli.py
 """
 
 import importlib
 from typing import Any
 
 _EXPORTS = {
-    "Config": "rayjobs.config", "ConfigError": "rayjobs.config", "config_from_dict": "rayjobs.config",
-    "load_config": "rayjobs.config", "StreamPacker": "rayjobs.pack", "pack_lengths": "rayjobs.pack",
-    "plan_epoch": "rayjobs.mix", "Epochs": "rayjobs.pipeline", "build_epoch": "rayjobs.pipeline",
+    "Config": "rayjobs.config",
+    "ConfigError": "rayjobs.config",
+    "config_from_dict": "rayjobs.config",
+    "load_config": "rayjobs.config",
+    "StreamPacker": "rayjobs.pack",
+    "pack_lengths": "rayjobs.pack",
+    "plan_epoch": "rayjobs.mix",
+    "Epochs": "rayjobs.epochs",
+    "start_job": "rayjobs.pipeline",
     "run": "rayjobs.pipeline",
 }
 __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
-    """Exports load on first use, so ``rayjobs.masks`` and ``rayjobs.model`` import without Ray or
-    pydantic (the GPU checks run where only torch is installed)."""
+    """Exports load on first use, so ``import rayjobs.pack`` stays numpy-only and
+    ``rayjobs.masks`` / ``rayjobs.model`` import without Ray or pydantic (the GPU checks run where
+    only torch is installed)."""
     if name not in _EXPORTS:
         raise AttributeError(f"module 'rayjobs' has no attribute {name!r}")
     return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -1,6 +1,9 @@
 """``rayjobs bench packing``: every packing strategy and two reference packers on real data.
 
-Each real set in ``../shared/data`` is tokenized with the GPT-2 tokenizer through the same templates
+Each real set under ``--data-dir`` (default: the subsets bundled in ``configs/data``; any folder
+with
+the same layout, such as the full public sets, works) is tokenized with the GPT-2 tokenizer through
+the same templates
 and Tokenize code the job uses (in-process, no Ray), over-length samples truncated, and streamed as
 the set concatenated 10 times, each copy freshly shuffled. For seq_len 2048, 4096 and 8192 the bench
 packs that stream with every strategy (``StreamPacker``, windows of ``--window`` samples), with two
@@ -27,16 +30,27 @@ from pathlib import Path
 import numpy as np
 
 from rayjobs.config import DatasetConfig, TokenizerConfig
+from rayjobs.formats import parse_file
 from rayjobs.pack import STRATEGIES, StreamPacker, pack_lengths
-from rayjobs.sources import parse_file, record_table
+from rayjobs.sources import record_table
 
 SEQ_LENS = (2048, 4096, 8192)
 COPIES = 10
 
-# name, file under shared/data, format, template, column_map, text_split
+DEFAULT_DATA_DIR = Path(__file__).resolve().parents[1] / "configs" / "data"
+"""The real subsets bundled with the repository (configs/data/SOURCES.md)."""
+
+# name, file under the data folder, format, template, column_map, text_split
 BENCH_SETS = [
     ("alpaca", "sft/alpaca_en_demo.json", "json", "alpaca", {}, "paragraph"),
-    ("gpteacher", "sft/gpteacher_roleplay.json", "json", "alpaca", {"output": "response"}, "paragraph"),
+    (
+        "gpteacher",
+        "sft/gpteacher_roleplay.json",
+        "json",
+        "alpaca",
+        {"output": "response"},
+        "paragraph",
+    ),
     ("hh_chat", "chat/hh_rlhf_harmless_chosen.messages.jsonl", "jsonl", "chat", {}, "paragraph"),
     ("glaive_sharegpt", "chat/glaive_toolcall.sharegpt.json", "json", "chat", {}, "paragraph"),
     ("hh_dpo_text", "dpo/hh_rlhf_harmless.dpo.jsonl", "jsonl", "text", {}, "paragraph"),
@@ -65,18 +79,27 @@ def load_lengths(data_dir: Path, names: list[str] | None = None) -> dict[str, np
 
     tokenizer = TokenizerConfig(path=str(data_dir / "tokenizers" / "gpt2"))
     chosen = [entry for entry in BENCH_SETS if not names or entry[0] in names]
-    specs = [DatasetConfig(name=name, source=str(data_dir / relative), format=fmt,
-                           template=template, column_map=column_map)
-             for name, relative, fmt, template, column_map, _ in chosen]
+    specs = [
+        DatasetConfig(
+            name=name,
+            source=str(data_dir / relative),
+            format=fmt,
+            template=template,
+            column_map=column_map,
+        )
+        for name, relative, fmt, template, column_map, _ in chosen
+    ]
     tokenize = Tokenize(specs, tokenizer, seq_len=1 << 30, overflow="truncate")
     lengths = {}
     for name, relative, fmt, _, _, text_split in chosen:
         path = data_dir / relative
-        rows, records = parse_file(path.read_bytes(), str(path), format=fmt, dataset=name,
-                                   text_split=text_split)
+        rows, records = parse_file(
+            path.read_bytes(), str(path), format=fmt, dataset=name, text_split=text_split
+        )
         if name == "hh_dpo_text":  # a DPO pair rendered as one text: prompt + chosen answer
-            records = [json.dumps({"text": (r := json.loads(x))["prompt"] + r["chosen"]})
-                       for x in records]
+            records = [
+                json.dumps({"text": (r := json.loads(x))["prompt"] + r["chosen"]}) for x in records
+            ]
         table = tokenize(record_table(name, [str(path)] * len(rows), rows, records))
         lengths[name] = table.column("num_tokens").to_numpy().astype(np.int64)
     return lengths
@@ -88,14 +111,16 @@ def stream(lengths: np.ndarray, copies: int = COPIES, seed: int = 0) -> np.ndarr
     return np.concatenate([lengths[rng.permutation(len(lengths))] for _ in range(copies)])
 
 
-def stream_pack(lengths: np.ndarray, seq_len: int, strategy: str, window: int,
-                seed: int = 0) -> tuple[list[np.ndarray], int]:
-    """Pack a stream with ``StreamPacker`` over windows of ``window`` samples: (packs, max delay)."""
+def stream_pack(
+    lengths: np.ndarray, seq_len: int, strategy: str, window: int, seed: int = 0
+) -> tuple[list[np.ndarray], int]:
+    """Pack a stream with ``StreamPacker`` over windows of ``window`` samples: (packs, max
+    delay)."""
     packer = StreamPacker(seq_len, strategy, rng=np.random.default_rng(seed))
     packs: list[np.ndarray] = []
     ids = np.arange(len(lengths))
     for start in range(0, len(lengths), window):
-        packs += packer.push(ids[start:start + window], lengths[start:start + window])
+        packs += packer.push(ids[start : start + window], lengths[start : start + window])
     packs += packer.flush()
     return packs, packer.max_delay_seen
 
@@ -103,7 +128,7 @@ def stream_pack(lengths: np.ndarray, seq_len: int, strategy: str, window: int,
 def trl_chunk_bfd(lengths: np.ndarray, seq_len: int, chunk: int = 1000) -> list[np.ndarray]:
     packs: list[np.ndarray] = []
     for start in range(0, len(lengths), chunk):
-        packs += [b + start for b in pack_lengths(lengths[start:start + chunk], seq_len, "bfd")]
+        packs += [b + start for b in pack_lengths(lengths[start : start + chunk], seq_len, "bfd")]
     return packs
 
 
@@ -139,8 +164,9 @@ def _efficiency(lengths: np.ndarray, packs: list[np.ndarray], seq_len: int) -> f
     return float(lengths.sum()) / (len(packs) * seq_len)
 
 
-def bench_packing(all_lengths: dict[str, np.ndarray], seq_lens=SEQ_LENS,
-                  window: int = 4096) -> list[BenchRow]:
+def bench_packing(
+    all_lengths: dict[str, np.ndarray], seq_lens=SEQ_LENS, window: int = 4096
+) -> list[BenchRow]:
     rows = []
     for name, lengths in all_lengths.items():
         full = stream(lengths)
@@ -163,21 +189,36 @@ def bench_packing(all_lengths: dict[str, np.ndarray], seq_lens=SEQ_LENS,
                 else:
                     packs, delay = stream_pack(clipped, seq_len, strategy, window)
                 seconds = time.perf_counter() - started
-                rows.append(BenchRow(name, seq_len, strategy, size,
-                                     _efficiency(clipped, packs, seq_len), global_efficiency,
-                                     lower, len(packs), len(clipped) / seconds, delay))
+                rows.append(
+                    BenchRow(
+                        name,
+                        seq_len,
+                        strategy,
+                        size,
+                        _efficiency(clipped, packs, seq_len),
+                        global_efficiency,
+                        lower,
+                        len(packs),
+                        len(clipped) / seconds,
+                        delay,
+                    )
+                )
     return rows
 
 
 def format_table(rows: list[BenchRow]) -> str:
-    header = (f"{'dataset':<16}{'seq_len':>8} {'strategy':<11}{'window':>7}{'efficiency':>11}"
-              f"{'vs global':>10}{'packs':>7}{'lower':>7}{'samples/s':>12}{'delay':>6}")
+    header = (
+        f"{'dataset':<16}{'seq_len':>8} {'strategy':<11}{'window':>7}{'efficiency':>11}"
+        f"{'vs global':>10}{'packs':>7}{'lower':>7}{'samples/s':>12}{'delay':>6}"
+    )
     lines = [header, "-" * len(header)]
     for r in rows:
-        lines.append(f"{r.dataset:<16}{r.seq_len:>8} {r.strategy:<11}{r.window:>7}"
-                     f"{r.efficiency:>11.4%}{(r.efficiency - r.global_bfd_efficiency) * 100:>+9.2f}p"
-                     f"{r.packs:>7}{r.lower_bound_packs:>7}{r.samples_per_s:>12,.0f}"
-                     f"{r.max_delay_windows:>6}")
+        lines.append(
+            f"{r.dataset:<16}{r.seq_len:>8} {r.strategy:<11}{r.window:>7}"
+            f"{r.efficiency:>11.4%}{(r.efficiency - r.global_bfd_efficiency) * 100:>+9.2f}p"
+            f"{r.packs:>7}{r.lower_bound_packs:>7}{r.samples_per_s:>12,.0f}"
+            f"{r.max_delay_windows:>6}"
+        )
     return "\n".join(lines)
 
 
@@ -195,20 +236,23 @@ def select_sets(requested: list[str] | None) -> list[str] | None:
     for item in requested:
         name = by_file.get(item, item if item in names else None)
         if name is None:
-            raise ValueError(f"--data {item!r}: not a bench set; choose from {sorted(names)} "
-                             f"or {sorted(by_file)}")
+            raise ValueError(
+                f"--data {item!r}: not a bench set; choose from {sorted(names)} "
+                f"or {sorted(by_file)}"
+            )
         chosen.append(name)
     return chosen
 
 
-def packing_function_speed(all_lengths: dict[str, np.ndarray], seq_len: int = 2048,
-                           window: int = 4096) -> float:
+def packing_function_speed(
+    all_lengths: dict[str, np.ndarray], seq_len: int = 2048, window: int = 4096
+) -> float:
     """Samples/s of ``pack_lengths`` (bfd) alone over windows of the bench streams, one core."""
     samples, seconds = 0, 0.0
     for lengths in all_lengths.values():
         full = np.minimum(stream(lengths), seq_len)
         for start in range(0, len(full), window):
-            chunk = full[start:start + window]
+            chunk = full[start : start + window]
             started = time.perf_counter()
             pack_lengths(chunk, seq_len, "bfd")
             seconds += time.perf_counter() - started
@@ -222,62 +266,87 @@ def format_verdict(rows: list[BenchRow], window: int, function_speed: float) -> 
         by_key.setdefault((row.dataset, row.seq_len), {})[row.strategy] = row
     gaps = [(k, r["bfd"].efficiency - r["bfd"].global_bfd_efficiency) for k, r in by_key.items()]
     worst_key, worst_gap = min(gaps, key=lambda item: item[1])
-    beaten = [k for k, r in by_key.items()
-              if r["bfd"].efficiency < max(r["trl"].efficiency, r["torchtune"].efficiency)]
+    beaten = [
+        k
+        for k, r in by_key.items()
+        if r["bfd"].efficiency < max(r["trl"].efficiency, r["torchtune"].efficiency)
+    ]
     delay = max(r["bfd"].max_delay_windows for r in by_key.values())
-    return (f"\nbfd (window {window}) vs global BFD: worst {worst_gap * 100:+.3f} points "
-            f"({worst_key[0]}, seq_len {worst_key[1]}); behind a reference packer on "
-            f"{len(beaten)} of {len(by_key)} rows {beaten or ''}; longest wait {delay} window(s)\n"
-            f"packing function (pack_lengths bfd, windows of {window}, one core): "
-            f"{function_speed:,.0f} samples/s")
+    return (
+        f"\nbfd (window {window}) vs global BFD: worst {worst_gap * 100:+.3f} points "
+        f"({worst_key[0]}, seq_len {worst_key[1]}); behind a reference packer on "
+        f"{len(beaten)} of {len(by_key)} rows {beaten or ''}; longest wait {delay} window(s)\n"
+        f"packing function (pack_lengths bfd, windows of {window}, one core): "
+        f"{function_speed:,.0f} samples/s"
+    )
 
 
 def time_pipeline(data_dir: Path) -> dict[str, float]:
     """Stage timers of the real Ray pipeline over every bench set that needs no rendering (GPT-2,
     seq_len 2048): seconds in Tokenize calls vs packing (driver plan, plan join, row assembly)."""
-    import ray
-
     from rayjobs.config import config_from_dict
-    from rayjobs.metrics import Ledger
-    from rayjobs.pipeline import build_epochs, init_ray
+    from rayjobs.pipeline import start_job
 
-    config = config_from_dict({
-        "datasets": [{"name": name, "source": str(data_dir / relative), "format": fmt,
-                      "template": template, "column_map": column_map, "text_split": text_split}
-                     for name, relative, fmt, template, column_map, text_split in BENCH_SETS
-                     if name != "hh_dpo_text"],
-        "tokenizer": {"path": str(data_dir / "tokenizers/gpt2")},
-        "packing": {"seq_len": 2048, "window": 4096}})
-    init_ray(config)
-    ledger = Ledger.remote("bench")
-    epochs = build_epochs(config, ledger)
+    config = config_from_dict(
+        {
+            "datasets": [
+                {
+                    "name": name,
+                    "source": str(data_dir / relative),
+                    "format": fmt,
+                    "template": template,
+                    "column_map": column_map,
+                    "text_split": text_split,
+                }
+                for name, relative, fmt, template, column_map, text_split in BENCH_SETS
+                if name != "hh_dpo_text"
+            ],
+            "tokenizer": {"path": str(data_dir / "tokenizers/gpt2")},
+            "packing": {"seq_len": 2048, "window": 4096},
+        }
+    )
+    job = start_job(config, prefix="bench")
+    epochs = job.epochs
     plans = []
     for epoch in range(3):
         before = (epochs.plan_seconds, epochs.plan_cpu_seconds)
         epochs.packed(epoch).materialize()
         plans.append((epochs.plan_seconds - before[0], epochs.plan_cpu_seconds - before[1]))
-    snapshot = ray.get(ledger.snapshot.remote())
+    snapshot = job.snapshot()
     tokenized = snapshot["tokenize"].values()
-    return {"tokenize_s": sum(c["seconds"] for c in tokenized),
-            "tokenize_cpu_s": sum(c["cpu_seconds"] for c in tokenized),
-            "samples": sum(c["samples"] for c in tokenized),
-            "epochs": [{"plan_s": plans[epoch][0], "plan_cpu_s": plans[epoch][1],
-                        "assemble_s": snapshot["pack"][epoch]["seconds"],
-                        "assemble_cpu_s": snapshot["pack"][epoch]["cpu_seconds"],
-                        "packs": snapshot["pack"][epoch]["num_packs"]} for epoch in range(3)]}
+    return {
+        "tokenize_s": sum(c["seconds"] for c in tokenized),
+        "tokenize_cpu_s": sum(c["cpu_seconds"] for c in tokenized),
+        "samples": sum(c["samples"] for c in tokenized),
+        "epochs": [
+            {
+                "plan_s": plans[epoch][0],
+                "plan_cpu_s": plans[epoch][1],
+                "assemble_s": snapshot["pack"][epoch]["seconds"],
+                "assemble_cpu_s": snapshot["pack"][epoch]["cpu_seconds"],
+                "packs": snapshot["pack"][epoch]["num_packs"],
+            }
+            for epoch in range(3)
+        ],
+    }
 
 
 def format_stage_times(times: dict) -> str:
     """The pack stage against tokenization. CPU seconds are the work each stage costs; wall seconds
     per call also count the time a process waits for a core, which on a machine with fewer cores
     than Ray processes dominates short calls."""
-    lines = [f"\nRay pipeline stage timers, {times['samples']} samples of every bench set but DPO, "
-             f"GPT-2, seq_len 2048: tokenize (once) {times['tokenize_cpu_s']:.2f} s CPU, "
-             f"{times['tokenize_s']:.2f} s wall"]
+    lines = [
+        f"\nRay pipeline stage timers, {times['samples']} samples of every bench set but DPO, "
+        f"GPT-2, seq_len 2048: tokenize (once) {times['tokenize_cpu_s']:.2f} s CPU, "
+        f"{times['tokenize_s']:.2f} s wall"
+    ]
     for epoch, stats in enumerate(times["epochs"]):
         wall = stats["plan_s"] + stats["assemble_s"]
         cpu = stats["plan_cpu_s"] + stats["assemble_cpu_s"]
-        lines.append(f"  epoch {epoch}: pack (plan + join + assemble, {stats['packs']} packs) {cpu:.3f} s CPU "
-                     f"= {cpu / times['tokenize_cpu_s']:.2%} of tokenize; {wall:.3f} s wall = "
-                     f"{wall / times['tokenize_s']:.2%}")
+        lines.append(
+            f"  epoch {epoch}: pack (plan + join + assemble, {stats['packs']} packs) "
+            f"{cpu:.3f} s CPU "
+            f"= {cpu / times['tokenize_cpu_s']:.2%} of tokenize; {wall:.3f} s wall = "
+            f"{wall / times['tokenize_s']:.2%}"
+        )
     return "\n".join(lines)

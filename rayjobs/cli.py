@@ -1,10 +1,10 @@
 """Command line.
 
-    rayjobs run CONFIG [dotted.key=value ...] [--address ADDR] [--json]
-    rayjobs export CONFIG [dotted.key=value ...] --out DIR [--epochs N] [--address ADDR]
-    rayjobs bench packing [--data NAME ...] [--data-dir DIR] [--seq-len N ...] [--window N]
-                          [--json OUT] [--no-pipeline]
-    rayjobs bench attention [--seq-len N ...] [--mean-length L] [--json OUT]     (CUDA GPU)
+rayjobs run CONFIG [dotted.key=value ...] [--address ADDR] [--json]
+rayjobs export CONFIG [dotted.key=value ...] --out DIR [--epochs N] [--address ADDR]
+rayjobs bench packing [--data NAME ...] [--data-dir DIR] [--seq-len N ...] [--window N]
+                      [--json OUT] [--no-pipeline]
+rayjobs bench attention [--seq-len N ...] [--mean-length L] [--json OUT]     (CUDA GPU)
 """
 
 from __future__ import annotations
@@ -26,28 +26,51 @@ def _parser() -> argparse.ArgumentParser:
     export = commands.add_parser("export", help="write the packed rows as Parquet + manifest.json")
     for command in (run, export):
         command.add_argument("config", help="YAML config file (see configs/)")
-        command.add_argument("overrides", nargs="*", metavar="dotted.key=value",
-                             help="config overrides, e.g. packing.seq_len=4096 train.max_steps=20")
-        command.add_argument("--address",
-                             help="Ray cluster address (default: $RAY_ADDRESS, else local)")
-    run.add_argument("--json", action="store_true",
-                     help="print the summary as one JSON object on the last line of stdout")
+        command.add_argument(
+            "overrides",
+            nargs="*",
+            metavar="dotted.key=value",
+            help="config overrides, e.g. packing.seq_len=4096 train.max_steps=20",
+        )
+        command.add_argument(
+            "--address", help="Ray cluster address (default: $RAY_ADDRESS, else local)"
+        )
+    run.add_argument(
+        "--json",
+        action="store_true",
+        help="print the summary as one JSON object on the last line of stdout",
+    )
     export.add_argument("--out", required=True, help="output directory")
     export.add_argument("--epochs", type=int, help="epochs to export (default: train.epochs)")
     bench = commands.add_parser("bench", help="benchmarks")
-    bench.add_argument("what", choices=["packing", "attention"],
-                       help="packing: efficiency and speed on real data; attention: the document "
-                            "mask on a CUDA GPU, FlexAttention vs dense SDPA")
-    bench.add_argument("--data", nargs="*", metavar="NAME",
-                       help="bench sets by name or file (default: all; see rayjobs/bench.py)")
-    bench.add_argument("--data-dir", default="../shared/data", help="the real data folder")
+    bench.add_argument(
+        "what",
+        choices=["packing", "attention"],
+        help="packing: efficiency and speed on real data; attention: the document "
+        "mask on a CUDA GPU, FlexAttention vs dense SDPA",
+    )
+    bench.add_argument(
+        "--data",
+        nargs="*",
+        metavar="NAME",
+        help="bench sets by name or file (default: all; see rayjobs/bench.py)",
+    )
+    bench.add_argument(
+        "--data-dir",
+        help="folder of real data sets in the layout of configs/data "
+        "(default: the subsets bundled there)",
+    )
     bench.add_argument("--seq-len", type=int, nargs="*", default=[2048, 4096, 8192])
     bench.add_argument("--window", type=int, default=4096, help="samples per packing window")
     bench.add_argument("--json", metavar="OUT", help="also write the rows as JSON to OUT")
-    bench.add_argument("--mean-length", type=float, default=300.0,
-                       help="attention: mean document length in tokens")
-    bench.add_argument("--no-pipeline", action="store_true",
-                       help="skip timing the pack stage against tokenize in the Ray pipeline")
+    bench.add_argument(
+        "--mean-length", type=float, default=300.0, help="attention: mean document length in tokens"
+    )
+    bench.add_argument(
+        "--no-pipeline",
+        action="store_true",
+        help="skip timing the pack stage against tokenize in the Ray pipeline",
+    )
     return parser
 
 
@@ -62,7 +85,7 @@ def _user_error(error: BaseException) -> str | None:
             marker = f"{name}: "
             text = str(error)
             if marker in text:
-                return text[text.rindex(marker) + len(marker):].strip().splitlines()[0]
+                return text[text.rindex(marker) + len(marker) :].strip().splitlines()[0]
         error = error.__cause__ or error.__context__
     return None
 
@@ -75,9 +98,11 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"tokens trained {summary['tokens_trained']}",
     ]
     for name, stats in summary["datasets"].items():
-        lines.append(f"  {name}: samples {stats['samples']} tokens {stats['tokens']} "
-                     f"truncated_tokens {stats['truncated_tokens']} dropped_samples "
-                     f"{stats['dropped_samples']} skipped_rows {stats['skipped_rows']}")
+        lines.append(
+            f"  {name}: samples {stats['samples']} tokens {stats['tokens']} "
+            f"truncated_tokens {stats['truncated_tokens']} dropped_samples "
+            f"{stats['dropped_samples']} skipped_rows {stats['skipped_rows']}"
+        )
     lines.append(f"checkpoint {summary['checkpoint']}")
     return "\n".join(lines)
 
@@ -89,10 +114,12 @@ def _bench(args: argparse.Namespace) -> int:
 
     from rayjobs import bench
 
-    data_dir = Path(args.data_dir)
+    data_dir = Path(args.data_dir) if args.data_dir else bench.DEFAULT_DATA_DIR
     if not data_dir.is_dir():
-        print(f"rayjobs: --data-dir {data_dir} is not a folder (the bench reads real data there)",
-              file=sys.stderr)
+        print(
+            f"rayjobs: --data-dir {data_dir} is not a folder (the bench reads real data there)",
+            file=sys.stderr,
+        )
         return 2
     try:
         names = bench.select_sets(args.data)
@@ -117,7 +144,10 @@ def _bench_attention(args: argparse.Namespace) -> int:
     from rayjobs import bench_attention
 
     if not torch.cuda.is_available():
-        print("rayjobs: bench attention needs a CUDA GPU (FlexAttention's training path)", file=sys.stderr)
+        print(
+            "rayjobs: bench attention needs a CUDA GPU (FlexAttention's training path)",
+            file=sys.stderr,
+        )
         return 2
     argv = ["--seq-len", *map(str, args.seq_len), "--mean-length", str(args.mean_length)]
     bench_attention.main(argv + (["--json", args.json] if args.json else []))
@@ -139,8 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.config, args.overrides)
         if args.address:
-            config = config.model_copy(update={"ray": config.ray.model_copy(
-                update={"address": args.address})})
+            config = config.model_copy(
+                update={"ray": config.ray.model_copy(update={"address": args.address})}
+            )
     except ConfigError as error:
         print(f"rayjobs: {error}", file=sys.stderr)
         return 2
@@ -150,8 +181,10 @@ def main(argv: list[str] | None = None) -> int:
 
             manifest = export(config, args.out, args.epochs)
             packed = manifest["packed"]
-            print(f"wrote {packed['num_packs']} packs ({packed['efficiency']:.4f} efficiency) "
-                  f"over {len(manifest['epochs'])} epoch(s) to {args.out}")
+            print(
+                f"wrote {packed['num_packs']} packs ({packed['efficiency']:.4f} efficiency) "
+                f"over {len(manifest['epochs'])} epoch(s) to {args.out}"
+            )
             return 0
         from rayjobs.pipeline import run
 

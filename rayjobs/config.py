@@ -18,13 +18,19 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-FILE_FORMATS = ("json", "jsonl", "parquet", "csv", "text")
-_EXTENSION_FORMATS = {".json": "json", ".jsonl": "jsonl", ".parquet": "parquet", ".csv": "csv",
-                      ".txt": "text", ".text": "text", ".md": "text"}
+from rayjobs import formats, pack, templates
 
 
 class ConfigError(ValueError):
     """A config problem a user can fix; the message names the dotted key or file."""
+
+
+def _registered(value: str, registry, kind: str) -> str:
+    """``value`` if it names an entry of ``registry``; else a message listing the entries."""
+    if value not in registry:
+        choices = ", ".join(repr(name) for name in registry)
+        raise ValueError(f"unknown {kind} {value!r}; registered: {choices}")
+    return value
 
 
 class _Strict(BaseModel):
@@ -37,13 +43,15 @@ class DatasetConfig(_Strict):
     source: str | list[str]
     """Local file(s), directory or glob; or a Hugging Face dataset name / saved-to-disk folder
     (``format: hf``)."""
-    format: Literal["json", "jsonl", "parquet", "csv", "text", "hf"] | None = None
-    """Input format; inferred from the file extension when omitted."""
+    format: str | None = None
+    """Input format: a file format of ``rayjobs.formats.FORMATS`` (json, jsonl, parquet, csv, text)
+    or ``hf``; inferred from the file extension when omitted."""
     split: str = "train"
     """Split to read for ``format: hf``."""
-    template: Literal["alpaca", "chat", "text"]
-    """How a row becomes training text: ``alpaca`` (instruction/input/output), ``chat``
-    (``messages`` or ShareGPT ``conversations``), ``text`` (raw text, every token trained)."""
+    template: str
+    """How a row becomes training text, a name in ``rayjobs.templates.TEMPLATES``: ``alpaca``
+    (instruction/input/output), ``chat`` (``messages`` or ShareGPT ``conversations``), ``text``
+    (raw text, every token trained)."""
     column_map: dict[str, str] = Field(default_factory=dict)
     """Template field → dataset column, e.g. ``{output: response}``."""
     train_on_input: bool = False
@@ -55,16 +63,30 @@ class DatasetConfig(_Strict):
     """A row missing a template field: stop with an error naming file, row and field, or skip it
     and count it under ``skipped_rows``."""
     text_split: Literal["line", "paragraph", "file"] = "paragraph"
-    """For ``format: text``: one document per line, per blank-line separated paragraph, or per file."""
+    """For ``format: text``: one document per line, per blank-line separated paragraph, or per
+    file."""
     files: tuple[str, ...] = ()
     """Resolved file list (filled in by validation; not set by users)."""
+
+    @field_validator("format")
+    @classmethod
+    def _known_format(cls, value: str | None) -> str | None:
+        return (
+            value if value is None else _registered(value, [*formats.FORMATS, formats.HF], "format")
+        )
+
+    @field_validator("template")
+    @classmethod
+    def _known_template(cls, value: str) -> str:
+        return _registered(value, templates.TEMPLATES, "template")
 
 
 class TokenizerConfig(_Strict):
     path: str
     """A tokenizer.json file, a local tokenizer directory, or a Hugging Face tokenizer name."""
     chat_template: str | None = None
-    """Jinja chat template overriding the tokenizer's; when neither exists a ChatML layout is used."""
+    """Jinja chat template overriding the tokenizer's; when neither exists a ChatML layout is
+    used."""
     eos_token: str | None = None
     """End-of-sequence token appended to every sample; default: the tokenizer's eos token."""
     pad_token: str | None = None
@@ -95,8 +117,13 @@ class PackingConfig(_Strict):
     """Samples packed together by one best-fit-decreasing pass (shuffle window)."""
     overflow: Literal["truncate", "drop", "split"] = "truncate"
     """Samples longer than seq_len: cut to seq_len, drop, or split into seq_len chunks."""
-    strategy: Literal["bfd", "ffd", "first_fit", "next_fit"] = "bfd"
-    """Bin-choice rule of the packer."""
+    strategy: str = "bfd"
+    """Bin-choice rule of the packer, a name in ``rayjobs.pack.STRATEGIES``."""
+
+    @field_validator("strategy")
+    @classmethod
+    def _known_strategy(cls, value: str) -> str:
+        return _registered(value, pack.STRATEGIES, "packing strategy")
 
 
 class ModelConfig(_Strict):
@@ -194,10 +221,12 @@ def config_from_dict(raw: dict[str, Any], base_dir: str | os.PathLike = ".") -> 
     base_dir = Path(base_dir).resolve()
     datasets = [_resolve_dataset(d, i, base_dir) for i, d in enumerate(config.datasets)]
     tokenizer_path = _resolve_tokenizer(config.tokenizer.path, base_dir)
-    return config.model_copy(update={
-        "datasets": datasets,
-        "tokenizer": config.tokenizer.model_copy(update={"path": tokenizer_path}),
-    })
+    return config.model_copy(
+        update={
+            "datasets": datasets,
+            "tokenizer": config.tokenizer.model_copy(update={"path": tokenizer_path}),
+        }
+    )
 
 
 def _apply_override(raw: dict[str, Any], override: str) -> None:
@@ -209,13 +238,15 @@ def _apply_override(raw: dict[str, Any], override: str) -> None:
     for depth, part in enumerate(parts[:-1]):
         if isinstance(node, list):
             if not part.isdigit() or int(part) >= len(node):
-                raise ConfigError(f"override {key}: {'.'.join(parts[:depth + 1])} is not an index "
-                                  f"of a list of {len(node)}")
+                raise ConfigError(
+                    f"override {key}: {'.'.join(parts[: depth + 1])} is not an index "
+                    f"of a list of {len(node)}"
+                )
             node = node[int(part)]
         else:
             node = node.setdefault(part, {})
         if not isinstance(node, (dict, list)):
-            raise ConfigError(f"override {key}: {'.'.join(parts[:depth + 1])} is not a section")
+            raise ConfigError(f"override {key}: {'.'.join(parts[: depth + 1])} is not a section")
     last = parts[-1]
     try:
         parsed = yaml.safe_load(value) if value else ""
@@ -245,7 +276,7 @@ def _describe(error: ValidationError) -> str:
 def _resolve_dataset(spec: DatasetConfig, index: int, base_dir: Path) -> DatasetConfig:
     key = f"datasets.{index}.source"
     sources = [spec.source] if isinstance(spec.source, str) else list(spec.source)
-    if spec.format == "hf":
+    if spec.format == formats.HF:
         local = base_dir / sources[0]
         resolved = str(local) if local.exists() else sources[0]
         return spec.model_copy(update={"source": resolved})
@@ -254,23 +285,32 @@ def _resolve_dataset(spec: DatasetConfig, index: int, base_dir: Path) -> Dataset
         full = Path(os.path.expanduser(source))
         full = full if full.is_absolute() else base_dir / full
         if full.is_dir():
-            wanted = {ext for ext, fmt in _EXTENSION_FORMATS.items() if spec.format in (None, fmt)}
-            matches = sorted(str(p) for p in full.rglob("*") if p.suffix in wanted)
+            matches = sorted(
+                str(p)
+                for p in full.rglob("*")
+                if p.is_file()
+                and formats.format_of(p.name) is not None
+                and spec.format in (None, formats.format_of(p.name))
+            )
         else:
             matches = sorted(glob.glob(str(full), recursive=True))
         if not matches:
             raise ConfigError(f"{key} (dataset {spec.name!r}): no file matches {full}")
         files.extend(m for m in matches if m not in files)  # a file listed twice is read once
     if all(_is_empty(f) for f in files):
-        raise ConfigError(f"{key} (dataset {spec.name!r}): every file is empty ({files[:3]}); "
-                          f"a dataset in the mix needs at least one row")
+        raise ConfigError(
+            f"{key} (dataset {spec.name!r}): every file is empty ({files[:3]}); "
+            f"a dataset in the mix needs at least one row"
+        )
     fmt = spec.format
     if fmt is None:
-        found = {_EXTENSION_FORMATS.get(Path(f).suffix) for f in files}
+        found = {formats.format_of(f) for f in files}
         if len(found) != 1 or None in found:
-            raise ConfigError(f"datasets.{index}.format (dataset {spec.name!r}): cannot infer the "
-                              f"format from the extensions of {files[:3]}; set format to one of "
-                              f"{', '.join(FILE_FORMATS)}")
+            raise ConfigError(
+                f"datasets.{index}.format (dataset {spec.name!r}): cannot infer the "
+                f"format from the extensions of {files[:3]}; set format to one of "
+                f"{', '.join(formats.FORMATS)}"
+            )
         fmt = found.pop()
     return spec.model_copy(update={"format": fmt, "files": tuple(files)})
 

@@ -14,12 +14,12 @@ for a whole epoch, and Ray moves the tokens:
    pack, slot and emission group) and assembles each group's rows (``AssemblePacks``, one
    ``map_groups`` call per emitted window). Rows depend only on the plan: same seed, same packs.
 
-Planning costs O(samples) of driver memory and ~1 µs per sample; assembly is vectorized numpy.
+Planning costs O(samples) of driver memory and time; assembly is vectorized numpy
+(``rows.assemble``).
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import numpy as np
@@ -27,17 +27,18 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import ray.data
 
+from rayjobs import seeds
 from rayjobs.config import Config, ConfigError
+from rayjobs.metrics import PackCounts, StageTimer, report
 from rayjobs.mix import plan_epoch
-from rayjobs.masks import ranges
-from rayjobs.pack import StreamPacker, assemble_gather
-
+from rayjobs.pack import StreamPacker
+from rayjobs.rows import assemble, ranges
 
 PACK_STAGE_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**30), "MALLOC_TRIM_THRESHOLD_": str(2**32)}
 """Environment of the pack-stage actors: glibc keeps freed memory for the next call. Its default
 returns every large array to the kernel on free, so each call page-faults its row-size arrays
-again; on the bench's real data that made assembly 3x slower per call (``rayjobs bench packing``
-prints the stage timers). The heap stays at the largest group's working set, tens of MB."""
+again, which made assembly several times slower per call (README, "Benchmarks"; ``rayjobs bench
+packing`` prints the stage timers). The heap stays at the largest group's working set."""
 
 
 class ExpandPlan:
@@ -48,7 +49,18 @@ class ExpandPlan:
         self.plan, self.epoch, self.ledger = plan, epoch, ledger  # plan: sorted by uid
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        started, cpu_started = time.perf_counter(), time.process_time()
+        with StageTimer() as timer:
+            expanded = self._expand(batch)
+        # the join is part of the pack stage's time
+        report(
+            self.ledger,
+            "add_pack",
+            self.epoch,
+            PackCounts(seconds=timer.seconds, cpu_seconds=timer.cpu_seconds),
+        )
+        return expanded
+
+    def _expand(self, batch: pa.Table) -> pa.Table:
         uids = batch.column("uid").to_numpy()
         starts = np.searchsorted(self.plan["uid"], uids, side="left")
         counts = np.searchsorted(self.plan["uid"], uids, side="right") - starts
@@ -62,14 +74,6 @@ class ExpandPlan:
             expanded = batch.take(pa.array(rows, type=pa.int64()))
         for name in ("pack", "slot", "group"):
             expanded = expanded.append_column(name, pa.array(self.plan[name][offsets]))
-        if self.ledger is not None:  # the join is part of the pack stage's time
-            import ray
-
-            from rayjobs.metrics import PackCounts
-
-            ray.get(self.ledger.add_pack.remote(self.epoch, PackCounts(
-                seconds=time.perf_counter() - started,
-                cpu_seconds=time.process_time() - cpu_started)))
         return expanded
 
 
@@ -79,7 +83,7 @@ def _flat_values(column: pa.ChunkedArray) -> tuple[list[np.ndarray], np.ndarray]
     values, starts, offset = [], [], 0
     for chunk in column.chunks:
         offsets = chunk.offsets.to_numpy()
-        values.append(chunk.values.to_numpy()[offsets[0]:offsets[-1]])
+        values.append(chunk.values.to_numpy()[offsets[0] : offsets[-1]])
         starts.append(offsets[:-1] - offsets[0] + offset)
         offset += int(offsets[-1] - offsets[0])
     return values, np.concatenate(starts) if starts else np.empty(0, dtype=np.int64)
@@ -92,7 +96,12 @@ class AssemblePacks:
         self.seq_len, self.pad_id, self.epoch, self.ledger = seq_len, pad_id, epoch, ledger
 
     def __call__(self, batch: pa.Table) -> dict[str, np.ndarray]:
-        started, cpu_started = time.perf_counter(), time.process_time()
+        with StageTimer() as timer:
+            rows = self._assemble(batch)
+        report(self.ledger, "add_pack", self.epoch, self._counts(batch, rows, timer))
+        return rows
+
+    def _assemble(self, batch: pa.Table) -> dict[str, np.ndarray]:
         order = np.lexsort((batch.column("slot").to_numpy(), batch.column("pack").to_numpy()))
         packs = batch.column("pack").to_numpy()[order]
         documents_per_row = np.diff(np.flatnonzero(np.diff(packs, prepend=-1, append=-1)))
@@ -101,51 +110,60 @@ class AssemblePacks:
         labels, label_starts = _flat_values(batch.column("labels"))
         if not np.array_equal(starts, label_starts):
             raise ValueError("a sample's labels differ in length from its input_ids")
-        rows = assemble_gather(tokens, labels, starts[order], lengths, documents_per_row,
-                               self.seq_len, self.pad_id)
-        if self.ledger is not None:
-            self._account(batch, rows, time.perf_counter() - started,
-                          time.process_time() - cpu_started)
-        return rows
+        return assemble(
+            tokens, labels, starts[order], lengths, documents_per_row, self.seq_len, self.pad_id
+        )
 
-    def _account(self, batch: pa.Table, rows: dict[str, np.ndarray], seconds: float,
-                 cpu_seconds: float) -> None:
-        import ray
-
-        from rayjobs.metrics import PackCounts
-
-        by_source = batch.group_by("source").aggregate([("num_tokens", "sum"),
-                                                        ("num_tokens", "count")])
+    def _counts(
+        self, batch: pa.Table, rows: dict[str, np.ndarray], timer: StageTimer
+    ) -> PackCounts:
+        by_source = batch.group_by("source").aggregate(
+            [("num_tokens", "sum"), ("num_tokens", "count")]
+        )
         names = by_source.column("source").to_pylist()
-        counts = PackCounts(
-            num_packs=len(rows["num_tokens"]), num_tokens=int(rows["num_tokens"].sum()),
-            num_slots=len(rows["num_tokens"]) * self.seq_len, num_documents=batch.num_rows,
-            documents_by_source=dict(zip(names, by_source.column("num_tokens_count").to_pylist())),
-            tokens_by_source=dict(zip(names, by_source.column("num_tokens_sum").to_pylist())),
-            seconds=seconds, cpu_seconds=cpu_seconds)
-        ray.get(self.ledger.add_pack.remote(self.epoch, counts))
+        return PackCounts(
+            num_packs=len(rows["num_tokens"]),
+            num_tokens=int(rows["num_tokens"].sum()),
+            num_slots=len(rows["num_tokens"]) * self.seq_len,
+            num_documents=batch.num_rows,
+            documents_by_source=dict(
+                zip(names, by_source.column("num_tokens_count").to_pylist(), strict=True)
+            ),
+            tokens_by_source=dict(
+                zip(names, by_source.column("num_tokens_sum").to_pylist(), strict=True)
+            ),
+            seconds=timer.seconds,
+            cpu_seconds=timer.cpu_seconds,
+        )
 
 
 class Epochs:
     """The packed rows of each epoch, planned in the driver from one materialized tokenization."""
 
-    def __init__(self, config: Config, tokenized: ray.data.Dataset, pad_id: int,
-                 ledger: Any = None):
+    def __init__(
+        self, config: Config, tokenized: ray.data.Dataset, pad_id: int, ledger: Any = None
+    ):
         self.config, self.ledger, self.pad_id = config, ledger, pad_id
         self.tokenized = tokenized.materialize()
         columns = self.tokenized.select_columns(["source", "uid", "num_tokens"]).to_arrow_refs()
         table = pa.concat_tables(ray.get(columns)) if columns else None
         if table is not None and pc.count_distinct(table["uid"]).as_py() != table.num_rows:
-            raise ValueError("two samples share a uid (the same dataset, file and row read twice?); "
-                             "the epoch plan could not tell them apart")
+            raise ValueError(
+                "two samples share a uid (the same dataset, file and row read twice?); "
+                "the epoch plan could not tell them apart"
+            )
         self.samples: list[tuple[np.ndarray, np.ndarray]] = []  # per dataset: (uids, lengths)
         for spec in config.datasets:
             mine = table.filter(pc.equal(table["source"], spec.name)) if table else None
             if mine is None or not mine.num_rows:
-                raise ConfigError(f"dataset {spec.name!r} has no samples after tokenization "
-                                  f"(see skipped_rows and dropped_samples); it cannot be mixed")
+                raise ConfigError(
+                    f"dataset {spec.name!r} has no samples after tokenization "
+                    f"(see skipped_rows and dropped_samples); it cannot be mixed"
+                )
             mine = mine.sort_by("uid")
-            self.samples.append((mine["uid"].to_numpy(), mine["num_tokens"].to_numpy().astype(np.int64)))
+            self.samples.append(
+                (mine["uid"].to_numpy(), mine["num_tokens"].to_numpy().astype(np.int64))
+            )
         self.plan_seconds = self.plan_cpu_seconds = 0.0
         self.max_delay_windows = 0
         self._occurrence_cache: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
@@ -154,10 +172,15 @@ class Epochs:
         """(dataset index, sample index) of each occurrence, in epoch order."""
         weights = [spec.weight for spec in self.config.datasets]
         mix = self.config.mix
-        return plan_epoch([lengths for _, lengths in self.samples],
-                          None if weights[0] is None else weights, by=mix.by,
-                          seed=self.config.seed, epoch=epoch, epoch_samples=mix.epoch_samples,
-                          epoch_tokens=mix.epoch_tokens)
+        return plan_epoch(
+            [lengths for _, lengths in self.samples],
+            None if weights[0] is None else weights,
+            by=mix.by,
+            seed=self.config.seed,
+            epoch=epoch,
+            epoch_samples=mix.epoch_samples,
+            epoch_tokens=mix.epoch_tokens,
+        )
 
     def _occurrences(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """uid, length and dataset index of each occurrence, in epoch order (planned once)."""
@@ -176,9 +199,13 @@ class Epochs:
     def realized_mix(self, epoch: int) -> dict[str, dict[str, float]]:
         """Per dataset: samples, tokens and share (in ``mix.by`` units) of the epoch's plan."""
         _, lengths, dataset_ids = self._occurrences(epoch)
-        realized = {spec.name: {"samples": int((dataset_ids == i).sum()),
-                                "tokens": int(lengths[dataset_ids == i].sum())}
-                    for i, spec in enumerate(self.config.datasets)}
+        realized = {
+            spec.name: {
+                "samples": int((dataset_ids == i).sum()),
+                "tokens": int(lengths[dataset_ids == i].sum()),
+            }
+            for i, spec in enumerate(self.config.datasets)
+        }
         unit = self.config.mix.by
         total = sum(stats[unit] for stats in realized.values()) or 1
         for stats in realized.values():
@@ -187,11 +214,19 @@ class Epochs:
 
     def pack_plan(self, epoch: int) -> dict[str, np.ndarray]:
         """Every occurrence's uid, pack, slot and emission group, sorted by uid."""
-        started, cpu_started = time.perf_counter(), time.process_time()
+        with StageTimer() as timer:
+            plan, max_delay = self._pack_plan(epoch)
+        self.plan_seconds += timer.seconds
+        self.plan_cpu_seconds += timer.cpu_seconds
+        self.max_delay_windows = max(self.max_delay_windows, max_delay)
+        return plan
+
+    def _pack_plan(self, epoch: int) -> tuple[dict[str, np.ndarray], int]:
         uids, lengths, _ = self._occurrences(epoch)
         packing = self.config.packing
-        packer = StreamPacker(packing.seq_len, packing.strategy,
-                              rng=np.random.default_rng([self.config.seed, epoch, 2]))
+        packer = StreamPacker(
+            packing.seq_len, packing.strategy, rng=seeds.rng(self.config.seed, "pack", epoch)
+        )
         occurrences = np.arange(len(uids))
         packs: list[np.ndarray] = []
         groups: list[int] = []
@@ -206,25 +241,39 @@ class Epochs:
         groups += [len(windows)] * len(final)  # the flush is one more emission group
         sizes = np.array([len(p) for p in packs], dtype=np.int64)
         order = np.concatenate(packs)
-        plan = {"uid": uids[order],
-                "pack": np.repeat(np.arange(len(packs)), sizes),
-                "slot": ranges(np.zeros(len(sizes), dtype=np.int64), sizes),
-                "group": np.repeat(np.array(groups, dtype=np.int64), sizes)}
+        plan = {
+            "uid": uids[order],
+            "pack": np.repeat(np.arange(len(packs)), sizes),
+            "slot": ranges(np.zeros(len(sizes), dtype=np.int64), sizes),
+            "group": np.repeat(np.array(groups, dtype=np.int64), sizes),
+        }
         by_uid = np.argsort(plan["uid"], kind="stable")
-        self.plan_seconds += time.perf_counter() - started
-        self.plan_cpu_seconds += time.process_time() - cpu_started
-        self.max_delay_windows = max(self.max_delay_windows, packer.max_delay_seen)
-        return {name: values[by_uid] for name, values in plan.items()}
+        return {name: values[by_uid] for name, values in plan.items()}, packer.max_delay_seen
 
     def packed(self, epoch: int = 0) -> ray.data.Dataset:
         """The packed rows of one epoch as a lazy Ray dataset (data-contract columns)."""
         expanded = self.tokenized.map_batches(
-            ExpandPlan, batch_format="pyarrow", num_cpus=0.5, concurrency=1,
+            ExpandPlan,
+            batch_format="pyarrow",
+            num_cpus=0.5,
+            concurrency=1,
             runtime_env={"env_vars": PACK_STAGE_ENV},
-            fn_constructor_kwargs={"plan": self.pack_plan(epoch), "epoch": epoch,
-                                   "ledger": self.ledger})
+            fn_constructor_kwargs={
+                "plan": self.pack_plan(epoch),
+                "epoch": epoch,
+                "ledger": self.ledger,
+            },
+        )
         return expanded.groupby("group").map_groups(
-            AssemblePacks, batch_format="pyarrow", num_cpus=0.5, concurrency=1,
+            AssemblePacks,
+            batch_format="pyarrow",
+            num_cpus=0.5,
+            concurrency=1,
             runtime_env={"env_vars": PACK_STAGE_ENV},
-            fn_constructor_kwargs={"seq_len": self.config.packing.seq_len, "pad_id": self.pad_id,
-                                   "epoch": epoch, "ledger": self.ledger})
+            fn_constructor_kwargs={
+                "seq_len": self.config.packing.seq_len,
+                "pad_id": self.pad_id,
+                "epoch": epoch,
+                "ledger": self.ledger,
+            },
+        )

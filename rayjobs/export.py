@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from rayjobs.collate import PACKED_COLUMNS
 from rayjobs.config import Config
+from rayjobs.rows import PACKED_COLUMNS, STAT_COLUMNS
 
 MANIFEST = "manifest.json"
 
@@ -28,37 +28,38 @@ def to_arrow(batch: dict[str, np.ndarray]) -> pa.Table:
     for name in PACKED_COLUMNS:
         values = np.ascontiguousarray(batch[name], dtype=np.int32)
         columns[name] = pa.FixedSizeListArray.from_arrays(values.reshape(-1), values.shape[1])
-    for name in ("num_tokens", "num_documents"):
+    for name in STAT_COLUMNS:
         columns[name] = pa.array(np.asarray(batch[name], dtype=np.int32))
     return pa.table(columns)
 
 
 def export(config: Config, out: str | os.PathLike, epochs: int | None = None) -> dict[str, Any]:
     """Write every epoch's packed rows under ``out`` and return the manifest (also written)."""
-    import ray
-
-    from rayjobs.metrics import Ledger
-    from rayjobs.pipeline import accounting, build_epochs, init_ray
+    from rayjobs.pipeline import start_job
 
     out = Path(out)
-    init_ray(config)
-    ledger = Ledger.remote("export")
-    planner = build_epochs(config, ledger)
+    job = start_job(config, prefix="export")
     num_epochs = epochs or config.train.epochs
-    mixes = []
     for epoch in range(num_epochs):
-        rows = planner.packed(epoch).map_batches(to_arrow, batch_format="numpy")
+        rows = job.epochs.packed(epoch).map_batches(to_arrow, batch_format="numpy")
         rows.write_parquet(str(out / f"epoch_{epoch}"))
-        mixes.append(planner.realized_mix(epoch))
-    snapshot = ray.get(ledger.snapshot.remote())
+    summary = job.accounting(num_epochs)
+    packs = job.snapshot()["pack"]
     manifest = {
         "config": config.model_dump(mode="json"),
         "seq_len": config.packing.seq_len,
-        "columns": list(PACKED_COLUMNS) + ["num_tokens", "num_documents"],
-        "epochs": [{"epoch": epoch, "path": f"epoch_{epoch}", "mix": mixes[epoch],
-                    "packs": snapshot["pack"][epoch]} for epoch in range(num_epochs)],
-        "max_delay_windows": planner.max_delay_windows,
-        **accounting(snapshot),
+        "columns": [*PACKED_COLUMNS, *STAT_COLUMNS],
+        "epochs": [
+            {
+                "epoch": e["epoch"],
+                "path": f"epoch_{e['epoch']}",
+                "mix": e["datasets"],
+                "packs": packs[e["epoch"]],
+            }
+            for e in summary.pop("mix")
+        ],
+        "max_delay_windows": summary["packed"].pop("max_delay_windows"),
+        **summary,
     }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1, default=str))
     return manifest

@@ -12,8 +12,9 @@ tokenization, so "30% of the tokens come from chat" can be met exactly, not just
 3. Interleaving: the k draws of a dataset get stratified keys ``(j + U) / k``; sorting all keys
    spreads every dataset evenly over the whole epoch (each tenth of the epoch holds a tenth of each
    dataset, up to one sample), instead of one dataset after another.
-4. Everything is seeded by (seed, epoch, dataset): the same seed gives the same epoch, each epoch
-   draws and orders differently.
+4. Draws and order come from the ``mix_draw`` and ``mix_order`` streams of ``rayjobs.seeds``,
+   keyed by (epoch, dataset): the same seed gives the same epoch, each epoch draws and orders
+   differently.
 
 Rejected: ``ray.data.Dataset.mix`` (alpha in Ray 2.60): it has no sampling with replacement, its
 default uses every row so weights only shape the order, and it cannot target token shares.
@@ -24,6 +25,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+
+from rayjobs import seeds
 
 
 def _targets(sizes: np.ndarray, shares: np.ndarray, total: int) -> np.ndarray:
@@ -39,9 +42,16 @@ def _draw(rng: np.random.Generator, num_samples: int, passes: int) -> np.ndarray
     return np.concatenate([rng.permutation(num_samples) for _ in range(passes)])
 
 
-def plan_epoch(lengths: Sequence[np.ndarray], weights: Sequence[float] | None, *, by: str = "tokens",
-               seed: int = 0, epoch: int = 0, epoch_samples: int | None = None,
-               epoch_tokens: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def plan_epoch(
+    lengths: Sequence[np.ndarray],
+    weights: Sequence[float] | None,
+    *,
+    by: str = "tokens",
+    seed: int = 0,
+    epoch: int = 0,
+    epoch_samples: int | None = None,
+    epoch_tokens: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
     """Plan one epoch of a weighted mix.
 
     Args:
@@ -68,17 +78,19 @@ def plan_epoch(lengths: Sequence[np.ndarray], weights: Sequence[float] | None, *
     shares = np.asarray(weights, dtype=np.float64)
     shares = shares / shares.sum()
     if (num_samples == 0).any():
-        raise ValueError(f"dataset {int(np.flatnonzero(num_samples == 0)[0])} has no samples to mix")
+        raise ValueError(
+            f"dataset {int(np.flatnonzero(num_samples == 0)[0])} has no samples to mix"
+        )
     picks: list[np.ndarray] = []
     if by == "samples":
         total = epoch_samples or int(num_samples.sum())
         for i, count in enumerate(_targets(num_samples, shares, total)):
-            rng = np.random.default_rng([seed, epoch, i])
+            rng = seeds.rng(seed, "mix_draw", epoch, i)
             picks.append(_draw(rng, num_samples[i], -(-count // num_samples[i]))[:count])
     elif by == "tokens":
         total = epoch_tokens or int(num_tokens.sum())
         for i, target in enumerate(shares * total):
-            rng = np.random.default_rng([seed, epoch, i])
+            rng = seeds.rng(seed, "mix_draw", epoch, i)
             drawn = _draw(rng, num_samples[i], int(target // num_tokens[i]) + 1)
             cumulative = np.cumsum(lengths[i][drawn])
             k = int(np.searchsorted(cumulative, target))  # cumulative[k] >= target > [k - 1]
@@ -88,7 +100,7 @@ def plan_epoch(lengths: Sequence[np.ndarray], weights: Sequence[float] | None, *
         raise ValueError(f"mix.by must be 'tokens' or 'samples', not {by!r}")
     keys = []
     for i, chosen in enumerate(picks):
-        rng = np.random.default_rng([seed, epoch, i, 1])
+        rng = seeds.rng(seed, "mix_order", epoch, i)
         keys.append((np.arange(len(chosen)) + rng.random(len(chosen))) / max(1, len(chosen)))
     order = np.argsort(np.concatenate(keys), kind="stable")
     dataset_ids = np.concatenate([np.full(len(c), i, dtype=np.int64) for i, c in enumerate(picks)])

@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import flex_attention
 
 from rayjobs import masks
-from rayjobs.pack import IGNORE_INDEX
+from rayjobs.rows import IGNORE_INDEX
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -47,10 +47,13 @@ class DecoderConfig:
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "mlp_ratio"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"DecoderConfig.{name} must be positive, got {getattr(self, name)}.")
+                raise ValueError(
+                    f"DecoderConfig.{name} must be positive, got {getattr(self, name)}."
+                )
         if self.dim % self.n_heads or (self.dim // self.n_heads) % 2:
             raise ValueError(
-                f"DecoderConfig.dim={self.dim} must split into n_heads={self.n_heads} heads of even width."
+                f"DecoderConfig.dim={self.dim} must split into n_heads={self.n_heads} heads "
+                "of even width."
             )
 
     @property
@@ -75,9 +78,13 @@ def _attend_fn(attention: str, document_ids: torch.Tensor) -> Attend:
     raise ValueError(f"attention must be 'sdpa' or 'flex', got {attention!r}.")
 
 
-def _rope(position_ids: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _rope(
+    position_ids: torch.Tensor, head_dim: int, theta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [B,1,S,head_dim/2] of the rotation angles for ``position_ids`` [B,S]."""
-    inv_freq = theta ** -(torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim)
+    inv_freq = theta ** -(
+        torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim
+    )
     angles = position_ids[:, None, :, None].float() * inv_freq
     return angles.cos(), angles.sin()
 
@@ -95,7 +102,9 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(config.dim, 3 * config.dim, bias=False)
         self.out = nn.Linear(config.dim, config.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend
+    ) -> torch.Tensor:
         batch_size, seq_len, dim = x.shape
         q, k, v = self.qkv(x).view(batch_size, seq_len, 3, self.n_heads, -1).permute(2, 0, 3, 1, 4)
         y = attend(_rotate(q, cos, sin), _rotate(k, cos, sin), v)
@@ -122,7 +131,9 @@ class Block(nn.Module):
         self.mlp_norm = nn.RMSNorm(config.dim)
         self.mlp = SwiGLU(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend
+    ) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin, attend)
         return x + self.mlp(self.mlp_norm(x))
 
@@ -148,7 +159,8 @@ class Decoder(nn.Module):
         document_ids: torch.Tensor,
         attention: str = "sdpa",
     ) -> torch.Tensor:
-        """Logits [B,S,vocab_size] for ``input_ids``, ``position_ids`` and ``document_ids`` (each [B,S]).
+        """Logits [B,S,vocab_size] for ``input_ids``, ``position_ids`` and ``document_ids`` (each
+        [B,S]).
 
         ``attention`` is ``"sdpa"`` (dense mask; any device, trains on CPU) or ``"flex"``
         (FlexAttention BlockMask; compiled on CUDA, forward only on CPU).
@@ -162,7 +174,8 @@ class Decoder(nn.Module):
 
 
 def loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed cross entropy over positions whose label is not -100, and the number of such positions.
+    """Summed cross entropy over positions whose label is not -100, and the number of such
+    positions.
 
     ``labels`` [B,S] are already shifted (``labels[t]`` is the target for ``input_ids[t]``), so no
     shift happens here. Divide the sum by the count of the *global* batch for a per-token mean.

@@ -1,4 +1,4 @@
-"""Pack tokenized samples into fixed-length rows: pure numpy, no Ray.
+"""Pack tokenized samples into fixed-length rows: pure numpy, no Ray, no torch.
 
 Design note
 -----------
@@ -6,22 +6,21 @@ Algorithm: best-fit decreasing (BFD). Sort a window's lengths longest first (sta
 lengths keep index order), then put each sample into the open bin with the *smallest* remaining
 capacity that still fits it, opening a new bin only when none does. Open bins are int keys
 ``remaining << 32 | bin`` in a sorted list: one ``bisect`` finds the best bin, ties go to the oldest
-bin, updates are C-level memmoves, full bins leave the list. ~3M samples/s for a window of 4096 on
-one core (``rayjobs bench packing``); the generic per-item form of the other strategies ~200k/s.
+bin, updates are C-level memmoves, full bins leave the list. The other strategies use the generic
+per-item form. Strategies live in the :data:`STRATEGIES` registry.
 
 Windows: ``StreamPacker`` packs a stream window by window. A stateless per-window packer wastes
 every window's tail (its last bins hold what nothing else fitted); here a bin below 99.9% full
 waits, and its samples are placed *first* in the next window (placed last, the small ones would
 land in the tail bin again and again). A sample waits at most ``max_delay`` windows and ``flush()``
-ends the stream, so nothing is lost. On the real sets streamed 10x this matches global BFD over the
-whole stream at seq_len 2048/4096/8192; without the carry it trails by up to 2.2 points, and carried
-samples placed last by up to 0.5. The carry is safe because the stream is planned in the driver,
-which knows where it ends (``epochs.py``); inside a ``map_batches`` actor, which has no end-of-data
-hook, it would lose samples (DESIGN.md, "Packing").
+ends the stream, so nothing is lost. The carry is safe because the stream is planned in the
+driver, which knows where it ends (``epochs.py``); inside a ``map_batches`` actor, which has no
+end-of-data hook, it would strand samples (README, "Design").
 
-Why BFD: global BFD reaches 99.7-99.9% token efficiency at seq_len 2048 on the real sets, next-fit
-92-94%. BFD is not optimal, nor pointwise better than next-fit: next-fit on a lucky order can beat
-it (scenario table in ``tests/test_pack.py``); it is the best of these on realistic lengths.
+Why BFD: on the real sets it matches global BFD over the whole stream, and next-fit trails it by
+several points (README, "Benchmarks"). BFD is not optimal, nor pointwise better than next-fit:
+next-fit on a lucky order can beat it (scenario table in ``tests/test_pack.py``); it is the best
+of these on realistic lengths.
 
 Randomness comes only from the ``np.random.Generator`` given to ``StreamPacker``: samples are
 shuffled before packing (so equal lengths land in random bins), packs are shuffled on emission and
@@ -31,24 +30,31 @@ documents inside each pack, so long and short samples do not arrive in runs. Sam
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute  # noqa: F401  (pa.compute)
 
-from rayjobs.masks import index_dtype, ranges, row_segments
-
-IGNORE_INDEX = -100
-"""Label value of positions that carry no loss (prompt tokens, each sample's last token, padding)."""
-
-STRATEGIES = ("bfd", "ffd", "first_fit", "next_fit")
-"""Names accepted by the ``strategy`` argument of :func:`pack_lengths` and ``StreamPacker``."""
+STRATEGIES: dict[str, type[Packer]] = {}
+"""The packing strategies by name (the ``strategy`` of :func:`pack_lengths`, ``StreamPacker`` and
+``packing.strategy``, which config validation checks against this registry). Add one with
+:func:`register_strategy`."""
 
 
-class _Packer:
-    """Places items one at a time into bins of capacity ``seq_len``; subclasses choose the bin."""
+def register_strategy(name: str) -> Callable[[type[Packer]], type[Packer]]:
+    """Class decorator: make a :class:`Packer` subclass available as strategy ``name``."""
+
+    def register(packer: type[Packer]) -> type[Packer]:
+        if name in STRATEGIES:
+            raise ValueError(f"packing strategy {name!r} is already registered")
+        STRATEGIES[name] = packer
+        return packer
+
+    return register
+
+
+class Packer:
+    """Places items one at a time into bins of capacity ``seq_len``; subclasses choose the bin
+    (``_choose_bin``), or replace ``assign`` wholesale for speed (best-fit decreasing)."""
 
     sort_decreasing = False
 
@@ -64,9 +70,11 @@ class _Packer:
             keys.append(~first)
         return np.lexsort(keys) if keys else np.arange(len(lengths))  # last key is primary
 
-    def assign(self, lengths: np.ndarray, first: np.ndarray | None = None
-               ) -> tuple[np.ndarray, np.ndarray, int]:
-        """Packs validated ``lengths``: (placement order, bin of each placed item, number of bins)."""
+    def assign(
+        self, lengths: np.ndarray, first: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray, int]:
+        """Packs validated ``lengths``: (placement order, bin of each placed item, number of
+        bins)."""
         order = self.order(lengths, first)
         assigned: list[int] = []
         for length in lengths[order].tolist():
@@ -89,32 +97,8 @@ class _Packer:
         self.remaining[bin_index] = remaining
 
 
-class _FirstFit(_Packer):
-    """The first bin, in opening order, that still has room."""
-
-    def _choose_bin(self, length: int) -> int | None:
-        for bin_index, remaining in enumerate(self.remaining):
-            if remaining >= length:
-                return bin_index
-        return None
-
-
-class _FirstFitDecreasing(_FirstFit):
-    """First fit over the lengths sorted longest first."""
-
-    sort_decreasing = True
-
-
-class _NextFit(_Packer):
-    """Only the newest bin is open; an item that does not fit closes it."""
-
-    def _choose_bin(self, length: int) -> int | None:
-        if self.remaining and self.remaining[-1] >= length:
-            return len(self.remaining) - 1
-        return None
-
-
-class _BestFitDecreasing(_Packer):
+@register_strategy("bfd")
+class _BestFitDecreasing(Packer):
     """The tightest bin that still fits, over the lengths sorted longest first.
 
     One tight loop instead of the generic per-item method calls: every non-full bin is one int key
@@ -124,8 +108,9 @@ class _BestFitDecreasing(_Packer):
 
     sort_decreasing = True
 
-    def assign(self, lengths: np.ndarray, first: np.ndarray | None = None
-               ) -> tuple[np.ndarray, np.ndarray, int]:
+    def assign(
+        self, lengths: np.ndarray, first: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray, int]:
         order = self.order(lengths, first)
         keys: list[int] = []  # sorted: remaining capacity << 32 | bin index
         assigned: list[int] = []
@@ -145,44 +130,68 @@ class _BestFitDecreasing(_Packer):
         return order, np.array(assigned, dtype=np.int64), num_bins
 
 
+@register_strategy("first_fit")
+class _FirstFit(Packer):
+    """The first bin, in opening order, that still has room."""
+
+    def _choose_bin(self, length: int) -> int | None:
+        for bin_index, remaining in enumerate(self.remaining):
+            if remaining >= length:
+                return bin_index
+        return None
+
+
+@register_strategy("ffd")
+class _FirstFitDecreasing(_FirstFit):
+    """First fit over the lengths sorted longest first."""
+
+    sort_decreasing = True
+
+
+@register_strategy("next_fit")
+class _NextFit(Packer):
+    """Only the newest bin is open; an item that does not fit closes it."""
+
+    def _choose_bin(self, length: int) -> int | None:
+        if self.remaining and self.remaining[-1] >= length:
+            return len(self.remaining) - 1
+        return None
+
+
 def _bins_from_assignment(bin_of: np.ndarray, items: np.ndarray, num_bins: int) -> list[np.ndarray]:
     """Group ``items`` by ``bin_of`` (same length), keeping their order inside each bin."""
     grouping = np.argsort(bin_of, kind="stable")
     bounds = np.searchsorted(bin_of[grouping], np.arange(num_bins + 1))
     grouped = items[grouping]
-    return [grouped[bounds[b]:bounds[b + 1]] for b in range(num_bins)]
-
-
-_PACKERS: dict[str, type[_Packer]] = {
-    "bfd": _BestFitDecreasing,
-    "ffd": _FirstFitDecreasing,
-    "first_fit": _FirstFit,
-    "next_fit": _NextFit,
-}
+    return [grouped[bounds[b] : bounds[b + 1]] for b in range(num_bins)]
 
 
 def _check_lengths(lengths: np.ndarray, seq_len: int) -> np.ndarray:
-    """Returns ``lengths`` as a 1-D int64 array, or raises naming the first sample that cannot fit."""
+    """Returns ``lengths`` as a 1-D int64 array, or raises naming the first sample that cannot
+    fit."""
     if seq_len < 1:
         raise ValueError(f"seq_len must be a positive number of tokens, got {seq_len}.")
     lengths = np.asarray(lengths)
     if lengths.ndim != 1 or not (lengths.size == 0 or np.issubdtype(lengths.dtype, np.integer)):
         raise ValueError(
-            f"lengths must be a 1-D array of integers, got shape {lengths.shape} and dtype {lengths.dtype}."
+            f"lengths must be a 1-D array of integers, got shape {lengths.shape} and dtype "
+            f"{lengths.dtype}."
         )
     bad = np.flatnonzero((lengths < 1) | (lengths > seq_len))
     if bad.size:
         index = int(bad[0])
         raise ValueError(
-            f"Sample {index} has length {int(lengths[index])}, but every sample must have 1..{seq_len} "
-            f"tokens to fit a row of seq_len={seq_len}; drop empty samples and truncate, split or drop "
+            f"Sample {index} has length {int(lengths[index])}, but every sample must have "
+            f"1..{seq_len} tokens to fit a row of seq_len={seq_len}; drop empty samples and "
+            "truncate, split or drop "
             f"over-length ones before packing ({bad.size} sample(s) out of range)."
         )
     return lengths.astype(np.int64, copy=False)
 
 
-def pack_lengths(lengths: np.ndarray, seq_len: int, strategy: str = "bfd", *,
-                 first: np.ndarray | None = None) -> list[np.ndarray]:
+def pack_lengths(
+    lengths: np.ndarray, seq_len: int, strategy: str = "bfd", *, first: np.ndarray | None = None
+) -> list[np.ndarray]:
     """Groups samples into bins whose total length is at most ``seq_len``.
 
     Deterministic: equal lengths are taken in index order.
@@ -201,7 +210,8 @@ def pack_lengths(lengths: np.ndarray, seq_len: int, strategy: str = "bfd", *,
         ``lengths`` in the order the samples were placed. Every index appears in exactly one bin.
 
     Raises:
-        ValueError: if a length is outside 1..seq_len (naming the sample) or the strategy is unknown.
+        ValueError: if a length is outside 1..seq_len (naming the sample) or the strategy is
+        unknown.
 
     >>> lengths = np.array([2, 3, 8, 7])
     >>> [indices.tolist() for indices in pack_lengths(lengths, seq_len=10)]
@@ -209,137 +219,14 @@ def pack_lengths(lengths: np.ndarray, seq_len: int, strategy: str = "bfd", *,
     >>> [indices.tolist() for indices in pack_lengths(lengths, seq_len=10, strategy="next_fit")]
     [[0, 1], [2], [3]]
     """
-    if strategy not in _PACKERS:
-        raise ValueError(f"Unknown packing strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}.")
-    order, assigned, num_bins = _PACKERS[strategy](seq_len).assign(_check_lengths(lengths, seq_len),
-                                                                     first)
+    if strategy not in STRATEGIES:
+        raise ValueError(
+            f"Unknown packing strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}."
+        )
+    order, assigned, num_bins = STRATEGIES[strategy](seq_len).assign(
+        _check_lengths(lengths, seq_len), first
+    )
     return _bins_from_assignment(assigned, order, num_bins)
-
-
-def _sample_lengths(input_ids: Sequence[np.ndarray], labels: Sequence[np.ndarray]) -> np.ndarray:
-    """Returns the token count of each sample, checking that its labels have the same length."""
-    if len(input_ids) != len(labels):
-        raise ValueError(
-            f"Got {len(input_ids)} input_ids but {len(labels)} labels; give one of each per sample."
-        )
-    lengths = np.fromiter(map(len, input_ids), dtype=np.int64, count=len(input_ids))
-    label_lengths = np.fromiter(map(len, labels), dtype=np.int64, count=len(labels))
-    mismatched = np.flatnonzero(lengths != label_lengths)
-    if mismatched.size:
-        index = int(mismatched[0])
-        raise ValueError(
-            f"Sample {index} has {lengths[index]} input_ids but {label_lengths[index]} labels; "
-            "labels must be shifted within the sample, one per token."
-        )
-    return lengths
-
-
-def assemble_rows(
-    input_ids: Sequence[np.ndarray],
-    labels: Sequence[np.ndarray],
-    bins: list[np.ndarray],
-    seq_len: int,
-    pad_id: int,
-) -> dict[str, np.ndarray]:
-    """Builds one packed row per bin, its documents concatenated in the bin's order.
-
-    Labels are copied as they are: they are already shifted within each sample and end in -100, so no
-    token is trained to predict the next document.
-
-    Args:
-        input_ids: token ids of each sample in the window.
-        labels: per-sample labels, same lengths as ``input_ids``.
-        bins: indices into the samples, one array per row (as from :func:`pack_lengths`).
-        seq_len: length of every row.
-        pad_id: token id that fills the tail of a row.
-
-    Returns:
-        ``input_ids`` (padded with ``pad_id``), ``labels`` (-100 on padding), ``position_ids`` and
-        ``document_ids`` (as :func:`rayjobs.masks.layout_rows`), each int32
-        ``[num_bins, seq_len]``; ``num_documents`` and ``num_tokens`` (non-pad tokens), int32
-        ``[num_bins]``.
-
-    Raises:
-        ValueError: if a sample's labels differ in length from its input_ids, or a bin exceeds seq_len.
-
-    >>> input_ids = [np.array([5, 6, 7]), np.array([8, 9])]
-    >>> labels = [np.array([6, 7, -100]), np.array([9, -100])]
-    >>> rows = assemble_rows(input_ids, labels, [np.array([1, 0])], seq_len=6, pad_id=0)
-    >>> rows["input_ids"].tolist(), rows["labels"].tolist()
-    ([[8, 9, 5, 6, 7, 0]], [[9, -100, 6, 7, -100, -100]])
-    >>> rows["document_ids"].tolist(), rows["position_ids"].tolist()
-    ([[0, 0, 1, 1, 1, 2]], [[0, 1, 0, 1, 2, 0]])
-    """
-    sample_lengths = _sample_lengths(input_ids, labels)
-    order = np.concatenate(bins) if bins else np.empty(0, dtype=np.int64)
-    for row, indices in enumerate(bins):
-        if sample_lengths[indices].sum() > seq_len:
-            raise ValueError(
-                f"Bin {row} holds samples {indices.tolist()} with {sample_lengths[indices].sum()} tokens, "
-                f"more than seq_len={seq_len}; build bins with pack_lengths(lengths, {seq_len})."
-            )
-    starts = np.cumsum(sample_lengths) - sample_lengths
-    return assemble_gather(input_ids, labels, starts[order], sample_lengths[order],
-                           np.fromiter(map(len, bins), dtype=np.int64, count=len(bins)), seq_len, pad_id)
-
-
-def assemble_gather(tokens: Sequence[np.ndarray], labels: Sequence[np.ndarray], starts: np.ndarray,
-                    document_lengths: np.ndarray, documents_per_row: np.ndarray, seq_len: int,
-                    pad_id: int) -> dict[str, np.ndarray]:
-    """:func:`assemble_rows` with no Python loop over samples: every token is gathered once,
-    straight into its row (the hot path of ``epochs.AssemblePacks``).
-
-    The index of each output slot comes from the row segments (``masks.row_segments``): a slot at
-    position p of a document reads ``start + p``; a padding slot reads a run of ``seq_len`` pad
-    values appended after the tokens. One index array serves ``input_ids`` and ``labels``, and
-    no other temporary of the row size is made (fresh memory costs a page fault per 4 KiB).
-
-    Args:
-        tokens: arrays whose concatenation holds every document's token ids, in any order.
-        labels: arrays of the same sizes, holding the labels.
-        starts: offset of each document in the concatenation, row after row, in pack order.
-        document_lengths: token count of each document, in the same order.
-        documents_per_row: how many documents each row holds.
-        seq_len: length of every row.
-        pad_id: token id that fills the tail of a row.
-
-    Returns:
-        The columns of :func:`assemble_rows`.
-
-    >>> rows = assemble_gather([np.array([5, 6, 7, 8, 9])], [np.array([6, 7, -100, 9, -100])],
-    ...                        starts=np.array([3, 0]), document_lengths=np.array([2, 3]),
-    ...                        documents_per_row=np.array([2]), seq_len=6, pad_id=0)
-    >>> rows["input_ids"].tolist(), rows["position_ids"].tolist()
-    ([[8, 9, 5, 6, 7, 0]], [[0, 1, 0, 1, 2, 0]])
-    """
-    tokens = np.concatenate([*tokens, np.full(seq_len, pad_id, dtype=np.int32)])
-    labels = np.concatenate([*labels, np.full(seq_len, IGNORE_INDEX, dtype=np.int32)])
-    num_values = len(tokens) - seq_len
-    starts = np.asarray(starts, dtype=np.int64)
-    document_lengths = np.asarray(document_lengths, dtype=np.int64)
-    if len(labels) != len(tokens):
-        raise ValueError(f"Got {num_values} tokens but {len(labels) - seq_len} labels; give one label per token.")
-    if len(starts) != len(document_lengths):
-        raise ValueError(f"Got {len(starts)} starts for {len(document_lengths)} documents.")
-    outside = (starts < 0) | (starts + document_lengths > num_values)
-    if outside.any():
-        document = int(np.flatnonzero(outside)[0])
-        raise ValueError(f"Document {document} (start {starts[document]}, {document_lengths[document]} tokens) "
-                         f"reaches outside the {num_values} tokens given.")
-    segment_lengths, segment_ids, segment_documents = row_segments(document_lengths, documents_per_row, seq_len)
-    num_rows = len(documents_per_row)
-    position_ids = ranges(np.zeros_like(segment_lengths), segment_lengths, np.int32)
-    segment_sources = np.append(starts, num_values)[segment_documents]  # -1 (padding) → the pad run
-    sources = ranges(segment_sources, segment_lengths, index_dtype(len(tokens)))
-    row_of_document = np.repeat(np.arange(num_rows), documents_per_row)
-    num_tokens = np.bincount(row_of_document, weights=document_lengths, minlength=num_rows)
-    shape = (num_rows, seq_len)
-    return {"input_ids": tokens[sources].astype(np.int32, copy=False).reshape(shape),
-            "labels": labels[sources].astype(np.int32, copy=False).reshape(shape),
-            "position_ids": position_ids.reshape(shape),
-            "document_ids": np.repeat(segment_ids.astype(np.int32), segment_lengths).reshape(shape),
-            "num_documents": np.asarray(documents_per_row, dtype=np.int32),
-            "num_tokens": num_tokens.astype(np.int32)}
 
 
 class StreamPacker:
@@ -358,10 +245,19 @@ class StreamPacker:
     ([[0]], [[1, 2]])
     """
 
-    def __init__(self, seq_len: int, strategy: str = "bfd", *, rng: np.random.Generator,
-                 carry_below: float = 0.999, max_delay: int = 1):
-        if strategy not in _PACKERS:
-            raise ValueError(f"Unknown packing strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}.")
+    def __init__(
+        self,
+        seq_len: int,
+        strategy: str = "bfd",
+        *,
+        rng: np.random.Generator,
+        carry_below: float = 0.999,
+        max_delay: int = 1,
+    ):
+        if strategy not in STRATEGIES:
+            raise ValueError(
+                f"Unknown packing strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}."
+            )
         self.seq_len, self.strategy, self.rng = seq_len, strategy, rng
         self.carry_below, self.max_delay = carry_below, max_delay
         self._ids = np.empty(0, dtype=np.int64)
@@ -383,13 +279,15 @@ class StreamPacker:
         """Pack and return every sample still waiting (call once, at the end of the stream)."""
         return self._pack(self._ids, self._lengths, self._ages, final=True)
 
-    def _pack(self, ids: np.ndarray, lengths: np.ndarray, ages: np.ndarray,
-              final: bool) -> list[np.ndarray]:
+    def _pack(
+        self, ids: np.ndarray, lengths: np.ndarray, ages: np.ndarray, final: bool
+    ) -> list[np.ndarray]:
         if not len(ids):
             return []
         shuffled = self.rng.permutation(len(ids))
-        order, assigned, num_bins = _PACKERS[self.strategy](self.seq_len).assign(
-            lengths[shuffled], first=ages[shuffled] > 0)
+        order, assigned, num_bins = STRATEGIES[self.strategy](self.seq_len).assign(
+            lengths[shuffled], first=ages[shuffled] > 0
+        )
         bin_of = np.empty(len(ids), dtype=np.int64)
         bin_of[shuffled[order]] = assigned
         held = np.zeros(num_bins, dtype=bool)

@@ -1,13 +1,19 @@
 """Sources: one dataset spec → a ``ray.data.Dataset`` of raw rows that know where they came from.
 
 Every dataset, whatever its format, becomes rows of one schema: ``_dataset`` (the spec's name),
-``_path`` and ``_row`` (the 0-based record index in a JSON list, Parquet or CSV file; the 1-based line
-number in JSONL and text files, so a bad row can be reported by file and row) and ``_record``, the row
-as a JSON object string. One schema lets every dataset flow through a single Tokenize actor pool (one
-pool, not one per dataset, keeps the CPU budget of a small cluster predictable) and means files whose
+``_path`` and ``_row`` (the 0-based record index in a JSON list, Parquet or CSV file; the 1-based
+line
+number in JSONL and text files, so a bad row can be reported by file and row) and ``_record``, the
+row
+as a JSON object string. One schema lets every dataset flow through a single Tokenize actor pool
+(one
+pool, not one per dataset, keeps the CPU budget of a small cluster predictable) and means files
+whose
 rows disagree on types (a field missing here, a nested list there) never fail at the Arrow layer.
-Files are read by ``RowFileDatasource``, a Ray ``FileBasedDatasource``: one read task per file, spread
-over the cluster like Ray's own readers. Hugging Face datasets (hub names or ``save_to_disk`` folders)
+Files are read by ``RowFileDatasource``, a Ray ``FileBasedDatasource``: one read task per file,
+spread
+over the cluster like Ray's own readers. Hugging Face datasets (hub names or ``save_to_disk``
+folders)
 are read with ``datasets`` and handed over with ``ray.data.from_huggingface``.
 """
 
@@ -22,94 +28,21 @@ import ray.data
 from ray.data.datasource import FileBasedDatasource
 
 from rayjobs.config import DatasetConfig
+from rayjobs.formats import HF, parse_file
 
 _BLOCK_ROWS = 1024
 
 
-class SourceError(ValueError):
-    """A file that cannot be parsed; names dataset, file and (where known) line."""
-
-
 def record_table(dataset: str, paths: list[str], rows: list[int], records: list[str]) -> pa.Table:
     """The common raw-row schema (see module note)."""
-    return pa.table({
-        "_dataset": pa.array([dataset] * len(rows), type=pa.string()),
-        "_path": pa.array(paths, type=pa.string()),
-        "_row": pa.array(rows, type=pa.int64()),
-        "_record": pa.array(records, type=pa.string()),
-    })
-
-
-def parse_file(data: bytes, path: str, *, format: str, dataset: str,
-               text_split: str = "paragraph") -> tuple[list[int], list[str]]:
-    """One file's bytes → (row numbers, records as JSON object strings); see module note.
-
-    Raises:
-        SourceError: naming the dataset, the file and, for JSON, the line.
-    """
-    if format in ("parquet", "csv"):
-        import pyarrow.csv as pacsv
-        import pyarrow.parquet as pq
-
-        buffer = pa.BufferReader(data)
-        table = pq.read_table(buffer) if format == "parquet" else pacsv.read_csv(buffer)
-        return list(range(table.num_rows)), [json.dumps(r, ensure_ascii=False, default=str)
-                                             for r in table.to_pylist()]
-    text = data.decode("utf-8")
-    try:
-        if format == "json":
-            return _json(text)
-        if format == "jsonl":
-            return _jsonl(text)
-    except ValueError as error:
-        raise SourceError(f"dataset {dataset!r}, file {path}: {error}") from None
-    return _text(text, text_split)
-
-
-def _json(text: str) -> tuple[list[int], list[str]]:
-    try:
-        records = json.loads(text)
-    except json.JSONDecodeError as error:
-        hint = " (one object per line? set format: jsonl)" if "Extra data" in str(error) else ""
-        raise ValueError(f"not valid JSON at line {error.lineno}: {error.msg}{hint}") from None
-    if isinstance(records, dict):
-        records = [records]
-    if not isinstance(records, list):
-        raise ValueError("a .json file must hold a list of records")
-    return list(range(len(records))), [json.dumps(r, ensure_ascii=False) for r in records]
-
-
-def _jsonl(text: str) -> tuple[list[int], list[str]]:
-    rows, records = [], []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            json.loads(line)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"line {number} is not valid JSON: {error.msg}") from None
-        rows.append(number)
-        records.append(line)
-    return rows, records
-
-
-def _text(text: str, text_split: str) -> tuple[list[int], list[str]]:
-    if text_split == "file":
-        return [1], [json.dumps({"text": text}, ensure_ascii=False)]
-    lines = text.splitlines()
-    if text_split == "line":
-        pairs = [(number, line) for number, line in enumerate(lines, start=1) if line.strip()]
-    else:  # paragraphs: runs of non-blank lines
-        pairs, current, start = [], [], 1
-        for number, line in enumerate(lines + [""], start=1):
-            if line.strip():
-                start = start if current else number
-                current.append(line)
-            elif current:
-                pairs.append((start, "\n".join(current)))
-                current = []
-    return ([number for number, _ in pairs],
-            [json.dumps({"text": document}, ensure_ascii=False) for _, document in pairs])
+    return pa.table(
+        {
+            "_dataset": pa.array([dataset] * len(rows), type=pa.string()),
+            "_path": pa.array(paths, type=pa.string()),
+            "_row": pa.array(rows, type=pa.int64()),
+            "_record": pa.array(records, type=pa.string()),
+        }
+    )
 
 
 class RowFileDatasource(FileBasedDatasource):
@@ -122,20 +55,27 @@ class RowFileDatasource(FileBasedDatasource):
         self.text_split = text_split
 
     def _read_stream(self, f: pa.NativeFile, path: str) -> Iterator[pa.Table]:
-        rows, records = parse_file(f.readall(), path, format=self.file_format,
-                                   dataset=self.dataset, text_split=self.text_split)
+        rows, records = parse_file(
+            f.readall(),
+            path,
+            format=self.file_format,
+            dataset=self.dataset,
+            text_split=self.text_split,
+        )
         for start in range(0, len(rows), _BLOCK_ROWS):
             end = start + _BLOCK_ROWS
-            yield record_table(self.dataset, [path] * len(rows[start:end]), rows[start:end],
-                               records[start:end])
+            yield record_table(
+                self.dataset, [path] * len(rows[start:end]), rows[start:end], records[start:end]
+            )
 
 
 def read_dataset(spec: DatasetConfig) -> ray.data.Dataset:
     """The raw rows of one dataset spec (files or a Hugging Face dataset)."""
-    if spec.format == "hf":
+    if spec.format == HF:
         return _read_huggingface(spec)
-    datasource = RowFileDatasource(list(spec.files), format=spec.format, dataset=spec.name,
-                                   text_split=spec.text_split)
+    datasource = RowFileDatasource(
+        list(spec.files), format=spec.format, dataset=spec.name, text_split=spec.text_split
+    )
     return ray.data.read_datasource(datasource)
 
 
@@ -154,8 +94,10 @@ def _read_huggingface(spec: DatasetConfig) -> ray.data.Dataset:
 
     def to_records(batch: pa.Table) -> pa.Table:
         rows = batch.column("_row").to_pylist()
-        records = [json.dumps(r, ensure_ascii=False, default=str)
-                   for r in batch.drop_columns(["_row"]).to_pylist()]
+        records = [
+            json.dumps(r, ensure_ascii=False, default=str)
+            for r in batch.drop_columns(["_row"]).to_pylist()
+        ]
         return record_table(spec.name, [label] * len(rows), rows, records)
 
     return ray.data.from_huggingface(loaded).map_batches(to_records, batch_format="pyarrow")

@@ -4,7 +4,8 @@ A template only decides *what text* a sample is and *which parts are learned*; t
 label shifting happen once, in ``tokenize.py``. Segments are tokenized separately and concatenated,
 so the trained/untrained boundary falls exactly between tokens (the torchtune convention).
 
-- ``alpaca``: the Stanford Alpaca prompt (with or without ``input``) → untrained; ``output`` → trained.
+- ``alpaca``: the Stanford Alpaca prompt (with or without ``input``) → untrained; ``output`` →
+trained.
 - ``chat``: OpenAI ``messages`` ({role, content}) or ShareGPT ``conversations`` ({from, value}),
   rendered by the tokenizer's chat template (or a ChatML layout when it has none). Each assistant
   turn is found by rendering the conversation prefix by prefix: the text added by the assistant
@@ -14,6 +15,11 @@ so the trained/untrained boundary falls exactly between tokens (the torchtune co
 
 ``column_map`` maps a template field to the dataset's column (``{output: response}``). A missing or
 mistyped field raises ``RowError`` naming the field; the caller adds dataset, file and row.
+
+Templates live in the :data:`TEMPLATES` registry, which ``datasets[].template`` is validated
+against: a new template is one function ``(row, column_map, render_chat) -> list[Segment]``
+decorated with :func:`register_template`, plus its tests. ``render_chat`` is the run tokenizer's
+chat rendering; templates that do not render chat ignore it.
 """
 
 from __future__ import annotations
@@ -31,9 +37,16 @@ ALPACA_PROMPT_WITH_INPUT = (
     "context. Write a response that appropriately completes the request.\n\n"
     "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 )
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "system": "system", "function_call": "assistant", "observation": "tool",
-                  "tool": "tool"}
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+    "function_call": "assistant",
+    "observation": "tool",
+    "tool": "tool",
+}
 
 Message = dict[str, str]
 RenderChat = Callable[[list[Message], bool], str]
@@ -54,16 +67,37 @@ class RowError(ValueError):
         self.field = field
 
 
+Template = Callable[[Mapping[str, Any], Mapping[str, str], RenderChat], list[Segment]]
+"""(row, column_map, render_chat) → segments."""
+
+TEMPLATES: dict[str, Template] = {}
+"""Templates by name; ``datasets[].template`` must name one."""
+
+
+def register_template(name: str) -> Callable[[Template], Template]:
+    """Decorator: make ``template(row, column_map, render_chat)`` available as ``name``."""
+
+    def register(template: Template) -> Template:
+        if name in TEMPLATES:
+            raise ValueError(f"template {name!r} is already registered")
+        TEMPLATES[name] = template
+        return template
+
+    return register
+
+
 def _shown(name: str, column_map: Mapping[str, str]) -> str:
     column = column_map.get(name, name)
     return name if column == name else f"{name} (column {column!r})"
 
 
-def _field(row: Mapping[str, Any], name: str, column_map: Mapping[str, str], *,
-           required: bool = True) -> Any:
+def _field(
+    row: Mapping[str, Any], name: str, column_map: Mapping[str, str], *, required: bool = True
+) -> Any:
     if not isinstance(row, Mapping):
-        raise RowError(name, f"the row is not an object with fields but {type(row).__name__} "
-                             f"{row!r:.80}")
+        raise RowError(
+            name, f"the row is not an object with fields but {type(row).__name__} {row!r:.80}"
+        )
     column = column_map.get(name, name)
     value = row.get(column)
     if value is None and required:
@@ -71,8 +105,9 @@ def _field(row: Mapping[str, Any], name: str, column_map: Mapping[str, str], *,
     return value
 
 
-def _text_field(row: Mapping[str, Any], name: str, column_map: Mapping[str, str], *,
-                required: bool = True) -> str:
+def _text_field(
+    row: Mapping[str, Any], name: str, column_map: Mapping[str, str], *, required: bool = True
+) -> str:
     value = _field(row, name, column_map, required=required)
     if value is None:
         return ""
@@ -81,7 +116,10 @@ def _text_field(row: Mapping[str, Any], name: str, column_map: Mapping[str, str]
     return value
 
 
-def alpaca(row: Mapping[str, Any], column_map: Mapping[str, str]) -> list[Segment]:
+@register_template("alpaca")
+def alpaca(
+    row: Mapping[str, Any], column_map: Mapping[str, str], render_chat: RenderChat | None = None
+) -> list[Segment]:
     """Alpaca instruction / input / output → [prompt (untrained), output (trained)]."""
     instruction = _text_field(row, "instruction", column_map)
     context = _text_field(row, "input", column_map, required=False)
@@ -91,7 +129,10 @@ def alpaca(row: Mapping[str, Any], column_map: Mapping[str, str]) -> list[Segmen
     return [Segment(prompt, False), Segment(output, True)]
 
 
-def text(row: Mapping[str, Any], column_map: Mapping[str, str]) -> list[Segment]:
+@register_template("text")
+def text(
+    row: Mapping[str, Any], column_map: Mapping[str, str], render_chat: RenderChat | None = None
+) -> list[Segment]:
     """Raw text → one trained segment."""
     return [Segment(_text_field(row, "text", column_map), True)]
 
@@ -103,7 +144,9 @@ def chat_messages(row: Mapping[str, Any], column_map: Mapping[str, str]) -> list
     if sharegpt:
         messages = _field(row, "conversations", column_map, required=False)
     if messages is None:
-        raise RowError("messages", f"missing (nor 'conversations'); the row has columns {sorted(row)}")
+        raise RowError(
+            "messages", f"missing (nor 'conversations'); the row has columns {sorted(row)}"
+        )
     field = "conversations" if sharegpt else "messages"
     if not isinstance(messages, list) or not messages:
         raise RowError(field, "expected a non-empty list of turns")
@@ -113,11 +156,15 @@ def chat_messages(row: Mapping[str, Any], column_map: Mapping[str, str]) -> list
         normalised.append({"role": "system", "content": system})
     for turn_index, turn in enumerate(messages):
         role = turn.get("from" if sharegpt else "role") if isinstance(turn, Mapping) else None
-        content = turn.get("value" if sharegpt else "content") if isinstance(turn, Mapping) else None
+        content = (
+            turn.get("value" if sharegpt else "content") if isinstance(turn, Mapping) else None
+        )
         role = SHAREGPT_ROLES.get(role) if sharegpt else role
         if role not in ("system", "user", "assistant", "tool") or not isinstance(content, str):
-            raise RowError(f"{field}[{turn_index}]",
-                           f"expected a turn with a known role and text content, got {turn!r:.120}")
+            raise RowError(
+                f"{field}[{turn_index}]",
+                f"expected a turn with a known role and text content, got {turn!r:.120}",
+            )
         normalised.append({"role": role, "content": content})
     return normalised
 
@@ -130,15 +177,24 @@ def chatml(messages: list[Message], add_generation_prompt: bool) -> str:
 
 def _check_prefix(earlier: str, later: str) -> None:
     if not later.startswith(earlier):
-        raise RowError("messages", "the chat template is not prefix-stable: rendering a longer "
-                                   "conversation changed earlier text; set tokenizer.chat_template")
+        raise RowError(
+            "messages",
+            "the chat template is not prefix-stable: rendering a longer "
+            "conversation changed earlier text; set tokenizer.chat_template",
+        )
 
 
-def chat(row: Mapping[str, Any], column_map: Mapping[str, str], render: RenderChat) -> list[Segment]:
+@register_template("chat")
+def chat(
+    row: Mapping[str, Any], column_map: Mapping[str, str], render_chat: RenderChat | None = None
+) -> list[Segment]:
     """A conversation → segments; only the text each assistant message adds is trainable."""
+    render = render_chat or chatml
     messages = chat_messages(row, column_map)
     if not any(m["role"] == "assistant" for m in messages):
-        field = "messages" if _field(row, "messages", column_map, required=False) else "conversations"
+        field = (
+            "messages" if _field(row, "messages", column_map, required=False) else "conversations"
+        )
         raise RowError(field, "the conversation has no assistant turn to learn from")
     segments: list[Segment] = []
     done = ""
@@ -149,10 +205,10 @@ def chat(row: Mapping[str, Any], column_map: Mapping[str, str], render: RenderCh
         full = render(messages[: index + 1], False)
         _check_prefix(done, prompt)
         _check_prefix(prompt, full)
-        segments += [Segment(prompt[len(done):], False), Segment(full[len(prompt):], True)]
+        segments += [Segment(prompt[len(done) :], False), Segment(full[len(prompt) :], True)]
         done = full
     whole = render(messages, False)
     _check_prefix(done, whole)
-    if whole[len(done):]:
-        segments.append(Segment(whole[len(done):], False))
+    if whole[len(done) :]:
+        segments.append(Segment(whole[len(done) :], False))
     return [s for s in segments if s.text]

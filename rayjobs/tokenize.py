@@ -1,7 +1,8 @@
 """Tokenize: templated segments → ``input_ids`` and per-sample shifted ``labels``.
 
 Design note. Labels are shifted here, once, inside each sample: ``labels[t]`` is the target for
-``input_ids[t]`` (= ``input_ids[t + 1]`` when that token is trained, else -100) and the last position
+``input_ids[t]`` (= ``input_ids[t + 1]`` when that token is trained, else -100) and the last
+position
 is always -100. A packed row is a plain concatenation of samples, so no position can ever be trained
 to predict the first token of the next document, and the model never shifts again. An EOS token ends
 every sample (trained when the sample's last segment is). Over-length samples follow
@@ -16,10 +17,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,8 @@ import pyarrow as pa
 
 from rayjobs import templates
 from rayjobs.config import DatasetConfig, TokenizerConfig
-from rayjobs.pack import IGNORE_INDEX
+from rayjobs.metrics import StageTimer, TokenizeCounts, report
+from rayjobs.rows import IGNORE_INDEX
 from rayjobs.templates import Message, RowError, Segment
 
 TOKEN_LIST = pa.list_(pa.int32())
@@ -39,46 +39,113 @@ class DataError(ValueError):
 
 
 class Tokenizer:
-    """The HF tokenizer plus the ids and chat rendering rayjobs needs."""
+    """The run's tokenizer: the Rust ``tokenizers`` backend, the special-token ids rayjobs needs and
+    chat rendering.
+
+    A ``tokenizer.json`` (given as the file, or inside a folder with its ``tokenizer_config.json``)
+    loads with ``tokenizers`` alone, and chat templates render with transformers' own Jinja renderer
+    (``render_jinja_template``, which does not import torch): Tokenize actors on CPU nodes never
+    load torch. Only a Hub name, or a folder without ``tokenizer.json`` (slow-tokenizer files that
+    need converting), goes through ``AutoTokenizer``, which imports torch where it is installed.
+    """
 
     def __init__(self, config: TokenizerConfig):
-        from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
         path = Path(config.path)
-        if path.is_file():
-            self.hf = PreTrainedTokenizerFast(tokenizer_file=str(path))
-        else:
-            self.hf = AutoTokenizer.from_pretrained(config.path, local_files_only=path.exists())
-        if config.chat_template:
-            self.hf.chat_template = config.chat_template
-        self.eos_id = self._token_id(config.eos_token, self.hf.eos_token, "eos_token",
-                                     fallback="<|endoftext|>")
-        self.pad_id = self._token_id(config.pad_token, self.hf.pad_token, "pad_token",
-                                     fallback=None, default=self.eos_id)
-        self.vocab_size = len(self.hf)
+        file = path if path.is_file() else path / "tokenizer.json"
+        if file.is_file():
+            from tokenizers import Tokenizer as Backend
 
-    def _token_id(self, configured: str | None, own: str | None, key: str, *, fallback: str | None,
-                  default: int | None = None) -> int:
+            self.backend = Backend.from_file(str(file))
+            settings = _folder_settings(path) if path.is_dir() else {}
+            special = {key: _token_text(settings.get(key)) for key in SPECIAL_TOKENS}
+            chat_template = _chat_template(path, settings) if path.is_dir() else None
+        else:
+            from transformers import AutoTokenizer
+
+            hf = AutoTokenizer.from_pretrained(config.path, local_files_only=path.exists())
+            self.backend = hf.backend_tokenizer
+            special = {key: getattr(hf, key, None) for key in SPECIAL_TOKENS}
+            chat_template = hf.chat_template
+        self.chat_template = config.chat_template or chat_template
+        self.special_tokens = {key: value for key, value in special.items() if value}
+        self.eos_id = self._token_id(
+            config.eos_token, special["eos_token"], "eos_token", fallback="<|endoftext|>"
+        )
+        self.pad_id = self._token_id(
+            config.pad_token, special["pad_token"], "pad_token", fallback=None, default=self.eos_id
+        )
+        self.vocab_size = self.backend.get_vocab_size(with_added_tokens=True)
+
+    def _token_id(
+        self,
+        configured: str | None,
+        own: str | None,
+        key: str,
+        *,
+        fallback: str | None,
+        default: int | None = None,
+    ) -> int:
         token = configured or own or fallback
-        token_id = self.hf.convert_tokens_to_ids(token) if token else None
-        if token_id is None or (token_id == self.hf.unk_token_id and token != self.hf.unk_token):
+        token_id = self.backend.token_to_id(token) if token else None
+        if token_id is None:
             if default is not None:
                 return default
-            raise ValueError(f"tokenizer.{key}: token {token!r} is not in the vocabulary; "
-                             f"set tokenizer.{key} to one of its special tokens")
+            raise ValueError(
+                f"tokenizer.{key}: token {token!r} is not in the vocabulary; "
+                f"set tokenizer.{key} to one of its special tokens"
+            )
         return int(token_id)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        encodings = self.hf.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
+        encodings = self.backend.encode_batch(texts, add_special_tokens=False)
         return [e.ids for e in encodings]
 
     def render_chat(self, messages: list[Message], add_generation_prompt: bool) -> str:
-        if self.hf.chat_template is None:
+        """The conversation as the chat template renders it (as ``apply_chat_template`` would,
+        special tokens visible to the template); ChatML when there is no template."""
+        if self.chat_template is None:
             return templates.chatml(messages, add_generation_prompt)
         if not messages:
             return ""
-        return self.hf.apply_chat_template(messages, tokenize=False,
-                                           add_generation_prompt=add_generation_prompt)
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        rendered, _ = render_jinja_template(
+            conversations=[messages],
+            chat_template=self.chat_template,
+            add_generation_prompt=add_generation_prompt,
+            **self.special_tokens,
+        )
+        return rendered[0]
+
+
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
+"""The special tokens a tokenizer folder may name (and a chat template may use)."""
+
+
+def _folder_settings(folder: Path) -> dict[str, Any]:
+    """``special_tokens_map.json`` overlaid with ``tokenizer_config.json`` (where either exists)."""
+    settings: dict[str, Any] = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        if (folder / name).is_file():
+            settings.update(json.loads((folder / name).read_text()))
+    return settings
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as saved by transformers: a string, or an AddedToken dict with content."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _chat_template(folder: Path, settings: dict[str, Any]) -> str | None:
+    """The folder's chat template: ``chat_template.jinja``, else tokenizer_config's
+    ``chat_template`` (a string, or named templates of which ``default`` is used)."""
+    if (folder / "chat_template.jinja").is_file():
+        return (folder / "chat_template.jinja").read_text()
+    template = settings.get("chat_template")
+    if isinstance(template, list):
+        named = {entry.get("name"): entry.get("template") for entry in template}
+        return named.get("default")
+    return template
 
 
 def shift_labels(input_ids: np.ndarray, trained: np.ndarray) -> np.ndarray:
@@ -92,19 +159,24 @@ def shift_labels(input_ids: np.ndarray, trained: np.ndarray) -> np.ndarray:
     return labels
 
 
-def encode_segments(segments: Sequence[Segment], segment_ids: Sequence[list[int]], eos_id: int,
-                    train_on_input: bool) -> tuple[np.ndarray, np.ndarray]:
+def encode_segments(
+    segments: Sequence[Segment], segment_ids: Sequence[list[int]], eos_id: int, train_on_input: bool
+) -> tuple[np.ndarray, np.ndarray]:
     """Concatenate tokenized segments, append EOS and shift labels (see module note)."""
     ids = [token for tokens in segment_ids for token in tokens] + [eos_id]
-    trained = [train_on_input or s.trainable for s, tokens in zip(segments, segment_ids)
-               for _ in tokens]
+    trained = [
+        train_on_input or s.trainable
+        for s, tokens in zip(segments, segment_ids, strict=True)
+        for _ in tokens
+    ]
     trained.append(train_on_input or (segments[-1].trainable if segments else True))
     input_ids = np.asarray(ids, dtype=np.int32)
     return input_ids, shift_labels(input_ids, np.asarray(trained, dtype=bool))
 
 
-def apply_overflow(input_ids: np.ndarray, labels: np.ndarray, seq_len: int,
-                   policy: str) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
+def apply_overflow(
+    input_ids: np.ndarray, labels: np.ndarray, seq_len: int, policy: str
+) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
     """Fit one sample into ``seq_len``: returns (pieces, truncated token count).
 
     A cut position's label pointed at a token now in another piece, so it becomes -100.
@@ -119,28 +191,10 @@ def apply_overflow(input_ids: np.ndarray, labels: np.ndarray, seq_len: int,
         return [(input_ids[:seq_len], kept)], len(input_ids) - seq_len
     pieces = []
     for start in range(0, len(input_ids), seq_len):
-        piece_labels = labels[start:start + seq_len].copy()
+        piece_labels = labels[start : start + seq_len].copy()
         piece_labels[-1] = IGNORE_INDEX
-        pieces.append((input_ids[start:start + seq_len], piece_labels))
+        pieces.append((input_ids[start : start + seq_len], piece_labels))
     return pieces, 0
-
-
-@dataclass
-class TokenizeCounts:
-    """What one batch did, per dataset: the run summary's accounting."""
-
-    samples: int = 0
-    tokens: int = 0
-    trained_tokens: int = 0
-    truncated_tokens: int = 0
-    dropped_samples: int = 0
-    split_samples: int = 0
-    skipped_rows: int = 0
-    skipped_examples: list[str] = field(default_factory=list)
-    seconds: float = 0.0
-    """Wall time spent in Tokenize calls (a stage timer for the bench)."""
-    cpu_seconds: float = 0.0
-    """CPU time of the actor process during those calls (all threads: the Rust tokenizer's too)."""
 
 
 def sample_uid(origin: str) -> int:
@@ -156,8 +210,14 @@ class Tokenize:
     (``sample_uid``: identifies the sample across runs, for mixing plans) and ``num_tokens``.
     """
 
-    def __init__(self, datasets: Sequence[DatasetConfig], tokenizer: TokenizerConfig, seq_len: int,
-                 overflow: str, ledger: Any = None):
+    def __init__(
+        self,
+        datasets: Sequence[DatasetConfig],
+        tokenizer: TokenizerConfig,
+        seq_len: int,
+        overflow: str,
+        ledger: Any = None,
+    ):
         self.datasets = {spec.name: spec for spec in datasets}
         self.tokenizer = Tokenizer(tokenizer)
         self.seq_len = seq_len
@@ -165,33 +225,49 @@ class Tokenize:
         self.ledger = ledger
 
     def _segments(self, spec: DatasetConfig, record: dict[str, Any]) -> list[Segment]:
-        if spec.template == "chat":
-            return templates.chat(record, spec.column_map, self.tokenizer.render_chat)
-        return getattr(templates, spec.template)(record, spec.column_map)
+        template = templates.TEMPLATES[spec.template]
+        return template(record, spec.column_map, self.tokenizer.render_chat)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        started, cpu_started = time.perf_counter(), time.process_time()
         counts: dict[str, TokenizeCounts] = defaultdict(TokenizeCounts)
+        with StageTimer() as timer:
+            table = self._tokenize(batch, counts)
+        for tally in counts.values():  # the batch's time, shared by the datasets in it
+            tally.seconds = timer.seconds / len(counts)
+            tally.cpu_seconds = timer.cpu_seconds / len(counts)
+        report(self.ledger, "add_tokenize", dict(counts))
+        return table
+
+    def _tokenize(self, batch: pa.Table, counts: dict[str, TokenizeCounts]) -> pa.Table:
         rows: list[tuple[DatasetConfig, str, list[Segment]]] = []
-        columns = [batch.column(name).to_pylist() for name in ("_dataset", "_path", "_row", "_record")]
-        for name, path, row, record in zip(*columns):
+        columns = [
+            batch.column(name).to_pylist() for name in ("_dataset", "_path", "_row", "_record")
+        ]
+        for name, path, row, record in zip(*columns, strict=True):
             spec = self.datasets[name]
             try:
-                rows.append((spec, f"{name}\0{path}\0{row}", self._segments(spec, json.loads(record))))
+                rows.append(
+                    (spec, f"{name}\0{path}\0{row}", self._segments(spec, json.loads(record)))
+                )
             except RowError as error:
                 where = f"dataset {name!r}, file {path}, row {row}: {error}"
                 if spec.on_bad_row == "error":
-                    raise DataError(f"{where}. Fix the data, map the column with column_map, or "
-                                    f"set on_bad_row: skip to count and skip such rows.") from None
+                    raise DataError(
+                        f"{where}. Fix the data, map the column with column_map, or "
+                        f"set on_bad_row: skip to count and skip such rows."
+                    ) from None
                 counts[name].skipped_rows += 1
                 if len(counts[name].skipped_examples) < 5:
                     counts[name].skipped_examples.append(where)
-        encoded = iter(self.tokenizer.encode_batch([s.text for *_, segments in rows for s in segments]))
+        encoded = iter(
+            self.tokenizer.encode_batch([s.text for *_, segments in rows for s in segments])
+        )
         input_ids, labels, sources, uids = [], [], [], []
         for spec, origin, segments in rows:
             segment_ids = [next(encoded) for _ in segments]
-            ids, sample_labels = encode_segments(segments, segment_ids, self.tokenizer.eos_id,
-                                                 spec.train_on_input)
+            ids, sample_labels = encode_segments(
+                segments, segment_ids, self.tokenizer.eos_id, spec.train_on_input
+            )
             pieces, truncated = apply_overflow(ids, sample_labels, self.seq_len, self.overflow)
             tally = counts[spec.name]
             tally.truncated_tokens += truncated
@@ -205,19 +281,12 @@ class Tokenize:
                 tally.samples += 1
                 tally.tokens += len(piece_ids)
                 tally.trained_tokens += int((piece_labels != IGNORE_INDEX).sum())
-        if self.ledger is not None:
-            import ray
-
-            seconds = (time.perf_counter() - started) / max(1, len(counts))
-            cpu_seconds = (time.process_time() - cpu_started) / max(1, len(counts))
-            for tally in counts.values():
-                tally.seconds, tally.cpu_seconds = seconds, cpu_seconds
-            ray.get([self.ledger.add_tokenize.remote(name, tally)
-                     for name, tally in counts.items()])
-        return pa.table({
-            "input_ids": pa.array(input_ids, type=TOKEN_LIST),
-            "labels": pa.array(labels, type=TOKEN_LIST),
-            "source": pa.array(sources, type=pa.string()),
-            "uid": pa.array(uids, type=pa.int64()),
-            "num_tokens": pa.array([len(ids) for ids in input_ids], type=pa.int32()),
-        })
+        return pa.table(
+            {
+                "input_ids": pa.array(input_ids, type=TOKEN_LIST),
+                "labels": pa.array(labels, type=TOKEN_LIST),
+                "source": pa.array(sources, type=pa.string()),
+                "uid": pa.array(uids, type=pa.int64()),
+                "num_tokens": pa.array([len(ids) for ids in input_ids], type=pa.int32()),
+            }
+        )

@@ -3,7 +3,8 @@
 Design note.
 - Each epoch is its own Ray dataset (``train_epoch_<e>``), built with that epoch's seed, so packs
   differ per epoch. Ray Train splits each one with ``streaming_split(world_size, equal=True)``:
-  equal rows per rank, and with a fixed batch size and ``drop_last`` equal batches per rank. No local
+  equal rows per rank, and with a fixed batch size and ``drop_last`` equal batches per rank. No
+  local
   shuffle buffer (Ray bug #66085: a buffer < 2 × batch_size yields short batches mid-stream); the
   packer already shuffles.
 - A collective guard all-reduces "I have a batch" before every step, so if ranks ever disagree they
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rayjobs import seeds
 from rayjobs.collate import collate
 from rayjobs.config import Config
 from rayjobs.metrics import TrainMetrics
@@ -41,7 +43,9 @@ def _all_reduce(value: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> t
 def _all_gather_int(value: int, device: torch.device) -> list[int]:
     if not (dist.is_available() and dist.is_initialized()):
         return [value]
-    gathered = [torch.zeros((), dtype=torch.long, device=device) for _ in range(dist.get_world_size())]
+    gathered = [
+        torch.zeros((), dtype=torch.long, device=device) for _ in range(dist.get_world_size())
+    ]
     dist.all_gather(gathered, torch.tensor(value, dtype=torch.long, device=device))
     return [int(t) for t in gathered]
 
@@ -52,15 +56,19 @@ class _Guard:
     dropped = 0
 
 
-def rank_batches(shard: Any, batch_size: int, device: torch.device,
-                 guard: _Guard | None = None) -> Iterator[dict[str, torch.Tensor]]:
+def rank_batches(
+    shard: Any, batch_size: int, device: torch.device, guard: _Guard | None = None
+) -> Iterator[dict[str, torch.Tensor]]:
     """This rank's batches of one epoch, stopping on every rank as soon as any rank runs out.
 
     Before each step all ranks all-reduce (MIN) a "have a batch" flag; a batch held when another
     rank is out is not trained on and is counted in ``guard.dropped``.
     """
-    batches = iter(shard.iter_torch_batches(batch_size=batch_size, drop_last=True,
-                                            collate_fn=lambda b: collate(b, device)))
+    batches = iter(
+        shard.iter_torch_batches(
+            batch_size=batch_size, drop_last=True, collate_fn=lambda b: collate(b, device)
+        )
+    )
     while True:
         batch = next(batches, None)
         have = _all_reduce(torch.tensor(int(batch is not None), device=device), dist.ReduceOp.MIN)
@@ -75,8 +83,10 @@ def resolve_attention(attention: str, device: torch.device) -> str:
     if attention == "auto":
         return "flex" if device.type == "cuda" else "sdpa"
     if attention == "flex" and device.type != "cuda":
-        raise ValueError("train.attention: flex has no backward pass on CPU in torch 2.13; "
-                         "use auto or sdpa when training without GPUs")
+        raise ValueError(
+            "train.attention: flex has no backward pass on CPU in torch 2.13; "
+            "use auto or sdpa when training without GPUs"
+        )
     return attention
 
 
@@ -95,15 +105,23 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     device = ray.train.torch.get_device()
     attention = resolve_attention(config.train.attention, device)
     # Ray leaves OMP_NUM_THREADS unset for fractional-CPU actors, so torch would start one thread
-    # per core in every worker: on a 2-core machine two workers ran 10x slower from oversubscription.
+    # per core in every worker: on a 2-core machine two workers ran 10x slower from
+    # oversubscription.
     torch.set_num_threads(max(1, int(config.train.cpus_per_worker)))
-    torch.manual_seed(config.seed)
+    torch.manual_seed(seeds.torch_seed(config.seed, "model_init"))
     model_config = config.train.model
-    model = Decoder(DecoderConfig(vocab_size=loop_config["vocab_size"], dim=model_config.dim,
-                                  n_layers=model_config.n_layers, n_heads=model_config.n_heads))
+    model = Decoder(
+        DecoderConfig(
+            vocab_size=loop_config["vocab_size"],
+            dim=model_config.dim,
+            n_layers=model_config.n_layers,
+            n_heads=model_config.n_heads,
+        )
+    )
     model = ray.train.torch.prepare_model(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.train.lr,
-                                  weight_decay=config.train.weight_decay)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=config.train.lr, weight_decay=config.train.weight_decay
+    )
     seq_len = config.packing.seq_len
     series = TrainMetrics(loop_config.get("run_name", "rayjobs"), rank)
     losses: list[float] = []
@@ -112,8 +130,12 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         shard = ray.train.get_dataset_shard(f"train_epoch_{epoch}")
         guard = _Guard()
         for batch in rank_batches(shard, config.train.batch_size, device, guard):
-            logits = model(batch["input_ids"], batch["position_ids"], batch["document_ids"],
-                           attention=attention)
+            logits = model(
+                batch["input_ids"],
+                batch["position_ids"],
+                batch["document_ids"],
+                attention=attention,
+            )
             local_sum, local_count = loss_sum(logits, batch["labels"])
             global_count = _all_reduce(local_count.detach().clone()).clamp(min=1)
             loss = local_sum / global_count * world_size

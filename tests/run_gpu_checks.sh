@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The GPU checks: tests/test_cuda.py and `rayjobs bench attention`, on one CUDA GPU. Needs only
-# torch, numpy, pyarrow and pytest (no Ray, pydantic or ../shared), so it runs from a bare checkout
+# torch, numpy, pyarrow and pytest (no Ray or pydantic), so it runs from a bare checkout
 # on a GPU machine. Logs and the bench's JSON go to $1 (default: gpu-checks/).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-gpu-checks}
 mkdir -p "$out"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 RAYJOBS_TESTS_WITHOUT_DATA=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 python3 - <<'PY' 2>&1 | tee "$out/device.txt"
 import torch
 print(torch.cuda.get_device_name(), "torch", torch.__version__, "cuda", torch.version.cuda)

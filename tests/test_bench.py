@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import SHARED
+from conftest import DATA
 from rayjobs import bench
 from rayjobs.cli import main
 
@@ -26,8 +26,11 @@ REFERENCES = {
 def test_reference_packers(name):
     lengths, expected = REFERENCES[name]
     lengths = np.array(lengths)
-    packs = (bench.torchtune_fifo(lengths, 10) if name == "torchtune"
-             else bench.trl_chunk_bfd(lengths, 10, chunk=2))
+    packs = (
+        bench.torchtune_fifo(lengths, 10)
+        if name == "torchtune"
+        else bench.trl_chunk_bfd(lengths, 10, chunk=2)
+    )
     assert [p.tolist() for p in packs] == expected
 
 
@@ -39,14 +42,37 @@ def test_torchtune_buffer_limits_the_lookahead():
 
 def test_bench_cli_on_real_sets(tmp_path, capsys):
     out = tmp_path / "rows.json"
-    code = main(["bench", "packing", "--data", "alpaca", "chat/hh_rlhf_harmless_chosen.messages.jsonl",
-                 "--data-dir", str(SHARED), "--seq-len", "2048", "8192", "--json", str(out),
-                 "--no-pipeline"])
+    code = main(
+        [
+            "bench",
+            "packing",
+            "--data",
+            "alpaca",
+            "chat/hh_rlhf_harmless_chosen.messages.jsonl",
+            "--data-dir",
+            str(DATA),
+            "--seq-len",
+            "2048",
+            "8192",
+            "--json",
+            str(out),
+            "--no-pipeline",
+        ]
+    )
     assert code == 0
     rows = json.loads(out.read_text())
-    assert set(rows[0]) == {"dataset", "seq_len", "strategy", "window", "efficiency",
-                            "global_bfd_efficiency", "lower_bound_packs", "packs", "samples_per_s",
-                            "max_delay_windows"}
+    assert set(rows[0]) == {
+        "dataset",
+        "seq_len",
+        "strategy",
+        "window",
+        "efficiency",
+        "global_bfd_efficiency",
+        "lower_bound_packs",
+        "packs",
+        "samples_per_s",
+        "max_delay_windows",
+    }
     by_key = {(r["dataset"], r["seq_len"], r["strategy"]): r for r in rows}
     assert {k[0] for k in by_key} == {"alpaca", "hh_chat"}
     for dataset in ("alpaca", "hh_chat"):
@@ -63,5 +89,7 @@ def test_bench_cli_on_real_sets(tmp_path, capsys):
 
 
 def test_bench_rejects_unknown_set(capsys):
-    assert main(["bench", "packing", "--data", "nope", "--data-dir", str(SHARED), "--no-pipeline"]) == 2
+    assert (
+        main(["bench", "packing", "--data", "nope", "--data-dir", str(DATA), "--no-pipeline"]) == 2
+    )
     assert "not a bench set" in capsys.readouterr().err

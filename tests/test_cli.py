@@ -7,15 +7,30 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 
 
 def test_run_on_real_alpaca_and_chat_with_two_workers(tmp_path):
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": ""}
-    command = [sys.executable, "-m", "rayjobs.cli", "run", str(ROOT / "configs" / "alpaca_chat_gpt2.yaml"),
-               "packing.seq_len=256", "packing.window=512", "train.batch_size=2", "train.max_steps=6",
-               "train.report_every=3", f"train.storage_path={tmp_path}", "--json"]
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    command = [
+        sys.executable,
+        "-m",
+        "rayjobs.cli",
+        "run",
+        str(ROOT / "configs" / "alpaca_chat_gpt2.yaml"),
+        "packing.seq_len=256",
+        "packing.window=512",
+        "train.batch_size=2",
+        "train.max_steps=6",
+        "train.report_every=3",
+        f"train.storage_path={tmp_path}",
+        "--json",
+    ]
+    done = subprocess.run(
+        command, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 6 and summary["steps_per_rank"] == [6, 6]
@@ -24,7 +39,9 @@ def test_run_on_real_alpaca_and_chat_with_two_workers(tmp_path):
     assert summary["tokens_trained"] > 0 and 0 < summary["packing_efficiency"] <= 1
     assert set(summary["datasets"]) == {"alpaca", "hh_chat"}
     for stats in summary["datasets"].values():
-        assert {"samples", "tokens", "truncated_tokens", "dropped_samples", "skipped_rows"} <= set(stats)
+        assert {"samples", "tokens", "truncated_tokens", "dropped_samples", "skipped_rows"} <= set(
+            stats
+        )
         assert stats["samples"] > 0 and stats["tokens"] > 0
     assert sum(s["truncated_tokens"] for s in summary["datasets"].values()) > 0  # seq_len 256 cuts
     assert os.path.isfile(os.path.join(summary["checkpoint"], "model.pt"))
@@ -43,10 +60,16 @@ def test_overrides_may_follow_options(tmp_path, monkeypatch):
     monkeypatch.setattr(rayjobs.pipeline, "run", fake_run)
     from rayjobs.cli import main
 
-    try:
-        main(["run", str(ROOT / "configs" / "demo.yaml"), "packing.seq_len=256", "--address", "auto",
-              "train.epochs=1"])
-    except SystemExit:
-        pass
+    with pytest.raises(SystemExit):
+        main(
+            [
+                "run",
+                str(ROOT / "configs" / "demo.yaml"),
+                "packing.seq_len=256",
+                "--address",
+                "auto",
+                "train.epochs=1",
+            ]
+        )
     config = seen["config"]
     assert (config.packing.seq_len, config.train.epochs, config.ray.address) == (256, 1, "auto")

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import ray
 import yaml
 
+from conftest import GPT2
 from rayjobs.cli import main
 from rayjobs.config import ConfigError, load_config
+from rayjobs.sources import record_table
 
 # Hermetic: configs point at empty files made in tmp_path (config only checks that files exist).
 BASE = {
@@ -31,7 +35,8 @@ ROW = '{"instruction": "a", "output": "b"}\n'  # files need a row: empty dataset
 
 
 def _write(tmp_path: Path, patch: dict | None = None) -> Path:
-    """A config at tmp_path/run.yaml whose data and tokenizer files exist, with `patch` merged in."""
+    """A config at tmp_path/run.yaml whose data and tokenizer files exist, with `patch` merged
+    in."""
     for relative in ("data/alpaca.json", "tok/tokenizer.json"):
         (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / relative).write_text(ROW)
@@ -41,8 +46,11 @@ def _write(tmp_path: Path, patch: dict | None = None) -> Path:
 
 
 def _dataset(**fields) -> dict:
-    return {"datasets": [{"name": "alpaca", "source": "data/alpaca.json", "template": "alpaca",
-                          **fields}]}
+    return {
+        "datasets": [
+            {"name": "alpaca", "source": "data/alpaca.json", "template": "alpaca", **fields}
+        ]
+    }
 
 
 # config patch, overrides, texts the ConfigError message must contain ("{tmp}" = tmp_path).
@@ -52,38 +60,70 @@ BAD_CONFIGS = {
     "unknown_dataset_key": (_dataset(templat="chat"), [], ["datasets.0.templat: unknown key"]),
     "wrong_type": ({"train": {"batch_size": "four"}}, [], ["train.batch_size", "'four'"]),
     "missing_data_file": (
-        _dataset(source="data/missing.json"), [],
-        ["datasets.0.source", "{tmp}/data/missing.json"]),
+        _dataset(source="data/missing.json"),
+        [],
+        ["datasets.0.source", "{tmp}/data/missing.json"],
+    ),
     "missing_tokenizer_file": (
-        {"tokenizer": {"path": "tok/missing.json"}}, [], ["tokenizer.path", "{tmp}/tok/missing.json"]),
-    "unknown_template": (_dataset(template="alpacca"), [],
-                         ["datasets.0.template", "'alpacca'", "'alpaca', 'chat' or 'text'"]),
+        {"tokenizer": {"path": "tok/missing.json"}},
+        [],
+        ["tokenizer.path", "{tmp}/tok/missing.json"],
+    ),
+    "unknown_template": (
+        _dataset(template="alpacca"),
+        [],
+        [
+            "datasets.0.template",
+            "unknown template 'alpacca'",
+            "registered: 'alpaca', 'text', 'chat'",
+        ],
+    ),
     "seq_len_zero": ({"packing": {"seq_len": 0}}, [], ["packing.seq_len", "greater than 0"]),
     "seq_len_negative": ({"packing": {"seq_len": -5}}, [], ["packing.seq_len", "-5"]),
     "duplicate_dataset_names": (
-        {"datasets": [{"name": "a", "source": "data/alpaca.json", "template": "alpaca"},
-                      {"name": "a", "source": "data/alpaca.json", "template": "alpaca"}]}, [],
-        ["datasets", "unique", "['a']"]),
+        {
+            "datasets": [
+                {"name": "a", "source": "data/alpaca.json", "template": "alpaca"},
+                {"name": "a", "source": "data/alpaca.json", "template": "alpaca"},
+            ]
+        },
+        [],
+        ["datasets", "unique", "['a']"],
+    ),
     "weight_zero": (_dataset(weight=0), [], ["datasets.0.weight", "greater than 0"]),
     "weight_negative": (_dataset(weight=-1.5), [], ["datasets.0.weight", "-1.5"]),
     "no_datasets": ({"datasets": []}, [], ["datasets", "at least 1"]),
-    "format_not_inferable": (_dataset(source=["data/alpaca.json", "tok/tokenizer.json", "run.yaml"]),
-                             [], ["datasets.0.format", "jsonl"]),
+    "format_not_inferable": (
+        _dataset(source=["data/alpaca.json", "tok/tokenizer.json", "run.yaml"]),
+        [],
+        ["datasets.0.format", "jsonl"],
+    ),
     "override_without_equals": ({}, ["packing.seq_len"], ["'packing.seq_len'", "dotted.key=value"]),
     "override_without_key": ({}, ["=4096"], ["'=4096'", "dotted.key=value"]),
     "override_bad_value": ({}, ["packing.seq_len=zero"], ["packing.seq_len", "'zero'"]),
     "override_unknown_key": ({}, ["packing.seqlen=1"], ["packing.seqlen: unknown key"]),
-    "override_through_a_value": ({}, ["datasets.0.name.first=x"],
-                                 ["datasets.0.name.first", "datasets.0.name is not a section"]),
+    "override_through_a_value": (
+        {},
+        ["datasets.0.name.first=x"],
+        ["datasets.0.name.first", "datasets.0.name is not a section"],
+    ),
     "override_list_index_out_of_range": (
-        {}, ["datasets.1.weight=2"], ["datasets.1.weight", "datasets.1 is not an index of a list of 1"]),
+        {},
+        ["datasets.1.weight=2"],
+        ["datasets.1.weight", "datasets.1 is not an index of a list of 1"],
+    ),
     "override_list_index_not_a_number": (
-        {}, ["datasets.first.weight=2"], ["datasets.first is not an index"]),
+        {},
+        ["datasets.first.weight=2"],
+        ["datasets.first is not an index"],
+    ),
     "override_invalid_value_into_list": ({}, ["datasets.0.weight=0"], ["datasets.0.weight"]),
 }
 
 
-@pytest.mark.parametrize("patch, overrides, expected", list(BAD_CONFIGS.values()), ids=list(BAD_CONFIGS))
+@pytest.mark.parametrize(
+    "patch, overrides, expected", list(BAD_CONFIGS.values()), ids=list(BAD_CONFIGS)
+)
 def test_bad_config_raises_config_error_naming_the_key(tmp_path, patch, overrides, expected):
     path = _write(tmp_path, patch)
     with pytest.raises(ConfigError) as caught:
@@ -103,22 +143,26 @@ def test_missing_or_non_mapping_config_file_names_the_file(tmp_path):
         load_config(tmp_path / "broken.yaml")
 
 
-@pytest.mark.parametrize("override, key, value", [
-    ("tokenizer.chat_template={% for m in messages %}{{ m.content }}{% endfor %}",
-     "chat_template", "{% for m in messages %}{{ m.content }}{% endfor %}"),
-    ("tokenizer.eos_token=[oops", "eos_token", "[oops"),
-], ids=["jinja_chat_template", "unclosed_bracket"])
-def test_override_value_that_is_not_yaml_is_a_string_or_config_error(tmp_path, override, key, value):
-    try:
-        config = load_config(_write(tmp_path), [override])
-    except ConfigError as error:
-        assert f"tokenizer.{key}" in str(error)
-    else:
-        assert getattr(config.tokenizer, key) == value
+@pytest.mark.parametrize(
+    "override, key, value",
+    [
+        (
+            "tokenizer.chat_template={% for m in messages %}{{ m.content }}{% endfor %}",
+            "chat_template",
+            "{% for m in messages %}{{ m.content }}{% endfor %}",
+        ),
+        ("tokenizer.eos_token=[oops", "eos_token", "[oops"),
+    ],
+    ids=["jinja_chat_template", "unclosed_bracket"],
+)
+def test_override_value_that_is_not_yaml_is_taken_as_text(tmp_path, override, key, value):
+    config = load_config(_write(tmp_path), [override])
+    assert getattr(config.tokenizer, key) == value
 
 
-@pytest.mark.parametrize("name", [
-    "unknown_nested_key", "missing_data_file", "override_list_index_out_of_range"])
+@pytest.mark.parametrize(
+    "name", ["unknown_nested_key", "missing_data_file", "override_list_index_out_of_range"]
+)
 def test_cli_reports_config_error_without_starting_ray(tmp_path, capsys, name):
     patch, overrides, expected = BAD_CONFIGS[name]
     code = main(["run", str(_write(tmp_path, patch)), *overrides])
@@ -132,8 +176,12 @@ def test_cli_reports_config_error_without_starting_ray(tmp_path, capsys, name):
 
 def test_cli_subprocess_exits_non_zero_without_traceback(tmp_path):
     path = _write(tmp_path, {"packing": {"seq_lenn": 4096}})
-    result = subprocess.run([sys.executable, "-m", "rayjobs.cli", "run", str(path)],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "rayjobs.cli", "run", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode != 0
     assert "packing.seq_lenn" in result.stderr
     assert "Traceback" not in result.stderr
@@ -176,10 +224,18 @@ def test_relative_paths_resolve_against_the_config_directory(tmp_path, monkeypat
     assert config.tokenizer.path == str(root / "tok" / "tokenizer.json")
 
 
-@pytest.mark.parametrize("filename, expected", [
-    ("rows.json", "json"), ("rows.jsonl", "jsonl"), ("rows.parquet", "parquet"), ("rows.csv", "csv"),
-    ("book.txt", "text"), ("notes.md", "text"),
-], ids=["json", "jsonl", "parquet", "csv", "txt", "md"])
+@pytest.mark.parametrize(
+    "filename, expected",
+    [
+        ("rows.json", "json"),
+        ("rows.jsonl", "jsonl"),
+        ("rows.parquet", "parquet"),
+        ("rows.csv", "csv"),
+        ("book.txt", "text"),
+        ("notes.md", "text"),
+    ],
+    ids=["json", "jsonl", "parquet", "csv", "txt", "md"],
+)
 def test_format_is_inferred_from_the_extension(tmp_path, filename, expected):
     (tmp_path / "data" / filename).parent.mkdir(parents=True, exist_ok=True)
     (tmp_path / "data" / filename).write_text(ROW)
@@ -205,8 +261,11 @@ def test_directory_source_expands_to_its_files_sorted_and_recursive(tmp_path):
     shards = _data_dir(tmp_path, "b.jsonl", "a.jsonl", "more/c.jsonl", "checksums.sha256")
     config = load_config(_write(tmp_path, _dataset(source="shards")))
     root = shards.resolve()
-    assert config.datasets[0].files == (str(root / "a.jsonl"), str(root / "b.jsonl"),
-                                        str(root / "more" / "c.jsonl"))
+    assert config.datasets[0].files == (
+        str(root / "a.jsonl"),
+        str(root / "b.jsonl"),
+        str(root / "more" / "c.jsonl"),
+    )
     assert config.datasets[0].format == "jsonl"
 
 
@@ -221,3 +280,70 @@ def test_directory_source_with_explicit_format_keeps_only_that_format(tmp_path):
     shards = _data_dir(tmp_path, "train.jsonl", "README.md")
     config = load_config(_write(tmp_path, _dataset(source="shards", format="jsonl")))
     assert config.datasets[0].files == (str(shards.resolve() / "train.jsonl"),)
+
+
+# ---------------------------------------------------------------- registries
+
+
+def test_a_template_registered_outside_config_is_accepted_and_used(tmp_path):
+    """A new template is one function plus its tests: config.py reads the registry."""
+    from rayjobs import templates
+    from rayjobs.tokenize import Tokenize
+
+    path = _write(tmp_path, _dataset(template="shout"))
+    with pytest.raises(ConfigError, match="unknown template 'shout'"):
+        load_config(path)
+
+    @templates.register_template("shout")
+    def shout(row, column_map, render_chat=None):
+        return [templates.Segment(templates._text_field(row, "text", column_map).upper(), True)]
+
+    try:
+        config = load_config(path, [f"tokenizer.path={GPT2}"])
+        assert config.datasets[0].template == "shout"
+        tokenize = Tokenize(config.datasets, config.tokenizer, seq_len=64, overflow="truncate")
+        batch = record_table("alpaca", ["x.jsonl"], [1], [json.dumps({"text": "hi"})])
+        assert tokenize(batch).column("input_ids").to_pylist() == [[25374, 50256]]  # "HI", EOS
+        with pytest.raises(ValueError, match="already registered"):
+            templates.register_template("shout")(shout)
+    finally:
+        del templates.TEMPLATES["shout"]
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            "packing.strategy=worst_fit",
+            "packing.strategy: Value error, unknown packing strategy 'worst_fit'; "
+            "registered: 'bfd'",
+        ),
+        (
+            "datasets.0.format=xml",
+            "datasets.0.format: Value error, unknown format 'xml'; "
+            "registered: 'parquet', 'csv', 'json'",
+        ),
+    ],
+)
+def test_unregistered_strategy_and_format_are_refused(tmp_path, override, message):
+    with pytest.raises(ConfigError) as caught:
+        load_config(_write(tmp_path, {}), [override])
+    assert message in str(caught.value)
+
+
+def test_a_registered_strategy_is_accepted(tmp_path):
+    from rayjobs import pack
+
+    @pack.register_strategy("worst_fit")
+    class WorstFit(pack.Packer):
+        def _choose_bin(self, length):
+            fits = [i for i, room in enumerate(self.remaining) if room >= length]
+            return max(fits, key=lambda i: self.remaining[i]) if fits else None
+
+    try:
+        config = load_config(_write(tmp_path, {}), ["packing.strategy=worst_fit"])
+        assert config.packing.strategy == "worst_fit"
+        bins = pack.pack_lengths(np.array([6, 3, 3]), 10, "worst_fit")
+        assert [b.tolist() for b in bins] == [[0, 1], [2]]
+    finally:
+        del pack.STRATEGIES["worst_fit"]

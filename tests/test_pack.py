@@ -1,4 +1,5 @@
-"""Tests for rayjobs.pack: scenario tables per strategy, packing invariants, row layout, determinism."""
+"""Tests for rayjobs.pack: scenario tables per strategy, packing invariants, the row contract of
+streamed packs, determinism."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rayjobs import pack
-from rayjobs.pack import IGNORE_INDEX, STRATEGIES, StreamPacker, assemble_rows, pack_lengths
+from rayjobs.pack import STRATEGIES, StreamPacker, pack_lengths
+from rayjobs.rows import IGNORE_INDEX, assemble
 
 SEQ_LEN = 10
 
@@ -128,7 +130,9 @@ def _best_fit_decreasing_reference(lengths: np.ndarray, seq_len: int) -> list[li
     for index in np.argsort(-lengths, kind="stable").tolist():
         fitting = [bin_index for bin_index, room in enumerate(remaining) if room >= lengths[index]]
         if fitting:
-            chosen = min(fitting, key=lambda bin_index: remaining[bin_index])  # min keeps the first tie
+            chosen = min(
+                fitting, key=lambda bin_index: remaining[bin_index]
+            )  # min keeps the first tie
         else:
             chosen = len(bins)
             bins.append([])
@@ -155,7 +159,9 @@ def test_every_sample_lands_in_exactly_one_bin_that_fits(
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @settings(max_examples=150, deadline=None)
 @given(window=_windows)
-def test_no_bin_opens_while_an_open_bin_has_room(strategy: str, window: tuple[int, np.ndarray]) -> None:
+def test_no_bin_opens_while_an_open_bin_has_room(
+    strategy: str, window: tuple[int, np.ndarray]
+) -> None:
     # Bins only fill up, so a final fill plus a later bin's first item must still exceed seq_len.
     # next_fit keeps only the newest bin open; the others keep every bin open.
     seq_len, lengths = window
@@ -170,7 +176,9 @@ def test_no_bin_opens_while_an_open_bin_has_room(strategy: str, window: tuple[in
 @pytest.mark.parametrize("strategy", ["bfd", "ffd", "first_fit"])
 @settings(max_examples=150, deadline=None)
 @given(window=_windows)
-def test_bin_count_between_lower_bound_and_next_fit(strategy: str, window: tuple[int, np.ndarray]) -> None:
+def test_bin_count_between_lower_bound_and_next_fit(
+    strategy: str, window: tuple[int, np.ndarray]
+) -> None:
     # An any-fit strategy opens at most one bin per next_fit bin over the same order: once it opens
     # a bin for an item, the rest of that next_fit bin (smaller than the new bin's room) fits there.
     # Over a different order next_fit can win (scenario "next_fit_beats_bfd").
@@ -185,18 +193,44 @@ def test_bin_count_between_lower_bound_and_next_fit(strategy: str, window: tuple
 def test_bfd_matches_linear_scan_reference(window: tuple[int, np.ndarray]) -> None:
     seq_len, lengths = window
     bins = pack_lengths(lengths, seq_len, "bfd")
-    assert [indices.tolist() for indices in bins] == _best_fit_decreasing_reference(lengths, seq_len)
+    assert [indices.tolist() for indices in bins] == _best_fit_decreasing_reference(
+        lengths, seq_len
+    )
 
 
-# --- Rows: assemble_rows over StreamPacker packs ----------------------------------------------------------
+# --- Rows: rows.assemble over StreamPacker packs
+# ----------------------------------------------------------
 
 PAD_ID = 0
+
+
+def assemble_bins(
+    input_ids: list[np.ndarray],
+    labels: list[np.ndarray],
+    bins: list[np.ndarray],
+    seq_len: int,
+    pad_id: int = PAD_ID,
+) -> dict[str, np.ndarray]:
+    """Rows of ``bins`` (indices into the samples) through ``rayjobs.rows.assemble``."""
+    lengths = np.array([len(ids) for ids in input_ids], dtype=np.int64)
+    starts = np.cumsum(lengths) - lengths
+    order = np.concatenate(bins) if bins else np.empty(0, dtype=np.int64)
+    return assemble(
+        input_ids,
+        labels,
+        starts[order],
+        lengths[order],
+        np.array([len(b) for b in bins], dtype=np.int64),
+        seq_len,
+        pad_id,
+    )
 
 
 def _random_window(
     rng: np.random.Generator, num_samples: int, seq_len: int
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Samples with token ids >= 1 (so PAD_ID is recognizable), labels shifted within the sample and a
+    """Samples with token ids >= 1 (so PAD_ID is recognizable), labels shifted within the sample
+    and a
     masked prompt of random length."""
     lengths = np.minimum(rng.geometric(4 / seq_len, num_samples), seq_len)
     input_ids = [rng.integers(1, 1000, length, dtype=np.int32) for length in lengths]
@@ -216,7 +250,10 @@ def _documents(rows: dict[str, np.ndarray]) -> list[tuple[bytes, bytes]]:
         for document in range(rows["num_documents"][row]):
             in_document = document_ids == document
             documents.append(
-                (rows["input_ids"][row][in_document].tobytes(), rows["labels"][row][in_document].tobytes())
+                (
+                    rows["input_ids"][row][in_document].tobytes(),
+                    rows["labels"][row][in_document].tobytes(),
+                )
             )
     return documents
 
@@ -230,7 +267,9 @@ def _check_rows(
     assert rows["num_documents"].dtype == rows["num_tokens"].dtype == np.int32
 
     # Nothing lost, nothing duplicated: each sample is exactly one document of one row.
-    samples = [(ids.tobytes(), sample_labels.tobytes()) for ids, sample_labels in zip(input_ids, labels)]
+    samples = [
+        (ids.tobytes(), sample_labels.tobytes()) for ids, sample_labels in zip(input_ids, labels)
+    ]
     assert sorted(_documents(rows)) == sorted(samples)
     tokens = rows["input_ids"][rows["input_ids"] != PAD_ID]
     np.testing.assert_array_equal(np.sort(tokens), np.sort(np.concatenate(input_ids)))
@@ -241,7 +280,9 @@ def _check_rows(
     assert (rows["input_ids"][is_padding] == PAD_ID).all()
     assert (rows["labels"][is_padding] == IGNORE_INDEX).all()
     has_padding = rows["num_tokens"] < seq_len
-    np.testing.assert_array_equal(rows["document_ids"][:, -1], rows["num_documents"] - 1 + has_padding)
+    np.testing.assert_array_equal(
+        rows["document_ids"][:, -1], rows["num_documents"] - 1 + has_padding
+    )
 
     # Labels never cross a document: a label predicts the next token of the same document.
     document_ids, position_ids = rows["document_ids"], rows["position_ids"]
@@ -254,72 +295,28 @@ def _check_rows(
     assert (document_ids[:, 0] == 0).all() and (position_ids[:, 0] == 0).all()
     starts = np.diff(document_ids, axis=1)
     assert np.isin(starts, (0, 1)).all()
-    np.testing.assert_array_equal(position_ids[:, 1:], np.where(starts == 1, 0, position_ids[:, :-1] + 1))
+    np.testing.assert_array_equal(
+        position_ids[:, 1:], np.where(starts == 1, 0, position_ids[:, :-1] + 1)
+    )
 
 
-def test_assemble_rows_literal() -> None:
-    input_ids = [np.array([11, 12, 13]), np.array([21, 22]), np.array([31, 32, 33, 34])]
-    labels = [np.array([12, 13, -100]), np.array([-100, -100]), np.array([-100, 33, 34, -100])]
-    rows = assemble_rows(input_ids, labels, [np.array([2, 1]), np.array([0])], seq_len=6, pad_id=PAD_ID)
-    assert rows["input_ids"].tolist() == [[31, 32, 33, 34, 21, 22], [11, 12, 13, 0, 0, 0]]
-    assert rows["labels"].tolist() == [[-100, 33, 34, -100, -100, -100], [12, 13, -100, -100, -100, -100]]
-    assert rows["document_ids"].tolist() == [[0, 0, 0, 0, 1, 1], [0, 0, 0, 1, 1, 1]]
-    assert rows["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1], [0, 1, 2, 0, 1, 2]]
-    assert rows["num_documents"].tolist() == [2, 1]
-    assert rows["num_tokens"].tolist() == [6, 3]
-
-
-def test_assemble_gather_equals_a_row_by_row_reference() -> None:
-    """Documents stored in shuffled chunks (as Arrow hands them to ``AssemblePacks``) gather into
-    the same rows as concatenating each bin's samples by hand."""
-    rng = np.random.default_rng(5)
-    seq_len = 48
-    input_ids, labels = _random_window(rng, num_samples=120, seq_len=seq_len)
-    bins = pack_lengths(np.array([len(ids) for ids in input_ids]), seq_len, "first_fit")
-    stored = rng.permutation(len(input_ids))  # storage order differs from pack order
-    chunks = np.array_split(stored, 7)
-    lengths = np.array([len(ids) for ids in input_ids])
-    starts = np.empty(len(input_ids), dtype=np.int64)
-    starts[stored] = np.cumsum(lengths[stored]) - lengths[stored]
-    order = np.concatenate(bins)
-    rows = pack.assemble_gather(
-        [np.concatenate([input_ids[i] for i in chunk]) for chunk in chunks],
-        [np.concatenate([labels[i] for i in chunk]) for chunk in chunks],
-        starts[order], lengths[order], np.array([len(b) for b in bins]), seq_len, PAD_ID)
-    full = [sum(lengths[b]) == seq_len for b in bins]
-    assert any(full) and not all(full), "guard: full rows and padded rows"
-    assert max(len(b) for b in bins) >= 3, "guard: a row holds several documents"
-    for row, indices in enumerate(bins):
-        tokens = np.concatenate([input_ids[i] for i in indices])
-        padding = seq_len - len(tokens)
-        np.testing.assert_array_equal(rows["input_ids"][row], np.append(tokens, [PAD_ID] * padding))
-        np.testing.assert_array_equal(rows["labels"][row], np.concatenate(
-            [labels[i] for i in indices] + [np.full(padding, IGNORE_INDEX)]))
-        segments = [lengths[i] for i in indices] + ([padding] if padding else [])
-        np.testing.assert_array_equal(rows["document_ids"][row], np.repeat(np.arange(len(segments)), segments))
-        np.testing.assert_array_equal(rows["position_ids"][row], np.concatenate([np.arange(n) for n in segments]))
-
-
-def test_assemble_gather_rejects_documents_outside_the_tokens() -> None:
-    with pytest.raises(ValueError, match="Document 1 \\(start 3, 3 tokens\\) reaches outside the 5 tokens"):
-        pack.assemble_gather([np.arange(5)], [np.arange(5)], np.array([0, 3]), np.array([2, 3]),
-                             np.array([2]), seq_len=8, pad_id=PAD_ID)
-
-
-def _stream(lengths: np.ndarray, seq_len: int, window: int, seed: int = 0, strategy: str = "bfd",
-            **options) -> tuple[list[list[np.ndarray]], StreamPacker]:
+def _stream(
+    lengths: np.ndarray, seq_len: int, window: int, seed: int = 0, strategy: str = "bfd", **options
+) -> tuple[list[list[np.ndarray]], StreamPacker]:
     """Push ``lengths`` (ids 0..n-1) window by window, then flush: the packs of each push."""
     packer = StreamPacker(seq_len, strategy, rng=np.random.default_rng(seed), **options)
     ids = np.arange(len(lengths))
-    pushes = [packer.push(ids[start:start + window], lengths[start:start + window])
-              for start in range(0, len(lengths), window)]
+    pushes = [
+        packer.push(ids[start : start + window], lengths[start : start + window])
+        for start in range(0, len(lengths), window)
+    ]
     return pushes + [packer.flush()], packer
 
 
 def _stream_rows(input_ids, labels, seq_len, seed=0, strategy="bfd", window=64):
     lengths = np.array([len(ids) for ids in input_ids])
     pushes, _ = _stream(lengths, seq_len, window, seed, strategy)
-    return assemble_rows(input_ids, labels, [p for push in pushes for p in push], seq_len, PAD_ID)
+    return assemble_bins(input_ids, labels, [p for push in pushes for p in push], seq_len)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -347,7 +344,9 @@ def test_stream_shuffles_packs_and_documents() -> None:
     rows = _stream_rows(input_ids, labels, seq_len, window=300)
     first_lengths = (rows["document_ids"] == 0).sum(axis=1)
     rows_and_sizes = zip(rows["document_ids"], rows["num_tokens"])
-    longest_lengths = np.array([np.bincount(row[:num_tokens]).max() for row, num_tokens in rows_and_sizes])
+    longest_lengths = np.array(
+        [np.bincount(row[:num_tokens]).max() for row, num_tokens in rows_and_sizes]
+    )
     assert (first_lengths < longest_lengths).any(), "documents inside a row are not shuffled"
     assert (np.diff(first_lengths) > 0).any(), "rows come out in packing order"
 
@@ -377,29 +376,34 @@ def test_stream_scenarios(lengths: list[int], expected: list[list[list[int]]]) -
 
 @settings(max_examples=150, deadline=None)
 @given(
-    strategy=st.sampled_from(STRATEGIES),
+    strategy=st.sampled_from(list(STRATEGIES)),
     seq_len=st.integers(4, 40),
     window=st.integers(1, 12),
     max_delay=st.integers(0, 3),
     data=st.data(),
 )
 def test_stream_packer_properties(strategy, seq_len, window, max_delay, data) -> None:
-    lengths = np.array(data.draw(st.lists(st.integers(1, seq_len), min_size=0, max_size=60)), dtype=np.int64)
+    lengths = np.array(
+        data.draw(st.lists(st.integers(1, seq_len), min_size=0, max_size=60)), dtype=np.int64
+    )
     pushes, packer = _stream(lengths, seq_len, window, strategy=strategy, max_delay=max_delay)
     packs = [p for push in pushes for p in push]
     emitted = np.concatenate(packs) if packs else np.empty(0, dtype=np.int64)
     assert sorted(emitted.tolist()) == list(range(len(lengths)))  # none lost, none duplicated
-    assert all(0 < len(p) and lengths[p].sum() <= seq_len for p in packs)
+    assert all(len(p) > 0 and lengths[p].sum() <= seq_len for p in packs)
     assert packer.max_delay_seen <= max_delay
     again, _ = _stream(lengths, seq_len, window, strategy=strategy, max_delay=max_delay)
-    assert [[p.tolist() for p in push] for push in again] == [[p.tolist() for p in push] for push in pushes]
+    assert [[p.tolist() for p in push] for push in again] == [
+        [p.tolist() for p in push] for push in pushes
+    ]
     for number, push in enumerate(pushes[:-1]):  # each sample leaves within max_delay windows
         for pack_ids in push:
             arrived = pack_ids // window
             assert (number - arrived <= max_delay).all()
 
 
-# --- Errors ----------------------------------------------------------------------------------------
+# --- Errors
+# ----------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -424,11 +428,3 @@ def test_stream_error_names_the_sample_in_the_window() -> None:
 def test_unknown_strategy() -> None:
     with pytest.raises(ValueError, match="Unknown packing strategy 'worst_fit'; choose one of bfd"):
         pack_lengths(np.array([1, 2]), SEQ_LEN, "worst_fit")
-
-
-def test_assemble_rows_rejects_bad_input() -> None:
-    input_ids = [np.arange(6), np.arange(5)]
-    with pytest.raises(ValueError, match="Sample 1 has 5 input_ids but 4 labels"):
-        assemble_rows(input_ids, [np.arange(6), np.arange(4)], [np.array([0])], SEQ_LEN, PAD_ID)
-    with pytest.raises(ValueError, match="Bin 0 holds samples \\[0, 1\\] with 11 tokens"):
-        assemble_rows(input_ids, input_ids, [np.array([0, 1])], SEQ_LEN, PAD_ID)

@@ -12,8 +12,7 @@ import pytest
 
 from conftest import ALPACA, GPT2, HH_CHAT, ROOT
 from rayjobs.config import config_from_dict
-from rayjobs.metrics import Ledger
-from rayjobs.pipeline import accounting, build_epoch
+from rayjobs.pipeline import accounting, start_job
 from rayjobs.sources import read_dataset
 from rayjobs.tokenize import Tokenize
 
@@ -21,14 +20,17 @@ SEQ_LEN = 512  # short enough that some real samples are truncated
 
 
 def _config(**packing):
-    return config_from_dict({
-        "datasets": [
-            {"name": "alpaca", "source": str(ALPACA), "template": "alpaca"},
-            {"name": "hh_chat", "source": str(HH_CHAT), "template": "chat"},
-        ],
-        "tokenizer": {"path": str(GPT2)},
-        "packing": {"seq_len": SEQ_LEN, "window": 1024, **packing},
-    }, base_dir=ROOT)
+    return config_from_dict(
+        {
+            "datasets": [
+                {"name": "alpaca", "source": str(ALPACA), "template": "alpaca"},
+                {"name": "hh_chat", "source": str(HH_CHAT), "template": "chat"},
+            ],
+            "tokenizer": {"path": str(GPT2)},
+            "packing": {"seq_len": SEQ_LEN, "window": 1024, **packing},
+        },
+        base_dir=ROOT,
+    )
 
 
 def _documents(row: dict) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -45,9 +47,9 @@ def _documents(row: dict) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
 @pytest.fixture(scope="module")
 def packed_run(ray_local):
     config = _config(overflow="truncate")
-    ledger = Ledger.remote("test")
-    rows = build_epoch(config, epoch=0, ledger=ledger).take_all()
-    snapshot = ray_local.get(ledger.snapshot.remote())
+    job = start_job(config, prefix="test")
+    rows = job.epochs.packed(0).take_all()
+    snapshot = job.snapshot()
     raw = [row for spec in config.datasets for row in read_dataset(spec).take_all()]
     table = pa.Table.from_pylist(raw)
     reference = Tokenize(config.datasets, config.tokenizer, SEQ_LEN, "truncate")(table)
@@ -58,10 +60,15 @@ def packed_run(ray_local):
 def test_every_packed_document_is_exactly_one_tokenized_sample(packed_run):
     _, rows, _, reference, _ = packed_run
     packed = Counter(doc for row in rows for doc in _documents(row))
-    expected = Counter((tuple(ids), tuple(labels)) for ids, labels in
-                       zip(reference.column("input_ids").to_pylist(),
-                           reference.column("labels").to_pylist()))
-    assert sum(expected.values()) == 999 + 2300  # every real row became one sample
+    expected = Counter(
+        (tuple(ids), tuple(labels))
+        for ids, labels in zip(
+            reference.column("input_ids").to_pylist(), reference.column("labels").to_pylist()
+        )
+    )
+    assert (
+        sum(expected.values()) == 300 + 400
+    )  # every real row (configs/data subsets) became one sample
     assert packed == expected
 
 
@@ -83,8 +90,9 @@ def test_labels_never_cross_a_document(packed_run):
     _, rows, _, _, _ = packed_run
     multi_document_rows = 0
     for row in rows:
-        ids, labels, doc, pos = (row[k] for k in ("input_ids", "labels", "document_ids",
-                                                   "position_ids"))
+        ids, labels, doc, pos = (
+            row[k] for k in ("input_ids", "labels", "document_ids", "position_ids")
+        )
         assert len(ids) == len(labels) == len(doc) == len(pos) == SEQ_LEN
         trained = np.flatnonzero(labels[:-1] != -100)
         assert (doc[trained] == doc[trained + 1]).all()
@@ -101,7 +109,7 @@ def test_ledger_matches_the_rows(packed_run):
     pack = snapshot["pack"][0]
     assert pack["num_packs"] == len(rows)
     assert pack["num_tokens"] == sum(int(r["num_tokens"]) for r in rows)
-    assert pack["documents_by_source"] == {"alpaca": 999, "hh_chat": 2300}
+    assert pack["documents_by_source"] == {"alpaca": 300, "hh_chat": 400}
     assert pack["num_slots"] == len(rows) * SEQ_LEN
     lower_bound = -(-pack["num_tokens"] // SEQ_LEN)
     assert lower_bound <= len(rows) <= lower_bound * 1.02
@@ -110,9 +118,9 @@ def test_ledger_matches_the_rows(packed_run):
 def test_overflow_drop_counts_and_split_keeps_every_token(ray_local):
     counts = {}
     for policy in ("drop", "split"):
-        ledger = Ledger.remote("test")
-        rows = build_epoch(_config(overflow=policy), ledger=ledger).take_all()
-        summary = accounting(ray_local.get(ledger.snapshot.remote()))
+        job = start_job(_config(overflow=policy), prefix="test")
+        rows = job.epochs.packed(0).take_all()
+        summary = accounting(job.snapshot())
         counts[policy] = (summary["datasets"], sum(int(r["num_tokens"]) for r in rows))
     dropped = sum(s["dropped_samples"] for s in counts["drop"][0].values())
     split = sum(s["split_samples"] for s in counts["split"][0].values())
@@ -123,13 +131,26 @@ def test_overflow_drop_counts_and_split_keeps_every_token(ray_local):
 
 def test_bad_row_error_names_dataset_file_row_and_field(ray_local, tmp_path):
     data = tmp_path / "broken.jsonl"
-    data.write_text("\n".join(json.dumps(r) for r in [
-        {"instruction": "a", "output": "b"}, {"instruction": "c"}, {"instruction": "d", "output": "e"}]))
-    config = config_from_dict({
-        "datasets": [{"name": "broken", "source": str(data), "template": "alpaca"}],
-        "tokenizer": {"path": str(GPT2)}, "packing": {"seq_len": 64}}, base_dir=ROOT)
+    data.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {"instruction": "a", "output": "b"},
+                {"instruction": "c"},
+                {"instruction": "d", "output": "e"},
+            ]
+        )
+    )
+    config = config_from_dict(
+        {
+            "datasets": [{"name": "broken", "source": str(data), "template": "alpaca"}],
+            "tokenizer": {"path": str(GPT2)},
+            "packing": {"seq_len": 64},
+        },
+        base_dir=ROOT,
+    )
     with pytest.raises(Exception) as error:
-        build_epoch(config).take_all()
+        start_job(config).epochs.packed(0).take_all()
     message = str(error.value)
     assert "dataset 'broken'" in message and str(data) in message
     assert "row 2" in message and "'output'" in message
@@ -137,15 +158,25 @@ def test_bad_row_error_names_dataset_file_row_and_field(ray_local, tmp_path):
 
 def test_bad_rows_skipped_are_counted(ray_local, tmp_path):
     data = tmp_path / "broken.jsonl"
-    data.write_text("\n".join(json.dumps(r) for r in [
-        {"instruction": "a", "output": "b"}, {"instruction": "c"}, {"text": "d"}]))
-    config = config_from_dict({
-        "datasets": [{"name": "broken", "source": str(data), "template": "alpaca",
-                      "on_bad_row": "skip"}],
-        "tokenizer": {"path": str(GPT2)}, "packing": {"seq_len": 64}}, base_dir=ROOT)
-    ledger = Ledger.remote("test")
-    rows = build_epoch(config, ledger=ledger).take_all()
-    stats = accounting(ray_local.get(ledger.snapshot.remote()))["datasets"]["broken"]
+    data.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [{"instruction": "a", "output": "b"}, {"instruction": "c"}, {"text": "d"}]
+        )
+    )
+    config = config_from_dict(
+        {
+            "datasets": [
+                {"name": "broken", "source": str(data), "template": "alpaca", "on_bad_row": "skip"}
+            ],
+            "tokenizer": {"path": str(GPT2)},
+            "packing": {"seq_len": 64},
+        },
+        base_dir=ROOT,
+    )
+    job = start_job(config, prefix="test")
+    rows = job.epochs.packed(0).take_all()
+    stats = accounting(job.snapshot())["datasets"]["broken"]
     assert (stats["samples"], stats["skipped_rows"]) == (1, 2)
     assert sum(int(r["num_documents"]) for r in rows) == 1
     assert "row 2" in stats["skipped_examples"][0] and "row 3" in stats["skipped_examples"][1]

@@ -13,15 +13,20 @@ from conftest import ALPACA, ROOT, SHAKESPEARE
 from rayjobs.config import config_from_dict
 from rayjobs.sources import read_dataset
 
-ROWS = [{"instruction": "Add", "input": "1 2", "output": "3"},
-        {"instruction": "Greet", "input": "", "output": "Hello"}]
+ROWS = [
+    {"instruction": "Add", "input": "1 2", "output": "3"},
+    {"instruction": "Greet", "input": "", "output": "Hello"},
+]
 
 
 def _spec(tmp_path, source, **extra):
-    config = config_from_dict({"datasets": [{"name": "d", "source": str(source), "template": "alpaca",
-                                             **extra}],
-                               "tokenizer": {"path": str(ROOT / "configs/demo/tokenizer.json")}},
-                              base_dir=tmp_path)
+    config = config_from_dict(
+        {
+            "datasets": [{"name": "d", "source": str(source), "template": "alpaca", **extra}],
+            "tokenizer": {"path": str(ROOT / "configs/demo/tokenizer.json")},
+        },
+        base_dir=tmp_path,
+    )
     return config.datasets[0]
 
 
@@ -38,9 +43,15 @@ def _write(tmp_path, fmt):
     return path
 
 
-@pytest.mark.parametrize("fmt,expected_rows", [
-    ("json", [0, 1]), ("jsonl", [1, 3]), ("csv", [0, 1]), ("parquet", [0, 1]),
-])
+@pytest.mark.parametrize(
+    "fmt,expected_rows",
+    [
+        ("json", [0, 1]),
+        ("jsonl", [1, 3]),
+        ("csv", [0, 1]),
+        ("parquet", [0, 1]),
+    ],
+)
 def test_formats_give_records_with_file_and_row(ray_local, tmp_path, fmt, expected_rows):
     path = _write(tmp_path, fmt)
     rows = sorted(read_dataset(_spec(tmp_path, path)).take_all(), key=lambda r: r["_row"])
@@ -52,11 +63,14 @@ def test_formats_give_records_with_file_and_row(ray_local, tmp_path, fmt, expect
     assert records == ROWS
 
 
-@pytest.mark.parametrize("text_split,expected", [
-    ("line", [(1, "first line"), (2, "second line"), (4, "after blank")]),
-    ("paragraph", [(1, "first line\nsecond line"), (4, "after blank")]),
-    ("file", [(1, "first line\nsecond line\n\nafter blank\n")]),
-])
+@pytest.mark.parametrize(
+    "text_split,expected",
+    [
+        ("line", [(1, "first line"), (2, "second line"), (4, "after blank")]),
+        ("paragraph", [(1, "first line\nsecond line"), (4, "after blank")]),
+        ("file", [(1, "first line\nsecond line\n\nafter blank\n")]),
+    ],
+)
 def test_text_documents(ray_local, tmp_path, text_split, expected):
     path = tmp_path / "doc.txt"
     path.write_text("first line\nsecond line\n\nafter blank\n")
@@ -67,10 +81,12 @@ def test_text_documents(ray_local, tmp_path, text_split, expected):
 
 def test_real_files_keep_every_row(ray_local, tmp_path):
     alpaca = read_dataset(_spec(tmp_path, ALPACA)).take_all()
-    assert sorted(r["_row"] for r in alpaca) == list(range(999))
+    assert sorted(r["_row"] for r in alpaca) == list(range(len(json.loads(ALPACA.read_text()))))
     shakespeare = read_dataset(_spec(tmp_path, SHAKESPEARE, template="text")).take_all()
-    assert len(shakespeare) > 1000  # speeches separated by blank lines
-    assert sum(len(json.loads(r["_record"])["text"]) for r in shakespeare) > 1_000_000
+    # Speeches are separated by blank lines; an independent split finds the same documents.
+    speeches = [p.strip("\n") for p in SHAKESPEARE.read_text().split("\n\n") if p.strip()]
+    assert len(speeches) > 500, "guard: many speeches"
+    assert sorted(json.loads(r["_record"])["text"] for r in shakespeare) == sorted(speeches)
 
 
 def test_huggingface_saved_dataset(ray_local, tmp_path):

@@ -1,4 +1,5 @@
-"""Tests for rayjobs.templates: literal segment tables per template, RowError cases, prefix stability."""
+"""Tests for rayjobs.templates: literal segment tables per template, RowError cases, prefix
+stability."""
 
 from __future__ import annotations
 
@@ -20,33 +21,48 @@ WITH_INPUT_PROMPT = (
 # template name, row, column_map, expected segments (prompt untrained, answer trained).
 ALPACA_AND_TEXT = {
     "alpaca_without_input": (
-        "alpaca", {"instruction": "Say hi.", "input": "", "output": "Hi!"}, {},
+        "alpaca",
+        {"instruction": "Say hi.", "input": "", "output": "Hi!"},
+        {},
         [Segment(NO_INPUT_PROMPT, False), Segment("Hi!", True)],
     ),
     "alpaca_input_column_absent": (
-        "alpaca", {"instruction": "Say hi.", "output": "Hi!"}, {},
+        "alpaca",
+        {"instruction": "Say hi.", "output": "Hi!"},
+        {},
         [Segment(NO_INPUT_PROMPT, False), Segment("Hi!", True)],
     ),
     "alpaca_whitespace_input_counts_as_none": (
-        "alpaca", {"instruction": "Say hi.", "input": "  \n", "output": "Hi!"}, {},
+        "alpaca",
+        {"instruction": "Say hi.", "input": "  \n", "output": "Hi!"},
+        {},
         [Segment(NO_INPUT_PROMPT, False), Segment("Hi!", True)],
     ),
     "alpaca_with_input": (
-        "alpaca", {"instruction": "Add.", "input": "2 and 3", "output": "5"}, {},
+        "alpaca",
+        {"instruction": "Add.", "input": "2 and 3", "output": "5"},
+        {},
         [Segment(WITH_INPUT_PROMPT, False), Segment("5", True)],
     ),
     "alpaca_column_map_output_to_response": (
-        "alpaca", {"instruction": "Say hi.", "response": "Hi!", "output": "ignored"},
+        "alpaca",
+        {"instruction": "Say hi.", "response": "Hi!", "output": "ignored"},
         {"output": "response"},
         [Segment(NO_INPUT_PROMPT, False), Segment("Hi!", True)],
     ),
     "text": ("text", {"text": "Hello world!"}, {}, [Segment("Hello world!", True)]),
-    "text_column_map": ("text", {"content": "Hello"}, {"text": "content"}, [Segment("Hello", True)]),
+    "text_column_map": (
+        "text",
+        {"content": "Hello"},
+        {"text": "content"},
+        [Segment("Hello", True)],
+    ),
 }
 
 
-@pytest.mark.parametrize("name, row, column_map, expected", list(ALPACA_AND_TEXT.values()),
-                         ids=list(ALPACA_AND_TEXT))
+@pytest.mark.parametrize(
+    "name, row, column_map, expected", list(ALPACA_AND_TEXT.values()), ids=list(ALPACA_AND_TEXT)
+)
 def test_alpaca_and_text_segments(name, row, column_map, expected):
     assert getattr(templates, name)(row, column_map) == expected
 
@@ -55,27 +71,34 @@ def test_alpaca_and_text_segments(name, row, column_map, expected):
 # trainable; system/user/tool turns and every "<|im_start|>assistant\n" generation prompt are not.
 CHAT = {
     "openai_multi_turn_with_system": (
-        {"messages": [
-            {"role": "system", "content": "Be brief."},
-            {"role": "user", "content": "Hi"},
-            {"role": "assistant", "content": "Hello"},
-            {"role": "user", "content": "Bye"},
-            {"role": "assistant", "content": "Ciao"},
-        ]},
+        {
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello"},
+                {"role": "user", "content": "Bye"},
+                {"role": "assistant", "content": "Ciao"},
+            ]
+        },
         [
-            Segment("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
-                    "<|im_start|>assistant\n", False),
+            Segment(
+                "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+                "<|im_start|>assistant\n",
+                False,
+            ),
             Segment("Hello<|im_end|>\n", True),
             Segment("<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n", False),
             Segment("Ciao<|im_end|>\n", True),
         ],
     ),
     "openai_trailing_user_turn_untrained": (
-        {"messages": [
-            {"role": "user", "content": "Hi"},
-            {"role": "assistant", "content": "Hello"},
-            {"role": "user", "content": "Bye"},
-        ]},
+        {
+            "messages": [
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello"},
+                {"role": "user", "content": "Bye"},
+            ]
+        },
         [
             Segment("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", False),
             Segment("Hello<|im_end|>\n", True),
@@ -83,15 +106,21 @@ CHAT = {
         ],
     ),
     "sharegpt_tool_call_with_system_column": (
-        {"system": "Use tools.", "conversations": [
-            {"from": "human", "value": "Weather?"},
-            {"from": "function_call", "value": '{"name": "w"}'},
-            {"from": "observation", "value": '{"t": 20}'},
-            {"from": "gpt", "value": "It is 20."},
-        ]},
+        {
+            "system": "Use tools.",
+            "conversations": [
+                {"from": "human", "value": "Weather?"},
+                {"from": "function_call", "value": '{"name": "w"}'},
+                {"from": "observation", "value": '{"t": 20}'},
+                {"from": "gpt", "value": "It is 20."},
+            ],
+        },
         [
-            Segment("<|im_start|>system\nUse tools.<|im_end|>\n<|im_start|>user\nWeather?<|im_end|>\n"
-                    "<|im_start|>assistant\n", False),
+            Segment(
+                "<|im_start|>system\nUse tools.<|im_end|>\n<|im_start|>user\nWeather?<|im_end|>\n"
+                "<|im_start|>assistant\n",
+                False,
+            ),
             # function_call is an assistant turn (trained); observation is a tool turn (not).
             Segment('{"name": "w"}<|im_end|>\n', True),
             Segment('<|im_start|>tool\n{"t": 20}<|im_end|>\n<|im_start|>assistant\n', False),
@@ -107,21 +136,32 @@ def test_chat_segments_with_chatml(row, expected):
     assert segments == expected
     # The segments partition the full rendering: nothing lost, nothing repeated.
     assert "".join(s.text for s in segments) == templates.chatml(
-        templates.chat_messages(row, {}), False)
+        templates.chat_messages(row, {}), False
+    )
 
 
 def test_sharegpt_roles_normalise_to_openai_roles():
-    row = {"conversations": [
-        {"from": "system", "value": "S"}, {"from": "human", "value": "H"},
-        {"from": "gpt", "value": "G"}, {"from": "function_call", "value": "F"},
-        {"from": "observation", "value": "O"}, {"from": "user", "value": "U"},
-        {"from": "assistant", "value": "A"}, {"from": "tool", "value": "T"},
-    ]}
+    row = {
+        "conversations": [
+            {"from": "system", "value": "S"},
+            {"from": "human", "value": "H"},
+            {"from": "gpt", "value": "G"},
+            {"from": "function_call", "value": "F"},
+            {"from": "observation", "value": "O"},
+            {"from": "user", "value": "U"},
+            {"from": "assistant", "value": "A"},
+            {"from": "tool", "value": "T"},
+        ]
+    }
     assert templates.chat_messages(row, {}) == [
-        {"role": "system", "content": "S"}, {"role": "user", "content": "H"},
-        {"role": "assistant", "content": "G"}, {"role": "assistant", "content": "F"},
-        {"role": "tool", "content": "O"}, {"role": "user", "content": "U"},
-        {"role": "assistant", "content": "A"}, {"role": "tool", "content": "T"},
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "H"},
+        {"role": "assistant", "content": "G"},
+        {"role": "assistant", "content": "F"},
+        {"role": "tool", "content": "O"},
+        {"role": "user", "content": "U"},
+        {"role": "assistant", "content": "A"},
+        {"role": "tool", "content": "T"},
     ]
 
 
@@ -133,37 +173,77 @@ USER = {"role": "user", "content": "Hi"}
 # template function, row, column_map, expected RowError.field, text the message must contain.
 ROW_ERRORS = {
     "alpaca_missing_output": (
-        templates.alpaca, {"instruction": "Say hi."}, {}, "output", "['instruction']"),
+        templates.alpaca,
+        {"instruction": "Say hi."},
+        {},
+        "output",
+        "['instruction']",
+    ),
     "alpaca_missing_mapped_column_names_field_and_column": (
-        templates.alpaca, {"instruction": "Say hi.", "output": "Hi!"}, {"output": "response"},
-        "output (column 'response')", "missing"),
+        templates.alpaca,
+        {"instruction": "Say hi.", "output": "Hi!"},
+        {"output": "response"},
+        "output (column 'response')",
+        "missing",
+    ),
     "alpaca_instruction_not_text": (
-        templates.alpaca, {"instruction": 3, "output": "Hi!"}, {}, "instruction", "got int"),
+        templates.alpaca,
+        {"instruction": 3, "output": "Hi!"},
+        {},
+        "instruction",
+        "got int",
+    ),
     "alpaca_input_not_text": (
-        templates.alpaca, {"instruction": "Add.", "input": ["2", "3"], "output": "5"}, {},
-        "input", "got list"),
+        templates.alpaca,
+        {"instruction": "Add.", "input": ["2", "3"], "output": "5"},
+        {},
+        "input",
+        "got list",
+    ),
     "text_missing": (templates.text, {"body": "x"}, {}, "text", "['body']"),
     "text_not_text": (templates.text, {"text": {"a": 1}}, {}, "text", "got dict"),
     "chat_no_messages_nor_conversations": (
-        _chat_with_chatml, {"dialog": []}, {}, "messages", "conversations"),
+        _chat_with_chatml,
+        {"dialog": []},
+        {},
+        "messages",
+        "conversations",
+    ),
     "chat_empty_messages": (_chat_with_chatml, {"messages": []}, {}, "messages", "non-empty"),
     "chat_without_assistant_turn": (
-        _chat_with_chatml, {"messages": [USER]}, {}, "messages", "no assistant turn"),
+        _chat_with_chatml,
+        {"messages": [USER]},
+        {},
+        "messages",
+        "no assistant turn",
+    ),
     "chat_unknown_openai_role": (
-        _chat_with_chatml, {"messages": [USER, {"role": "robot", "content": "beep"}]}, {},
-        "messages[1]", "robot"),
+        _chat_with_chatml,
+        {"messages": [USER, {"role": "robot", "content": "beep"}]},
+        {},
+        "messages[1]",
+        "robot",
+    ),
     "chat_unknown_sharegpt_role": (
-        _chat_with_chatml, {"conversations": [{"from": "human", "value": "Hi"},
-                                               {"from": "bot", "value": "beep"}]}, {},
-        "conversations[1]", "bot"),
+        _chat_with_chatml,
+        {"conversations": [{"from": "human", "value": "Hi"}, {"from": "bot", "value": "beep"}]},
+        {},
+        "conversations[1]",
+        "bot",
+    ),
     "chat_content_not_text": (
-        _chat_with_chatml, {"messages": [USER, {"role": "assistant", "content": None}]}, {},
-        "messages[1]", "known role and text content"),
+        _chat_with_chatml,
+        {"messages": [USER, {"role": "assistant", "content": None}]},
+        {},
+        "messages[1]",
+        "known role and text content",
+    ),
 }
 
 
-@pytest.mark.parametrize("template, row, column_map, field, hint", list(ROW_ERRORS.values()),
-                         ids=list(ROW_ERRORS))
+@pytest.mark.parametrize(
+    "template, row, column_map, field, hint", list(ROW_ERRORS.values()), ids=list(ROW_ERRORS)
+)
 def test_bad_rows_raise_row_error_naming_the_field(template, row, column_map, field, hint):
     with pytest.raises(RowError) as caught:
         template(row, column_map)
@@ -184,15 +264,25 @@ def _hides_earlier_assistant_turns(messages, add_generation_prompt):
 
 
 def test_non_prefix_stable_render_raises_row_error():
-    row = {"messages": [USER, {"role": "assistant", "content": "Hello"},
-                        {"role": "user", "content": "Bye"},
-                        {"role": "assistant", "content": "Ciao"}]}
+    row = {
+        "messages": [
+            USER,
+            {"role": "assistant", "content": "Hello"},
+            {"role": "user", "content": "Bye"},
+            {"role": "assistant", "content": "Ciao"},
+        ]
+    }
     with pytest.raises(RowError, match="not prefix-stable"):
         templates.chat(row, {}, _hides_earlier_assistant_turns)
 
 
 def test_non_prefix_stable_render_with_trailing_user_turn_raises_row_error():
-    row = {"messages": [USER, {"role": "assistant", "content": "Hello"},
-                        {"role": "user", "content": "Bye"}]}
+    row = {
+        "messages": [
+            USER,
+            {"role": "assistant", "content": "Hello"},
+            {"role": "user", "content": "Bye"},
+        ]
+    }
     with pytest.raises(RowError, match="not prefix-stable"):
         templates.chat(row, {}, _hides_earlier_assistant_turns)

@@ -1,11 +1,13 @@
 """Tests for rayjobs.tokenize with the real GPT-2 tokenizer: literal rows, label shifting, overflow,
-the Tokenize batch class (errors, skips, ledger counts) and invariants on ../shared/data."""
+the Tokenize batch class (errors, skips, ledger counts) and invariants on the bundled real data."""
 
 from __future__ import annotations
 
 import dataclasses
 import doctest
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,27 +15,31 @@ import pyarrow as pa
 import pytest
 import ray
 
+from conftest import DATA
 from rayjobs import tokenize
 from rayjobs.config import DatasetConfig, TokenizerConfig
+from rayjobs.metrics import TokenizeCounts
 from rayjobs.sources import record_table
-from rayjobs.tokenize import (DataError, Tokenize, TokenizeCounts, Tokenizer, apply_overflow,
-                              sample_uid, shift_labels)
+from rayjobs.tokenize import (
+    DataError,
+    Tokenize,
+    Tokenizer,
+    apply_overflow,
+    sample_uid,
+    shift_labels,
+)
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 EOS = 50256  # GPT-2 "<|endoftext|>"
-X = -100     # IGNORE_INDEX, short so the label rows below line up
+X = -100  # IGNORE_INDEX, short so the label rows below line up
 
 
-def _shared(relative: str) -> Path:
-    path = SHARED / relative
-    if not path.exists():
-        pytest.fail(f"shared data missing: {path} (expected ../shared/data next to the repo root)")
-    return path
+def _data(relative: str) -> Path:
+    return DATA / relative
 
 
 @pytest.fixture(scope="module")
 def gpt2_path() -> str:
-    return str(_shared("tokenizers/gpt2"))
+    return str(_data("tokenizers/gpt2"))
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +52,12 @@ def _spec(template: str, name: str = "d", **fields) -> DatasetConfig:
 
 
 def _batch(dataset: str, records: list, path: str = "/data/rows.jsonl") -> pa.Table:
-    return record_table(dataset, [path] * len(records), list(range(1, len(records) + 1)),
-                        [r if isinstance(r, str) else json.dumps(r) for r in records])
+    return record_table(
+        dataset,
+        [path] * len(records),
+        list(range(1, len(records) + 1)),
+        [r if isinstance(r, str) else json.dumps(r) for r in records],
+    )
 
 
 @pytest.fixture
@@ -58,11 +68,15 @@ def gpt2_config(monkeypatch, gpt2, gpt2_path) -> TokenizerConfig:
 
 
 def _one(gpt2_config, template: str, record: dict, **fields) -> dict:
-    tokenizer = Tokenize(datasets=[_spec(template, **fields)], tokenizer=gpt2_config, seq_len=4096,
-                         overflow="truncate")
+    tokenizer = Tokenize(
+        datasets=[_spec(template, **fields)],
+        tokenizer=gpt2_config,
+        seq_len=4096,
+        overflow="truncate",
+    )
     [row] = tokenizer(_batch("d", [record])).to_pylist()
     assert row.pop("num_tokens") == len(row["input_ids"])
-    assert row.pop("uid") == sample_uid("d\0/data/rows.jsonl\0" "1\0" "0")  # row 1, piece 0
+    assert row.pop("uid") == sample_uid("d\x00/data/rows.jsonl\x001\x000")  # row 1, piece 0
     return row
 
 
@@ -70,6 +84,85 @@ def test_gpt2_tokenizer_ids(gpt2):
     assert (gpt2.eos_id, gpt2.pad_id, gpt2.vocab_size) == (EOS, EOS, 50257)
     # "Hello", " world", "!"
     assert gpt2.encode_batch(["Hello world!", "5"]) == [[15496, 995, 0], [20]]
+
+
+# A template in the style of Llama/Mistral ones: special tokens, a system turn, a generation prompt.
+JINJA_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m.role == 'system' %}[SYS]{{ m.content }}[/SYS]"
+    "{% elif m.role == 'user' %}[INST] {{ m.content | trim }} [/INST]{% else %} {{ m.content }}"
+    "{{ eos_token }}{% endif %}{% endfor %}{% if add_generation_prompt %} {% endif %}"
+)
+
+
+def test_tokenizer_matches_transformers_on_real_text_and_chat(gpt2_path):
+    """The torch-free loader agrees with transformers' AutoTokenizer: ids, special tokens, vocab
+    size, and chat rendering with a Jinja template on real conversations."""
+    from transformers import AutoTokenizer
+
+    ours = Tokenizer(TokenizerConfig(path=gpt2_path, chat_template=JINJA_TEMPLATE))
+    theirs = AutoTokenizer.from_pretrained(gpt2_path)
+    theirs.chat_template = JINJA_TEMPLATE
+    assert (ours.eos_id, ours.vocab_size) == (theirs.eos_token_id, len(theirs))
+    lines = _data("chat/hh_rlhf_harmless_chosen.messages.jsonl").read_text().splitlines()[:20]
+    conversations = [json.loads(line)["messages"] for line in lines]
+    texts = [m["content"] for c in conversations for m in c]
+    assert ours.encode_batch(texts) == [
+        theirs(x, add_special_tokens=False).input_ids for x in texts
+    ]
+    rendered = 0
+    for messages in conversations:
+        for end in range(1, len(messages) + 1):
+            for prompt in (True, False):
+                expected = theirs.apply_chat_template(
+                    messages[:end], tokenize=False, add_generation_prompt=prompt
+                )
+                assert ours.render_chat(messages[:end], prompt) == expected
+                rendered += 1
+    assert rendered > 100 and "<|endoftext|>" in expected, "guard: special tokens rendered"
+
+
+def test_tokenizer_reads_a_folder_chat_template_and_added_tokens(tmp_path, gpt2_path):
+    """A saved folder's own chat template (tokenizer_config or chat_template.jinja) and special
+    tokens written as AddedToken dicts are read as transformers reads them."""
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_bytes((Path(gpt2_path) / "tokenizer.json").read_bytes())
+    settings = {
+        "eos_token": {"content": "<|endoftext|>", "__type": "AddedToken"},
+        "chat_template": [
+            {"name": "default", "template": JINJA_TEMPLATE},
+            {"name": "tool_use", "template": "{{ 1 }}"},
+        ],
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    loaded = Tokenizer(TokenizerConfig(path=str(folder)))
+    assert (loaded.eos_id, loaded.chat_template) == (EOS, JINJA_TEMPLATE)
+    (folder / "chat_template.jinja").write_text("{{ messages[0].content }}!")
+    assert (
+        Tokenizer(TokenizerConfig(path=str(folder))).render_chat(
+            [{"role": "user", "content": "hi"}], False
+        )
+        == "hi!"
+    )
+
+
+def test_tokenize_actor_never_imports_torch(gpt2_path):
+    """A Tokenize actor on a CPU node loads the tokenizer and renders chat without torch."""
+    code = f"""
+import json, sys
+from rayjobs.config import DatasetConfig, TokenizerConfig
+from rayjobs.sources import record_table
+from rayjobs.tokenize import Tokenize
+spec = DatasetConfig(name="d", source="unused", template="chat")
+tokenize = Tokenize([spec], TokenizerConfig(path={gpt2_path!r}, chat_template={JINJA_TEMPLATE!r}),
+                    seq_len=64, overflow="truncate")
+turns = [{{"role": "user", "content": "Hi"}}, {{"role": "assistant", "content": "Yo"}}]
+record = {{"messages": turns}}
+table = tokenize(record_table("d", ["x"], [1], [json.dumps(record)]))
+assert table.num_rows == 1, table
+assert "torch" not in sys.modules, "torch was imported"
+"""
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_raw_text_row(gpt2_config):
@@ -83,7 +176,11 @@ def test_raw_text_row(gpt2_config):
 # record, number of prompt tokens, expected output+EOS ids. Ids read by eye: 21017 "###",
 # 18261 " Response", 25 ":", 198 "\n", 17250 "Hi", 0 "!", 20 "5".
 ALPACA = {
-    "without_input": ({"instruction": "Say hi.", "input": "", "output": "Hi!"}, 33, [17250, 0, EOS]),
+    "without_input": (
+        {"instruction": "Say hi.", "input": "", "output": "Hi!"},
+        33,
+        [17250, 0, EOS],
+    ),
     "with_input": ({"instruction": "Add.", "input": "2 and 3", "output": "5"}, 50, [20, EOS]),
 }
 
@@ -92,8 +189,9 @@ ALPACA = {
 def test_alpaca_row_trains_only_the_output_and_eos(gpt2_config, record, num_prompt, answer):
     row = _one(gpt2_config, "alpaca", record)
     assert len(row["input_ids"]) == num_prompt + len(answer)
-    assert row["input_ids"][num_prompt - 4:] == [21017, 18261, 25, 198, *answer]
-    # The last prompt token ("\n") predicts the first output token; the EOS position predicts nothing.
+    assert row["input_ids"][num_prompt - 4 :] == [21017, 18261, 25, 198, *answer]
+    # The last prompt token ("\n") predicts the first output token; the EOS position predicts
+    # nothing.
     assert row["labels"] == [X] * (num_prompt - 1) + answer + [X]
 
 
@@ -105,30 +203,55 @@ def test_train_on_input_trains_everything_but_the_last_position(gpt2_config):
     assert row["input_ids"] == _one(gpt2_config, "alpaca", record)["input_ids"]
 
 
-IM_START = [27, 91, 320, 62, 9688, 91, 29]   # "<|im_start|>": not special for GPT-2, 7 tokens
+IM_START = [27, 91, 320, 62, 9688, 91, 29]  # "<|im_start|>": not special for GPT-2, 7 tokens
 IM_END_NL = [27, 91, 320, 62, 437, 91, 29, 198]  # "<|im_end|>\n"
 
 
 def test_multi_turn_chat_trains_only_assistant_turns(gpt2_config):
-    record = {"messages": [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "Hi"},
-        {"role": "assistant", "content": "Hello"},
-        {"role": "user", "content": "Bye"},
-        {"role": "assistant", "content": "Ciao"},
-    ]}
+    record = {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello"},
+            {"role": "user", "content": "Bye"},
+            {"role": "assistant", "content": "Ciao"},
+        ]
+    }
     row = _one(gpt2_config, "chat", record)
-    prompt_1 = [*IM_START, 10057, 198, 3856, 4506, 29847, 91, 320, 62, 437, 91, 29, 198,  # system
-                *IM_START, 7220, 198, 17250, *IM_END_NL,  # user\nHi<|im_end|>\n
-                *IM_START, 562, 10167, 198]  # <|im_start|>assistant\n
+    prompt_1 = [
+        *IM_START,
+        10057,
+        198,
+        3856,
+        4506,
+        29847,
+        91,
+        320,
+        62,
+        437,
+        91,
+        29,
+        198,  # system
+        *IM_START,
+        7220,
+        198,
+        17250,
+        *IM_END_NL,  # user\nHi<|im_end|>\n
+        *IM_START,
+        562,
+        10167,
+        198,
+    ]  # <|im_start|>assistant\n
     answer_1 = [15496, *IM_END_NL]  # Hello<|im_end|>\n
     prompt_2 = [*IM_START, 7220, 198, 3886, 68, *IM_END_NL, *IM_START, 562, 10167, 198]
     answer_2 = [34, 13481, *IM_END_NL]  # Ciao<|im_end|>\n
     assert (len(prompt_1), len(answer_1), len(prompt_2), len(answer_2)) == (47, 9, 29, 10)
     assert row["input_ids"] == prompt_1 + answer_1 + prompt_2 + answer_2 + [EOS]
     assert row["labels"] == (
-        [X] * 46 + [15496, 27, 91, 320, 62, 437, 91, 29, 198]
-        + [X] * 29 + [34, 13481, 27, 91, 320, 62, 437, 91, 29, 198, EOS, X]
+        [X] * 46
+        + [15496, 27, 91, 320, 62, 437, 91, 29, 198]
+        + [X] * 29
+        + [34, 13481, 27, 91, 320, 62, 437, 91, 29, 198, EOS, X]
     )
 
 
@@ -164,13 +287,20 @@ OVERFLOW = {
     "fits_drop": (5, "drop", [(IDS, LABELS)], 0),
     "truncate": (2, "truncate", [([10, 11], [11, X])], 3),
     "truncate_by_one": (4, "truncate", [([10, 11, 12, 13], [11, 12, 13, X])], 1),
-    "split_even_then_rest": (2, "split", [([10, 11], [11, X]), ([12, 13], [13, X]), ([14], [X])], 0),
+    "split_even_then_rest": (
+        2,
+        "split",
+        [([10, 11], [11, X]), ([12, 13], [13, X]), ([14], [X])],
+        0,
+    ),
     "split_long_then_one": (4, "split", [([10, 11, 12, 13], [11, 12, 13, X]), ([14], [X])], 0),
     "drop": (4, "drop", [], 0),
 }
 
 
-@pytest.mark.parametrize("seq_len, policy, pieces, truncated", list(OVERFLOW.values()), ids=list(OVERFLOW))
+@pytest.mark.parametrize(
+    "seq_len, policy, pieces, truncated", list(OVERFLOW.values()), ids=list(OVERFLOW)
+)
 def test_apply_overflow(seq_len, policy, pieces, truncated):
     labels = np.array(LABELS, dtype=np.int32)
     got, got_truncated = apply_overflow(np.array(IDS, dtype=np.int32), labels, seq_len, policy)
@@ -207,71 +337,122 @@ NO_OUTPUT = {"instruction": "Say hi.", "answer": "Hi!"}
 
 
 def test_bad_row_under_error_raises_data_error_naming_dataset_file_row_field(gpt2_config):
-    tokenizer = Tokenize(datasets=[_spec("alpaca", name="alpaca")], tokenizer=gpt2_config,
-                         seq_len=4096, overflow="truncate")
+    tokenizer = Tokenize(
+        datasets=[_spec("alpaca", name="alpaca")],
+        tokenizer=gpt2_config,
+        seq_len=4096,
+        overflow="truncate",
+    )
     with pytest.raises(DataError) as caught:
         tokenizer(_batch("alpaca", [SAY_HI, NO_OUTPUT, ADD], path="/data/alpaca.json"))
     message = str(caught.value)
-    for part in ("dataset 'alpaca'", "file /data/alpaca.json", "row 2", "field 'output'",
-                 "on_bad_row: skip"):
+    for part in (
+        "dataset 'alpaca'",
+        "file /data/alpaca.json",
+        "row 2",
+        "field 'output'",
+        "on_bad_row: skip",
+    ):
         assert part in message
 
 
 def test_bad_row_under_skip_is_skipped_and_counted(gpt2_config, ledger):
-    tokenizer = Tokenize(datasets=[_spec("alpaca", name="alpaca", on_bad_row="skip")],
-                         tokenizer=gpt2_config, seq_len=4096, overflow="truncate", ledger=ledger)
+    tokenizer = Tokenize(
+        datasets=[_spec("alpaca", name="alpaca", on_bad_row="skip")],
+        tokenizer=gpt2_config,
+        seq_len=4096,
+        overflow="truncate",
+        ledger=ledger,
+    )
     table = tokenizer(_batch("alpaca", [SAY_HI, NO_OUTPUT, ADD], path="/data/alpaca.json"))
     assert table.column_names == ["input_ids", "labels", "source", "uid", "num_tokens"]
     assert len(set(table.column("uid").to_pylist())) == 2
     assert [len(ids) for ids in table.column("input_ids").to_pylist()] == [36, 52]
     assert table.column("source").to_pylist() == ["alpaca", "alpaca"]
-    [(name, counts)] = ledger.calls
+    [(by_dataset,)] = ledger.calls  # one report per batch
+    [(name, counts)] = by_dataset.items()
     assert name == "alpaca"
-    assert (counts.samples, counts.tokens, counts.trained_tokens, counts.skipped_rows) == (2, 88, 5, 1)
+    assert (counts.samples, counts.tokens, counts.trained_tokens, counts.skipped_rows) == (
+        2,
+        88,
+        5,
+        1,
+    )
     [example] = counts.skipped_examples
     assert example.startswith("dataset 'alpaca', file /data/alpaca.json, row 2: field 'output'")
 
 
 # overflow policy at seq_len 3 for "Hello world!" (4 tokens) → (rows, counts sent to the ledger).
 OVERFLOW_COUNTS = {
-    "truncate": ("truncate", [([15496, 995, 0], [995, 0, X])],
-                 TokenizeCounts(samples=1, tokens=3, trained_tokens=2, truncated_tokens=1)),
-    "split": ("split", [([15496, 995, 0], [995, 0, X]), ([EOS], [X])],
-              TokenizeCounts(samples=2, tokens=4, trained_tokens=2, split_samples=1)),
+    "truncate": (
+        "truncate",
+        [([15496, 995, 0], [995, 0, X])],
+        TokenizeCounts(samples=1, tokens=3, trained_tokens=2, truncated_tokens=1),
+    ),
+    "split": (
+        "split",
+        [([15496, 995, 0], [995, 0, X]), ([EOS], [X])],
+        TokenizeCounts(samples=2, tokens=4, trained_tokens=2, split_samples=1),
+    ),
     "drop": ("drop", [], TokenizeCounts(dropped_samples=1)),
 }
 
 
-@pytest.mark.parametrize("overflow, rows, counts", list(OVERFLOW_COUNTS.values()), ids=list(OVERFLOW_COUNTS))
+@pytest.mark.parametrize(
+    "overflow, rows, counts", list(OVERFLOW_COUNTS.values()), ids=list(OVERFLOW_COUNTS)
+)
 def test_overflow_rows_and_counts(gpt2_config, ledger, overflow, rows, counts):
-    tokenizer = Tokenize(datasets=[_spec("text")], tokenizer=gpt2_config, seq_len=3,
-                         overflow=overflow, ledger=ledger)
+    tokenizer = Tokenize(
+        datasets=[_spec("text")], tokenizer=gpt2_config, seq_len=3, overflow=overflow, ledger=ledger
+    )
     table = tokenizer(_batch("d", [{"text": "Hello world!"}]))
-    assert list(zip(table.column("input_ids").to_pylist(), table.column("labels").to_pylist())) == rows
-    [(name, got)] = ledger.calls
+    assert (
+        list(zip(table.column("input_ids").to_pylist(), table.column("labels").to_pylist())) == rows
+    )
+    [(by_dataset,)] = ledger.calls
+    [(name, got)] = by_dataset.items()
     assert got.seconds > 0  # the stage timer ran; the counts are exact
     assert (name, dataclasses.replace(got, seconds=0.0, cpu_seconds=0.0)) == ("d", counts)
 
 
 def test_one_batch_serves_several_datasets(gpt2_config, ledger):
-    tokenizer = Tokenize(datasets=[_spec("text", name="web"), _spec("alpaca", name="sft")],
-                         tokenizer=gpt2_config, seq_len=4096, overflow="truncate", ledger=ledger)
-    batch = pa.table({
-        "_dataset": ["web", "sft", "web"],
-        "_path": ["/w.jsonl", "/s.json", "/w.jsonl"],
-        "_row": pa.array([1, 0, 2], type=pa.int64()),
-        "_record": [json.dumps({"text": "Hello world!"}), json.dumps(ADD), json.dumps({"text": "5"})],
-    })
+    tokenizer = Tokenize(
+        datasets=[_spec("text", name="web"), _spec("alpaca", name="sft")],
+        tokenizer=gpt2_config,
+        seq_len=4096,
+        overflow="truncate",
+        ledger=ledger,
+    )
+    batch = pa.table(
+        {
+            "_dataset": ["web", "sft", "web"],
+            "_path": ["/w.jsonl", "/s.json", "/w.jsonl"],
+            "_row": pa.array([1, 0, 2], type=pa.int64()),
+            "_record": [
+                json.dumps({"text": "Hello world!"}),
+                json.dumps(ADD),
+                json.dumps({"text": "5"}),
+            ],
+        }
+    )
     table = tokenizer(batch)
     assert table.column("source").to_pylist() == ["web", "sft", "web"]
     assert [ids[-1] for ids in table.column("input_ids").to_pylist()] == [EOS, EOS, EOS]
-    assert {name: (c.samples, c.tokens) for name, c in ledger.calls} == {"web": (2, 6), "sft": (1, 52)}
+    [(by_dataset,)] = ledger.calls  # one report for the whole batch
+    assert {name: (c.samples, c.tokens) for name, c in by_dataset.items()} == {
+        "web": (2, 6),
+        "sft": (1, 52),
+    }
 
 
 @pytest.mark.parametrize("on_bad_row", ["error", "skip"])
 def test_record_that_is_not_an_object_is_a_bad_row(gpt2_config, on_bad_row):
-    tokenizer = Tokenize(datasets=[_spec("text", on_bad_row=on_bad_row)], tokenizer=gpt2_config,
-                         seq_len=4096, overflow="truncate")
+    tokenizer = Tokenize(
+        datasets=[_spec("text", on_bad_row=on_bad_row)],
+        tokenizer=gpt2_config,
+        seq_len=4096,
+        overflow="truncate",
+    )
     batch = _batch("d", [{"text": "Hello world!"}, "[1, 2]"])
     if on_bad_row == "error":
         with pytest.raises(DataError, match="row 2"):
@@ -281,25 +462,32 @@ def test_record_that_is_not_an_object_is_a_bad_row(gpt2_config, on_bad_row):
 
 
 def _head_records(relative: str, count: int) -> list[str]:
-    path = _shared(relative)
+    path = _data(relative)
     if path.suffix == ".jsonl":
         with path.open() as lines:
             return [next(lines).strip() for _ in range(count)]
     return [json.dumps(record) for record in json.loads(path.read_text())[:count]]
 
 
-@pytest.mark.parametrize("relative, template", [
-    ("sft/alpaca_en_demo.json", "alpaca"),
-    ("chat/hh_rlhf_harmless_chosen.messages.jsonl", "chat"),
-], ids=["alpaca_en_demo", "hh_rlhf_chat"])
-def test_label_invariants_on_shared_data(gpt2_config, relative, template):
+@pytest.mark.parametrize(
+    "relative, template",
+    [
+        ("sft/alpaca_en_demo.json", "alpaca"),
+        ("chat/hh_rlhf_harmless_chosen.messages.jsonl", "chat"),
+    ],
+    ids=["alpaca_en_demo", "hh_rlhf_chat"],
+)
+def test_label_invariants_on_real_data(gpt2_config, relative, template):
     records = _head_records(relative, 200)
-    tokenizer = Tokenize(datasets=[_spec(template)], tokenizer=gpt2_config, seq_len=4096,
-                         overflow="truncate")
+    tokenizer = Tokenize(
+        datasets=[_spec(template)], tokenizer=gpt2_config, seq_len=4096, overflow="truncate"
+    )
     table = tokenizer(record_table("d", [relative] * 200, list(range(200)), records))
     assert table.num_rows == 200
     num_trained = num_ignored = 0
-    for ids, labels in zip(table.column("input_ids").to_pylist(), table.column("labels").to_pylist()):
+    for ids, labels in zip(
+        table.column("input_ids").to_pylist(), table.column("labels").to_pylist()
+    ):
         assert len(ids) == len(labels) <= 4096
         assert ids[-1] == EOS
         assert labels[-1] == X

@@ -1,4 +1,5 @@
-"""Ray Train side: equal batches per rank, the collective guard, and the real loop on packed data."""
+"""Ray Train side: equal batches per rank, the collective guard, and the real loop on packed
+data."""
 
 from __future__ import annotations
 
@@ -22,9 +23,14 @@ def _packed_rows(num_rows: int, num_blocks: int) -> ray.data.Dataset:
     def make(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         n = len(batch["id"])
         ids = (batch["id"][:, None] + np.arange(SEQ_LEN)).astype(np.int32)
-        return {"input_ids": ids, "labels": ids, "position_ids": np.tile(position_ids, (n, 1)),
-                "document_ids": np.tile(document_ids, (n, 1)),
-                "num_tokens": np.full(n, SEQ_LEN, np.int32), "num_documents": np.full(n, 2, np.int32)}
+        return {
+            "input_ids": ids,
+            "labels": ids,
+            "position_ids": np.tile(position_ids, (n, 1)),
+            "document_ids": np.tile(document_ids, (n, 1)),
+            "num_tokens": np.full(n, SEQ_LEN, np.int32),
+            "num_documents": np.full(n, 2, np.int32),
+        }
 
     return ray.data.range(num_rows, override_num_blocks=num_blocks).map_batches(make)
 
@@ -38,15 +44,23 @@ def _count_batches(loop_config: dict) -> None:
     from rayjobs.train import _Guard
 
     guard = _Guard()
-    rows = sum(len(b["input_ids"]) for b in rank_batches(shard, loop_config["batch_size"],
-                                                         torch.device("cpu"), guard))
+    rows = sum(
+        len(b["input_ids"])
+        for b in rank_batches(shard, loop_config["batch_size"], torch.device("cpu"), guard)
+    )
     import torch.distributed as dist
 
     counts = [torch.zeros(2, dtype=torch.long) for _ in range(context.get_world_size())]
     dist.all_gather(counts, torch.tensor([rows, guard.dropped]))
     metrics = {"rows": [int(c[0]) for c in counts], "dropped": [int(c[1]) for c in counts]}
-    with tempfile.TemporaryDirectory() as directory:  # Result.metrics keeps checkpointed reports only
-        checkpoint = ray.train.Checkpoint.from_directory(directory) if context.get_world_rank() == 0 else None
+    with (
+        tempfile.TemporaryDirectory() as directory
+    ):  # Result.metrics keeps checkpointed reports only
+        checkpoint = (
+            ray.train.Checkpoint.from_directory(directory)
+            if context.get_world_rank() == 0
+            else None
+        )
         ray.train.report(metrics, checkpoint=checkpoint)
 
 
@@ -55,22 +69,35 @@ def _fit(datasets: dict, loop_config: dict, split: bool):
     from ray.train.torch import TorchTrainer
 
     trainer = TorchTrainer(
-        _count_batches, train_loop_config=loop_config, datasets=datasets,
+        _count_batches,
+        train_loop_config=loop_config,
+        datasets=datasets,
         scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
         dataset_config=DataConfig(datasets_to_split="all" if split else []),
     )
     return trainer.fit().metrics
 
 
-@pytest.mark.parametrize("num_rows,num_blocks,batch_size,expected_batches", [
-    (103, 7, 4, 12),   # 51 rows per rank (1 tail row dropped), blocks of 14-15 rows; 51 // 4 = 12
-    (61, 5, 3, 10),    # 30 rows per rank; 30 // 3 = 10
-    (9, 4, 5, 0),      # 4 rows per rank: not one full batch anywhere
-])
+@pytest.mark.parametrize(
+    "num_rows,num_blocks,batch_size,expected_batches",
+    [
+        (
+            103,
+            7,
+            4,
+            12,
+        ),  # 51 rows per rank (1 tail row dropped), blocks of 14-15 rows; 51 // 4 = 12
+        (61, 5, 3, 10),  # 30 rows per rank; 30 // 3 = 10
+        (9, 4, 5, 0),  # 4 rows per rank: not one full batch anywhere
+    ],
+)
 def test_equal_batches_per_rank(ray_local, num_rows, num_blocks, batch_size, expected_batches):
     assert num_rows % 2 or num_rows % num_blocks, "guard: rows must not divide evenly"
-    metrics = _fit({"train": _packed_rows(num_rows, num_blocks)},
-                   {"dataset_of_rank": ["train", "train"], "batch_size": batch_size}, split=True)
+    metrics = _fit(
+        {"train": _packed_rows(num_rows, num_blocks)},
+        {"dataset_of_rank": ["train", "train"], "batch_size": batch_size},
+        split=True,
+    )
     assert metrics["rows"] == [expected_batches * batch_size] * 2
     assert metrics["dropped"] == [0, 0]
 
@@ -83,9 +110,15 @@ def test_guard_stops_every_rank_when_one_runs_out(ray_local):
     assert metrics["dropped"] == [0, 1]
 
 
-@pytest.mark.parametrize("requested,device,expected", [
-    ("auto", "cpu", "sdpa"), ("auto", "cuda", "flex"), ("sdpa", "cuda", "sdpa"), ("flex", "cuda", "flex"),
-])
+@pytest.mark.parametrize(
+    "requested,device,expected",
+    [
+        ("auto", "cpu", "sdpa"),
+        ("auto", "cuda", "flex"),
+        ("sdpa", "cuda", "sdpa"),
+        ("flex", "cuda", "flex"),
+    ],
+)
 def test_resolve_attention(requested, device, expected):
     assert resolve_attention(requested, torch.device(device)) == expected
 

@@ -74,19 +74,52 @@ GENERATED_WITH = (3, 11, 7)
 # Well-known, pure-Python or long-stable modules.  Order matters only for the
 # order of rows in the output files.
 MODULES = [
-    "argparse", "base64", "bisect", "calendar", "collections", "contextlib",
-    "copy", "csv", "dataclasses", "difflib", "fnmatch", "fractions",
-    "functools", "glob", "gzip", "heapq", "html", "itertools", "json",
-    "keyword", "logging", "math", "operator", "os.path", "pathlib", "pprint",
-    "queue", "random", "re", "shlex", "shutil", "statistics", "string",
-    "struct", "tempfile", "textwrap", "urllib.parse", "uuid", "zlib",
+    "argparse",
+    "base64",
+    "bisect",
+    "calendar",
+    "collections",
+    "contextlib",
+    "copy",
+    "csv",
+    "dataclasses",
+    "difflib",
+    "fnmatch",
+    "fractions",
+    "functools",
+    "glob",
+    "gzip",
+    "heapq",
+    "html",
+    "itertools",
+    "json",
+    "keyword",
+    "logging",
+    "math",
+    "operator",
+    "os.path",
+    "pathlib",
+    "pprint",
+    "queue",
+    "random",
+    "re",
+    "shlex",
+    "shutil",
+    "statistics",
+    "string",
+    "struct",
+    "tempfile",
+    "textwrap",
+    "urllib.parse",
+    "uuid",
+    "zlib",
 ]
 
 N_ALPACA = 600
 N_CHAT = 300
-MAX_OUTPUT_CHARS = 1200   # cap on any answer / input text
+MAX_OUTPUT_CHARS = 1200  # cap on any answer / input text
 MAX_CHAT_ANSWER_CHARS = 800
-MAX_PER_MODULE = 45       # keep e.g. `operator`/`math` from dominating
+MAX_PER_MODULE = 45  # keep e.g. `operator`/`math` from dominating
 VOCAB_SIZE = 4096
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 
@@ -95,11 +128,12 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 # Docstring harvesting
 # --------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Entry:
     module: str
-    qualname: str      # e.g. "json.dumps", "collections.Counter.most_common"
-    kind: str          # "function" | "class" | "method"
+    qualname: str  # e.g. "json.dumps", "collections.Counter.most_common"
+    kind: str  # "function" | "class" | "method"
     paragraphs: tuple  # whitespace-normalized docstring paragraphs
 
 
@@ -163,8 +197,9 @@ def harvest(modname: str) -> tuple:
         paras = paragraphs_of(own_doc(obj))
         is_class = inspect.isclass(obj)
         if usable(paras):
-            entries.append(Entry(modname, f"{modname}.{name}",
-                                 "class" if is_class else "function", paras))
+            entries.append(
+                Entry(modname, f"{modname}.{name}", "class" if is_class else "function", paras)
+            )
         if not is_class or issubclass(obj, BaseException):
             continue
         # Public methods defined (and documented) on the class itself.
@@ -209,6 +244,7 @@ def first_sentence(text: str):
 # alpaca.jsonl
 # --------------------------------------------------------------------------
 
+
 def alpaca_row(e: Entry) -> dict:
     name = e.qualname.rsplit(".", 1)[-1]
     full = clip(e.paragraphs, MAX_OUTPUT_CHARS)
@@ -216,24 +252,28 @@ def alpaca_row(e: Entry) -> dict:
     kind = {"function": "function", "class": "class", "method": "method"}[e.kind]
     t = stable_hash("template:" + e.qualname) % 10
     if t in (0, 6) and sentence and len(sentence) < len(full):
-        return {"instruction": "Summarize this documentation.", "input": full,
-                "output": sentence}
+        return {"instruction": "Summarize this documentation.", "input": full, "output": sentence}
     if t == 1:
-        return {"instruction": f"Name the {kind} this docstring documents.",
-                "input": full, "output": f"`{e.qualname}`"}
+        return {
+            "instruction": f"Name the {kind} this docstring documents.",
+            "input": full,
+            "output": f"`{e.qualname}`",
+        }
     if t == 2 and sentence:
-        return {"instruction": f"Write a one-sentence description of `{e.qualname}`.",
-                "input": "", "output": sentence}
+        return {
+            "instruction": f"Write a one-sentence description of `{e.qualname}`.",
+            "input": "",
+            "output": sentence,
+        }
     if t == 3 and e.kind != "method":
-        return {"instruction": f"Which standard-library module provides `{name}`?",
-                "input": "",
-                "output": f"`{name}` is provided by the `{e.module}` module "
-                          f"(`import {e.module}`)."}
+        return {
+            "instruction": f"Which standard-library module provides `{name}`?",
+            "input": "",
+            "output": f"`{name}` is provided by the `{e.module}` module (`import {e.module}`).",
+        }
     if t == 4:
-        return {"instruction": f"What is `{e.qualname}` used for?", "input": "",
-                "output": full}
-    return {"instruction": f"Explain what `{e.qualname}` does.", "input": "",
-            "output": full}
+        return {"instruction": f"What is `{e.qualname}` used for?", "input": "", "output": full}
+    return {"instruction": f"Explain what `{e.qualname}` does.", "input": "", "output": full}
 
 
 def build_alpaca(harvested: dict) -> list:
@@ -268,9 +308,13 @@ MEMBER_QUESTIONS = [
 
 
 def build_chat(harvested: dict) -> list:
-    mods = [m for m in MODULES
-            if harvested[m][0] and len(harvested[m][0][0]) <= MAX_CHAT_ANSWER_CHARS
-            and len(harvested[m][1]) >= 2]
+    mods = [
+        m
+        for m in MODULES
+        if harvested[m][0]
+        and len(harvested[m][0][0]) <= MAX_CHAT_ANSWER_CHARS
+        and len(harvested[m][1]) >= 2
+    ]
     pools = {}
     for m in mods:
         pool = [e for e in harvested[m][1] if len(e.paragraphs[0]) <= MAX_CHAT_ANSWER_CHARS]
@@ -284,18 +328,28 @@ def build_chat(harvested: dict) -> list:
         n_members = 1 + (h % 2)  # 2 or 3 exchanges in total
         messages = []
         if h % 3 == 0:
-            messages.append({"role": "system",
-                             "content": SYSTEM_PROMPTS[(h // 3) % len(SYSTEM_PROMPTS)]})
-        messages.append({"role": "user",
-                         "content": MODULE_QUESTIONS[(h // 7) % len(MODULE_QUESTIONS)].format(m=m)})
+            messages.append(
+                {"role": "system", "content": SYSTEM_PROMPTS[(h // 3) % len(SYSTEM_PROMPTS)]}
+            )
+        messages.append(
+            {
+                "role": "user",
+                "content": MODULE_QUESTIONS[(h // 7) % len(MODULE_QUESTIONS)].format(m=m),
+            }
+        )
         messages.append({"role": "assistant", "content": harvested[m][0][0]})
         for k in range(n_members):
             e = pool[(2 * r + k) % len(pool)]
             q = MEMBER_QUESTIONS[(h // 11 + k) % len(MEMBER_QUESTIONS)]
-            messages.append({"role": "user", "content": q.format(
-                q=e.qualname, n=e.qualname[len(m) + 1:], kind=e.kind)})
-            messages.append({"role": "assistant",
-                             "content": clip(e.paragraphs, MAX_CHAT_ANSWER_CHARS)})
+            messages.append(
+                {
+                    "role": "user",
+                    "content": q.format(q=e.qualname, n=e.qualname[len(m) + 1 :], kind=e.kind),
+                }
+            )
+            messages.append(
+                {"role": "assistant", "content": clip(e.paragraphs, MAX_CHAT_ANSWER_CHARS)}
+            )
         rows.append({"messages": messages})
     return rows
 
@@ -303,6 +357,7 @@ def build_chat(harvested: dict) -> list:
 # --------------------------------------------------------------------------
 # tokenizer.json
 # --------------------------------------------------------------------------
+
 
 def zen_of_python() -> str:
     with contextlib.redirect_stdout(io.StringIO()):  # `import this` prints
@@ -341,6 +396,7 @@ def train_tokenizer(texts: list):
 
 # --------------------------------------------------------------------------
 
+
 def write_jsonl(path: Path, rows: list) -> None:
     with open(path, "w", encoding="utf-8", newline="\n") as f:
         for row in rows:
@@ -350,10 +406,13 @@ def write_jsonl(path: Path, rows: list) -> None:
 def main() -> None:
     start = time.perf_counter()
     if sys.version_info[:3] != GENERATED_WITH or platform.system() != "Linux":
-        print(f"warning: committed files were generated with CPython "
-              f"{'.'.join(map(str, GENERATED_WITH))} on Linux; this is "
-              f"{platform.python_version()} on {platform.system()}, so docstrings "
-              f"(and the output files) may differ.", file=sys.stderr)
+        print(
+            f"warning: committed files were generated with CPython "
+            f"{'.'.join(map(str, GENERATED_WITH))} on Linux; this is "
+            f"{platform.python_version()} on {platform.system()}, so docstrings "
+            f"(and the output files) may differ.",
+            file=sys.stderr,
+        )
 
     harvested = {m: harvest(m) for m in MODULES}
     alpaca = build_alpaca(harvested)
@@ -373,10 +432,11 @@ def main() -> None:
 
     for name in ("alpaca.jsonl", "chat.jsonl", "tokenizer.json"):
         print(f"{name:16s} {(OUT_DIR / name).stat().st_size:>9,d} bytes")
-    print(f"alpaca rows: {len(alpaca)} "
-          f"(with input: {sum(1 for r in alpaca if r['input'])})")
-    print(f"chat rows:   {len(chat)} "
-          f"(with system: {sum(1 for r in chat if r['messages'][0]['role'] == 'system')})")
+    print(f"alpaca rows: {len(alpaca)} (with input: {sum(1 for r in alpaca if r['input'])})")
+    print(
+        f"chat rows:   {len(chat)} "
+        f"(with system: {sum(1 for r in chat if r['messages'][0]['role'] == 'system')})"
+    )
     print(f"vocab size:  {tok.get_vocab_size()}")
     print(f"done in {time.perf_counter() - start:.1f}s")
 
