@@ -29,13 +29,16 @@ from pathlib import Path
 
 import numpy as np
 
-from rayjobs.config import DatasetConfig, TokenizerConfig
+from rayjobs.config import DatasetConfig, PackingConfig, TokenizerConfig
 from rayjobs.formats import parse_file
 from rayjobs.pack import STRATEGIES, StreamPacker, pack_lengths
 from rayjobs.sources import record_table
 
 SEQ_LENS = (2048, 4096, 8192)
 COPIES = 10
+
+DEFAULT_WINDOW_TOKENS = PackingConfig().window_tokens
+"""The job's default streaming window (``packing.window_tokens``)."""
 
 DEFAULT_DATA_DIR = Path(__file__).resolve().parents[1] / "configs" / "data"
 """The real subsets bundled with the repository (configs/data/SOURCES.md)."""
@@ -164,8 +167,26 @@ def _efficiency(lengths: np.ndarray, packs: list[np.ndarray], seq_len: int) -> f
     return float(lengths.sum()) / (len(packs) * seq_len)
 
 
+def stream_windows(
+    lengths: np.ndarray, seq_len: int, window_tokens: int, seed: int = 0
+) -> tuple[list[np.ndarray], int]:
+    """The streaming path's packer (``stream.pack_batch``) over consecutive windows sized as the
+    job sizes them (``window_tokens`` over the mean sample length): (packs, window rows)."""
+    from rayjobs.stream import pack_batch
+
+    rows = max(1, int(window_tokens / max(1.0, float(lengths.mean()))))
+    rng = np.random.default_rng(seed)
+    packs: list[np.ndarray] = []
+    for start in range(0, len(lengths), rows):
+        packs += [p + start for p in pack_batch(lengths[start : start + rows], seq_len, "bfd", rng)]
+    return packs, rows
+
+
 def bench_packing(
-    all_lengths: dict[str, np.ndarray], seq_lens=SEQ_LENS, window: int = 4096
+    all_lengths: dict[str, np.ndarray],
+    seq_lens=SEQ_LENS,
+    window: int = 4096,
+    window_tokens: int = DEFAULT_WINDOW_TOKENS,
 ) -> list[BenchRow]:
     rows = []
     for name, lengths in all_lengths.items():
@@ -175,7 +196,7 @@ def bench_packing(
             lower = int(-(-clipped.sum() // seq_len))
             global_packs = pack_lengths(clipped, seq_len, "bfd")
             global_efficiency = _efficiency(clipped, global_packs, seq_len)
-            candidates = [(strategy, window) for strategy in STRATEGIES]
+            candidates = [("stream", 0)] + [(strategy, window) for strategy in STRATEGIES]
             candidates += [("trl", 1000), ("torchtune", 100), ("global_bfd", len(clipped))]
             for strategy, size in candidates:
                 started = time.perf_counter()
@@ -186,6 +207,8 @@ def bench_packing(
                     packs = torchtune_fifo(clipped, seq_len)
                 elif strategy == "global_bfd":
                     packs = pack_lengths(clipped, seq_len, "bfd")
+                elif strategy == "stream":
+                    packs, size = stream_windows(clipped, seq_len, window_tokens)
                 else:
                     packs, delay = stream_pack(clipped, seq_len, strategy, window)
                 seconds = time.perf_counter() - started
@@ -260,7 +283,12 @@ def packing_function_speed(
     return samples / seconds
 
 
-def format_verdict(rows: list[BenchRow], window: int, function_speed: float) -> str:
+def format_verdict(
+    rows: list[BenchRow],
+    window: int,
+    function_speed: float,
+    window_tokens: int = DEFAULT_WINDOW_TOKENS,
+) -> str:
     by_key: dict[tuple[str, int], dict[str, BenchRow]] = {}
     for row in rows:
         by_key.setdefault((row.dataset, row.seq_len), {})[row.strategy] = row
@@ -272,8 +300,21 @@ def format_verdict(rows: list[BenchRow], window: int, function_speed: float) -> 
         if r["bfd"].efficiency < max(r["trl"].efficiency, r["torchtune"].efficiency)
     ]
     delay = max(r["bfd"].max_delay_windows for r in by_key.values())
+    stream_gaps = {}
+    for (_, seq_len), r in by_key.items():
+        gap = r["stream"].efficiency - r["stream"].global_bfd_efficiency
+        stream_gaps[seq_len] = min(stream_gaps.get(seq_len, 0.0), gap)
+    stream_beaten = [
+        k
+        for k, r in by_key.items()
+        if r["stream"].efficiency < max(r["trl"].efficiency, r["torchtune"].efficiency)
+    ]
+    stream_line = ", ".join(f"{s}: {g * 100:+.3f}" for s, g in sorted(stream_gaps.items()))
     return (
-        f"\nbfd (window {window}) vs global BFD: worst {worst_gap * 100:+.3f} points "
+        f"\nstream (the streaming path's packer, windows of {window_tokens:,} tokens) vs "
+        f"global BFD, worst points per seq_len: {stream_line}; behind a reference packer on "
+        f"{len(stream_beaten)} of {len(by_key)} rows {stream_beaten or ''}"
+        f"\nbfd (planned, window {window}) vs global BFD: worst {worst_gap * 100:+.3f} points "
         f"({worst_key[0]}, seq_len {worst_key[1]}); behind a reference packer on "
         f"{len(beaten)} of {len(by_key)} rows {beaten or ''}; longest wait {delay} window(s)\n"
         f"packing function (pack_lengths bfd, windows of {window}, one core): "
@@ -302,7 +343,7 @@ def time_pipeline(data_dir: Path) -> dict[str, float]:
                 if name != "hh_dpo_text"
             ],
             "tokenizer": {"path": str(data_dir / "tokenizers/gpt2")},
-            "packing": {"seq_len": 2048, "window": 4096},
+            "packing": {"mode": "planned", "seq_len": 2048, "window": 4096},
         }
     )
     job = start_job(config, prefix="bench")

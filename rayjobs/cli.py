@@ -61,7 +61,14 @@ def _parser() -> argparse.ArgumentParser:
         "(default: the subsets bundled there)",
     )
     bench.add_argument("--seq-len", type=int, nargs="*", default=[2048, 4096, 8192])
-    bench.add_argument("--window", type=int, default=4096, help="samples per packing window")
+    bench.add_argument(
+        "--window", type=int, default=4096, help="planned path: samples per packing window"
+    )
+    bench.add_argument(
+        "--window-tokens",
+        type=int,
+        help="stream path: tokens per packer call (default: the job's packing.window_tokens)",
+    )
     bench.add_argument("--json", metavar="OUT", help="also write the rows as JSON to OUT")
     bench.add_argument(
         "--mean-length", type=float, default=300.0, help="attention: mean document length in tokens"
@@ -127,10 +134,11 @@ def _bench(args: argparse.Namespace) -> int:
         print(f"rayjobs: {error}", file=sys.stderr)
         return 2
     lengths = bench.load_lengths(data_dir, names)
-    rows = bench.bench_packing(lengths, args.seq_len, args.window)
+    window_tokens = args.window_tokens or bench.DEFAULT_WINDOW_TOKENS
+    rows = bench.bench_packing(lengths, args.seq_len, args.window, window_tokens)
     print(bench.format_table(rows))
     speed = bench.packing_function_speed(lengths, window=args.window)
-    print(bench.format_verdict(rows, args.window, speed))
+    print(bench.format_verdict(rows, args.window, speed, window_tokens))
     if args.json:
         bench.write_json(rows, args.json)
     if not args.no_pipeline:

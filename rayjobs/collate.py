@@ -25,4 +25,6 @@ def collate(
     out["num_tokens"] = torch.as_tensor(
         np.asarray(batch["num_tokens"], dtype=np.int64), device=device
     )
+    if "epoch" in batch:  # the streaming path's rows say which epoch they belong to
+        out["epoch"] = torch.as_tensor(np.asarray(batch["epoch"], dtype=np.int64))
     return out

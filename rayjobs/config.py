@@ -113,8 +113,15 @@ class MixConfig(_Strict):
 class PackingConfig(_Strict):
     seq_len: int = Field(default=2048, gt=0)
     """Length of every packed row."""
+    mode: Literal["stream", "planned"] = "stream"
+    """``stream``: read, tokenize and pack as the data flows, all epochs one stream (README,
+    "Design"); ``planned``: tokenize everything once, then plan every epoch's mix and packs in
+    the driver (exact shares, the same packs for the same seed)."""
+    window_tokens: int = Field(default=4_194_304, gt=0)
+    """stream: tokens packed together by one packer call (its shuffle window); each call leaves
+    about half a row of padding behind, so larger windows pack tighter and use more memory."""
     window: int = Field(default=4096, gt=0)
-    """Samples packed together by one best-fit-decreasing pass (shuffle window)."""
+    """planned: samples packed together by one best-fit-decreasing pass."""
     overflow: Literal["truncate", "drop", "split"] = "truncate"
     """Samples longer than seq_len: cut to seq_len, drop, or split into seq_len chunks."""
     strategy: str = "bfd"
@@ -165,8 +172,11 @@ class RayConfig(_Strict):
     """Cluster to connect to; default: $RAY_ADDRESS, else an embedded local Ray."""
     num_cpus: float | None = None
     """Logical CPUs of the embedded local Ray; default max(4, 2 × cores), see README."""
-    tokenize_concurrency: int = Field(default=1, gt=0)
-    """Maximum Tokenize actors."""
+    tokenize_concurrency: int | None = Field(default=None, gt=0)
+    """Maximum Tokenize actors (the pool grows to it as data waits); default half the cluster's
+    CPUs, so adding CPU nodes adds tokenizers."""
+    pack_concurrency: int | None = Field(default=None, gt=0)
+    """stream: maximum packer actors; default a quarter of the cluster's CPUs (at least 1)."""
 
 
 class Config(_Strict):

@@ -33,6 +33,7 @@ from rayjobs.metrics import PackCounts, StageTimer, report
 from rayjobs.mix import plan_epoch
 from rayjobs.pack import StreamPacker
 from rayjobs.rows import assemble, ranges
+from rayjobs.stream import flat_values, pack_counts
 
 PACK_STAGE_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**30), "MALLOC_TRIM_THRESHOLD_": str(2**32)}
 """Environment of the pack-stage actors: glibc keeps freed memory for the next call. Its default
@@ -77,18 +78,6 @@ class ExpandPlan:
         return expanded
 
 
-def _flat_values(column: pa.ChunkedArray) -> tuple[list[np.ndarray], np.ndarray]:
-    """A list<int32> column as its chunks' values (zero-copy) and each row's start in their
-    concatenation."""
-    values, starts, offset = [], [], 0
-    for chunk in column.chunks:
-        offsets = chunk.offsets.to_numpy()
-        values.append(chunk.values.to_numpy()[offsets[0] : offsets[-1]])
-        starts.append(offsets[:-1] - offsets[0] + offset)
-        offset += int(offsets[-1] - offsets[0])
-    return values, np.concatenate(starts) if starts else np.empty(0, dtype=np.int64)
-
-
 class AssemblePacks:
     """Ray Data ``map_groups`` class: the samples of one emission group → their packed rows."""
 
@@ -98,7 +87,7 @@ class AssemblePacks:
     def __call__(self, batch: pa.Table) -> dict[str, np.ndarray]:
         with StageTimer() as timer:
             rows = self._assemble(batch)
-        report(self.ledger, "add_pack", self.epoch, self._counts(batch, rows, timer))
+        report(self.ledger, "add_pack", self.epoch, pack_counts(batch, rows, self.seq_len, timer))
         return rows
 
     def _assemble(self, batch: pa.Table) -> dict[str, np.ndarray]:
@@ -106,34 +95,12 @@ class AssemblePacks:
         packs = batch.column("pack").to_numpy()[order]
         documents_per_row = np.diff(np.flatnonzero(np.diff(packs, prepend=-1, append=-1)))
         lengths = batch.column("num_tokens").to_numpy().astype(np.int64)[order]
-        tokens, starts = _flat_values(batch.column("input_ids"))
-        labels, label_starts = _flat_values(batch.column("labels"))
+        tokens, starts = flat_values(batch.column("input_ids"))
+        labels, label_starts = flat_values(batch.column("labels"))
         if not np.array_equal(starts, label_starts):
             raise ValueError("a sample's labels differ in length from its input_ids")
         return assemble(
             tokens, labels, starts[order], lengths, documents_per_row, self.seq_len, self.pad_id
-        )
-
-    def _counts(
-        self, batch: pa.Table, rows: dict[str, np.ndarray], timer: StageTimer
-    ) -> PackCounts:
-        by_source = batch.group_by("source").aggregate(
-            [("num_tokens", "sum"), ("num_tokens", "count")]
-        )
-        names = by_source.column("source").to_pylist()
-        return PackCounts(
-            num_packs=len(rows["num_tokens"]),
-            num_tokens=int(rows["num_tokens"].sum()),
-            num_slots=len(rows["num_tokens"]) * self.seq_len,
-            num_documents=batch.num_rows,
-            documents_by_source=dict(
-                zip(names, by_source.column("num_tokens_count").to_pylist(), strict=True)
-            ),
-            tokens_by_source=dict(
-                zip(names, by_source.column("num_tokens_sum").to_pylist(), strict=True)
-            ),
-            seconds=timer.seconds,
-            cpu_seconds=timer.cpu_seconds,
         )
 
 
@@ -256,7 +223,7 @@ class Epochs:
             ExpandPlan,
             batch_format="pyarrow",
             num_cpus=0.5,
-            concurrency=1,
+            compute=ray.data.ActorPoolStrategy(size=1),
             runtime_env={"env_vars": PACK_STAGE_ENV},
             fn_constructor_kwargs={
                 "plan": self.pack_plan(epoch),
@@ -268,7 +235,7 @@ class Epochs:
             AssemblePacks,
             batch_format="pyarrow",
             num_cpus=0.5,
-            concurrency=1,
+            compute=ray.data.ActorPoolStrategy(size=1),
             runtime_env={"env_vars": PACK_STAGE_ENV},
             fn_constructor_kwargs={
                 "seq_len": self.config.packing.seq_len,

@@ -16,34 +16,47 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from rayjobs.config import Config
+from rayjobs.config import Config, ConfigError
 from rayjobs.rows import PACKED_COLUMNS, STAT_COLUMNS
 
 MANIFEST = "manifest.json"
 
 
 def to_arrow(batch: dict[str, np.ndarray]) -> pa.Table:
-    """Packed rows (2-D numpy columns) → Arrow with fixed-size list columns."""
+    """Packed rows (2-D numpy columns) → Arrow with fixed-size list columns (and ``epoch``, when
+    the rows carry it)."""
     columns = {}
     for name in PACKED_COLUMNS:
         values = np.ascontiguousarray(batch[name], dtype=np.int32)
         columns[name] = pa.FixedSizeListArray.from_arrays(values.reshape(-1), values.shape[1])
-    for name in STAT_COLUMNS:
-        columns[name] = pa.array(np.asarray(batch[name], dtype=np.int32))
+    for name in (*STAT_COLUMNS, "epoch"):
+        if name in batch:
+            columns[name] = pa.array(np.asarray(batch[name], dtype=np.int32))
     return pa.table(columns)
 
 
 def export(config: Config, out: str | os.PathLike, epochs: int | None = None) -> dict[str, Any]:
-    """Write every epoch's packed rows under ``out`` and return the manifest (also written)."""
+    """Write every epoch's packed rows under ``out`` (``epoch=<e>/*.parquet``) and return the
+    manifest (also written). ``out`` must not hold an earlier export."""
     from rayjobs.pipeline import start_job
 
     out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"--out {out} is not empty; export into a new folder")
+    if epochs:
+        config = config.model_copy(
+            update={"train": config.train.model_copy(update={"epochs": epochs})}
+        )
     job = start_job(config, prefix="export")
-    num_epochs = epochs or config.train.epochs
-    for epoch in range(num_epochs):
-        rows = job.epochs.packed(epoch).map_batches(to_arrow, batch_format="numpy")
-        rows.write_parquet(str(out / f"epoch_{epoch}"))
-    summary = job.accounting(num_epochs)
+    if job.rows is not None:  # stream: one pass over every epoch, partitioned by epoch
+        job.rows.map_batches(to_arrow, batch_format="numpy").write_parquet(
+            str(out), partition_cols=["epoch"]
+        )
+    else:
+        for epoch in range(config.train.epochs):
+            rows = job.epochs.packed(epoch).map_batches(to_arrow, batch_format="numpy")
+            rows.write_parquet(str(out / f"epoch={epoch}"))
+    summary = job.accounting()
     packs = job.snapshot()["pack"]
     manifest = {
         "config": config.model_dump(mode="json"),
@@ -52,13 +65,12 @@ def export(config: Config, out: str | os.PathLike, epochs: int | None = None) ->
         "epochs": [
             {
                 "epoch": e["epoch"],
-                "path": f"epoch_{e['epoch']}",
+                "path": f"epoch={e['epoch']}",
                 "mix": e["datasets"],
                 "packs": packs[e["epoch"]],
             }
             for e in summary.pop("mix")
         ],
-        "max_delay_windows": summary["packed"].pop("max_delay_windows"),
         **summary,
     }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1, default=str))

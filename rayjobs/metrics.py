@@ -82,6 +82,9 @@ class PackCounts:
     num_documents: int = 0
     documents_by_source: dict[str, int] = field(default_factory=dict)
     tokens_by_source: dict[str, int] = field(default_factory=dict)
+    calls: int = 0
+    """Packing calls that emitted these packs (stream mode: each leaves at most one row's worth of
+    padding more than global best-fit would)."""
     seconds: float = 0.0
     """Wall time spent assembling these packs (a stage timer for the bench)."""
     cpu_seconds: float = 0.0

@@ -1,15 +1,16 @@
-"""The job: config → tokenized samples (once) → mixed, packed rows per epoch → TorchTrainer.
+"""The job: config → packed rows (streamed, or planned per epoch) → TorchTrainer → summary.
 
-Design note. ``tokenize`` is read → template → tokenize for every dataset through one Tokenize
-actor pool; ``epochs.Epochs`` materializes it once and plans every epoch from sample lengths
-(mixing, then streaming best-fit-decreasing packing), so epochs re-mix and re-pack without
-re-tokenizing. The price is a barrier: an epoch's packs flow once tokenization is complete, which
-for fine-tuning sets (up to millions of samples) is seconds to minutes on a cluster.
+Design note. Two data paths share the reader, the Tokenize actors, the packer and the row
+assembly. ``packing.mode: stream`` (default, ``stream.py``) is one lazy dataset for every epoch:
+training starts as soon as the first window is packed, memory is set by window and block sizes,
+and every stage scales with the cluster. ``packing.mode: planned`` (``epochs.py``) tokenizes
+everything once, then plans each epoch's mix and packs in the driver from sample lengths: exact
+shares and the same packs for the same seed, after a barrier as long as the tokenization.
 
-Resources: one Tokenize actor pool (1 CPU per actor), plan-join and assembly actors at 0.5 CPU,
-trainers at ``train.cpus_per_worker``; an embedded local Ray declares max(4, 2 × cores) logical
-CPUs so read tasks, the actor pools and the trainers fit at once (with only as many logical CPUs
-as cores, the trainers starve the data operators and the job hangs: README, "Design").
+Resources: a Tokenize actor pool (1 CPU per actor), packing actors at 0.5 CPU, trainers at
+``train.cpus_per_worker``; an embedded local Ray declares max(4, 2 × cores) logical CPUs so read
+tasks, the actor pools and the trainers fit at once (with only as many logical CPUs as cores, the
+trainers starve the data operators and the job hangs: README, "Design").
 """
 
 from __future__ import annotations
@@ -22,13 +23,12 @@ from typing import Any
 import ray
 import ray.data
 
+from rayjobs import stream
 from rayjobs.config import Config, ConfigError
 from rayjobs.epochs import Epochs
 from rayjobs.metrics import Ledger, packing_efficiency
 from rayjobs.sources import read_dataset
-from rayjobs.tokenize import Tokenize, Tokenizer
-
-TOKENIZE_BATCH_ROWS = 256
+from rayjobs.tokenize import Tokenizer
 
 
 def init_ray(config: Config) -> None:
@@ -54,66 +54,83 @@ def load_tokenizer(config: Config) -> Tokenizer:
 
 
 def tokenize(config: Config, ledger: Any = None) -> ray.data.Dataset:
-    """Every dataset read, templated and tokenized (lazy; ``Epochs`` materializes it)."""
+    """Every dataset read, templated and tokenized once (lazy; ``Epochs`` materializes it)."""
     raw = [read_dataset(spec) for spec in config.datasets]
     rows = raw[0].union(*raw[1:]) if len(raw) > 1 else raw[0]
-    return rows.map_batches(
-        Tokenize,
-        batch_size=TOKENIZE_BATCH_ROWS,
-        batch_format="pyarrow",
-        num_cpus=1,
-        concurrency=(1, config.ray.tokenize_concurrency),
-        fn_constructor_kwargs={
-            "datasets": config.datasets,
-            "tokenizer": config.tokenizer,
-            "seq_len": config.packing.seq_len,
-            "overflow": config.packing.overflow,
-            "ledger": ledger,
-        },
-    )
+    return stream.tokenized(rows, config, ledger)
 
 
 @dataclass
 class Job:
-    """One run's data side, set up: its name, tokenizer, ``Ledger`` actor and epoch planner."""
+    """One run's data side, set up: its name, tokenizer, ``Ledger`` actor and packed rows."""
 
     config: Config
     name: str
     tokenizer: Tokenizer
     ledger: Any
-    epochs: Epochs
+    epochs: Epochs | None = None
+    """planned mode: the epoch planner."""
+    rows: ray.data.Dataset | None = None
+    """stream mode: the packed rows of every epoch, one lazy dataset (column ``epoch``)."""
 
     def snapshot(self) -> dict[str, Any]:
         return ray.get(self.ledger.snapshot.remote())
 
-    def mixes(self, num_epochs: int) -> list[dict[str, dict[str, float]]]:
-        """The realized mix of each epoch (planned once per epoch, see ``Epochs``)."""
-        return [self.epochs.realized_mix(epoch) for epoch in range(num_epochs)]
+    def train_datasets(self) -> dict[str, ray.data.Dataset]:
+        """What the trainer consumes, in order: one stream, or one dataset per epoch."""
+        if self.rows is not None:
+            return {"train": self.rows}
+        return {f"train_epoch_{e}": self.epochs.packed(e) for e in range(self.config.train.epochs)}
 
-    def accounting(self, num_epochs: int) -> dict[str, Any]:
+    def mixes(self, snapshot: dict[str, Any]) -> list[dict[str, dict[str, float]]]:
+        """The realized mix of each epoch: per dataset, samples, tokens and share (in ``mix.by``
+        units) of what the pack stage packed."""
+        mixes = []
+        for epoch in sorted(snapshot["pack"]):
+            counts = snapshot["pack"][epoch]
+            mix = {
+                spec.name: {
+                    "samples": counts["documents_by_source"].get(spec.name, 0),
+                    "tokens": counts["tokens_by_source"].get(spec.name, 0),
+                }
+                for spec in self.config.datasets
+            }
+            unit = self.config.mix.by
+            total = sum(stats[unit] for stats in mix.values()) or 1
+            for stats in mix.values():
+                stats["share"] = stats[unit] / total
+            mixes.append(mix)
+        return mixes
+
+    def accounting(self) -> dict[str, Any]:
         """The data side's part of the run summary (README, "Run summary"): per-dataset
         tokenization counts with each dataset's mean share, the realized mix of every epoch, and
         pack totals over all epochs."""
-        summary = accounting(self.snapshot())
-        mixes = self.mixes(num_epochs)
+        snapshot = self.snapshot()
+        summary = accounting(snapshot)
+        mixes = self.mixes(snapshot)
         for name, stats in summary["datasets"].items():
-            stats["share"] = sum(mix[name]["share"] for mix in mixes) / len(mixes)
+            stats["share"] = sum(mix[name]["share"] for mix in mixes) / max(1, len(mixes))
         summary["mix"] = [{"epoch": epoch, "datasets": mix} for epoch, mix in enumerate(mixes)]
-        summary["packed"]["max_delay_windows"] = self.epochs.max_delay_windows
-        summary["packed"]["plan_seconds"] = self.epochs.plan_seconds
+        if self.epochs is not None:
+            summary["packed"]["max_delay_windows"] = self.epochs.max_delay_windows
+            summary["packed"]["plan_seconds"] = self.epochs.plan_seconds
         return summary
 
 
 def start_job(config: Config, prefix: str = "rayjobs") -> Job:
     """Set up a run's data side: load the tokenizer (a bad one fails before Ray starts), connect to
-    or start Ray, create the run's ``Ledger`` and the epoch planner (which tokenizes once). ``run``,
-    ``export`` and the bench all start here."""
+    or start Ray, create the run's ``Ledger`` and the packed rows (lazy in stream mode; planned
+    mode tokenizes once here). ``run``, ``export`` and the benches all start here."""
     tokenizer = load_tokenizer(config)
     init_ray(config)
     name = f"{prefix}-{uuid.uuid4().hex[:8]}"
     ledger = Ledger.remote(name)
-    epochs = Epochs(config, tokenize(config, ledger), tokenizer.pad_id, ledger)
-    return Job(config, name, tokenizer, ledger, epochs)
+    if config.packing.mode == "planned":
+        epochs = Epochs(config, tokenize(config, ledger), tokenizer.pad_id, ledger)
+        return Job(config, name, tokenizer, ledger, epochs=epochs)
+    rows = stream.packed_rows(config, tokenizer.pad_id, ledger)
+    return Job(config, name, tokenizer, ledger, rows=rows)
 
 
 def run(config: Config) -> dict[str, Any]:
@@ -124,15 +141,14 @@ def run(config: Config) -> dict[str, Any]:
     from rayjobs.train import train_loop
 
     job = start_job(config)
-    num_epochs = config.train.epochs
-    datasets = {f"train_epoch_{epoch}": job.epochs.packed(epoch) for epoch in range(num_epochs)}
-    ray.get(job.ledger.add_mix.remote(job.mixes(num_epochs)))
+    datasets = job.train_datasets()
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={
             "config": config.model_dump(),
             "vocab_size": job.tokenizer.vocab_size,
             "run_name": job.name,
+            "datasets": list(datasets),
         },
         scaling_config=ScalingConfig(
             num_workers=config.train.num_workers,
@@ -148,7 +164,8 @@ def run(config: Config) -> dict[str, Any]:
     summary = dict(result.metrics)
     summary["run_name"] = job.name
     summary["checkpoint"] = result.checkpoint.path if result.checkpoint else None
-    summary.update(job.accounting(num_epochs))
+    summary.update(job.accounting())
+    ray.get(job.ledger.add_mix.remote([m["datasets"] for m in summary["mix"]]))  # final gauges
     return summary
 
 

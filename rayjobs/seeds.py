@@ -13,11 +13,13 @@ from __future__ import annotations
 import numpy as np
 
 STREAMS: dict[str, tuple[int, tuple[str, ...]]] = {
-    # name: (stream id, keys after it)
-    "mix_draw": (1, ("epoch", "dataset")),  # which samples of a dataset an epoch takes (mix.py)
-    "mix_order": (2, ("epoch", "dataset")),  # where they fall in the epoch's interleaving (mix.py)
-    "pack": (3, ("epoch",)),  # shuffles of the packer's pool, packs and documents (epochs.py)
+    # name: (stream id, keys after it); where it is used
+    "mix_draw": (1, ("epoch", "dataset")),  # planned: which samples an epoch takes (mix.py)
+    "mix_order": (2, ("epoch", "dataset")),  # planned: the epoch's interleaving (mix.py)
+    "pack": (3, ("epoch",)),  # planned: the packer's shuffles over the epoch (epochs.py)
     "model_init": (4, ()),  # the model's initial weights on every rank (train.py)
+    "stream_order": (5, ("epoch", "dataset", "copy")),  # stream: a pass's order, subsample
+    "pack_window": (6, ("epoch", "window")),  # stream: the packer's shuffles in one window
 }
 """Every random stream of a run; a new use of randomness gets a new row here."""
 

@@ -239,16 +239,15 @@ class Tokenize:
         return table
 
     def _tokenize(self, batch: pa.Table, counts: dict[str, TokenizeCounts]) -> pa.Table:
-        rows: list[tuple[DatasetConfig, str, list[Segment]]] = []
+        rows: list[tuple[int, DatasetConfig, str, list[Segment]]] = []
         columns = [
             batch.column(name).to_pylist() for name in ("_dataset", "_path", "_row", "_record")
         ]
-        for name, path, row, record in zip(*columns, strict=True):
+        for index, (name, path, row, record) in enumerate(zip(*columns, strict=True)):
             spec = self.datasets[name]
             try:
-                rows.append(
-                    (spec, f"{name}\0{path}\0{row}", self._segments(spec, json.loads(record)))
-                )
+                origin = f"{name}\0{path}\0{row}"
+                rows.append((index, spec, origin, self._segments(spec, json.loads(record))))
             except RowError as error:
                 where = f"dataset {name!r}, file {path}, row {row}: {error}"
                 if spec.on_bad_row == "error":
@@ -262,8 +261,8 @@ class Tokenize:
         encoded = iter(
             self.tokenizer.encode_batch([s.text for *_, segments in rows for s in segments])
         )
-        input_ids, labels, sources, uids = [], [], [], []
-        for spec, origin, segments in rows:
+        input_ids, labels, sources, uids, kept = [], [], [], [], []
+        for index, spec, origin, segments in rows:
             segment_ids = [next(encoded) for _ in segments]
             ids, sample_labels = encode_segments(
                 segments, segment_ids, self.tokenizer.eos_id, spec.train_on_input
@@ -275,18 +274,20 @@ class Tokenize:
             tally.split_samples += max(0, len(pieces) - 1)
             for piece, (piece_ids, piece_labels) in enumerate(pieces):
                 uids.append(sample_uid(f"{origin}\0{piece}"))
+                kept.append(index)
                 input_ids.append(piece_ids)
                 labels.append(piece_labels)
                 sources.append(spec.name)
                 tally.samples += 1
                 tally.tokens += len(piece_ids)
                 tally.trained_tokens += int((piece_labels != IGNORE_INDEX).sum())
-        return pa.table(
-            {
-                "input_ids": pa.array(input_ids, type=TOKEN_LIST),
-                "labels": pa.array(labels, type=TOKEN_LIST),
-                "source": pa.array(sources, type=pa.string()),
-                "uid": pa.array(uids, type=pa.int64()),
-                "num_tokens": pa.array([len(ids) for ids in input_ids], type=pa.int32()),
-            }
-        )
+        out = {
+            "input_ids": pa.array(input_ids, type=TOKEN_LIST),
+            "labels": pa.array(labels, type=TOKEN_LIST),
+            "source": pa.array(sources, type=pa.string()),
+            "uid": pa.array(uids, type=pa.int64()),
+            "num_tokens": pa.array([len(ids) for ids in input_ids], type=pa.int32()),
+        }
+        if "_epoch" in batch.column_names:  # the streaming path's epoch tag follows the sample
+            out["_epoch"] = batch.column("_epoch").take(pa.array(kept, type=pa.int64()))
+        return pa.table(out)

@@ -126,8 +126,9 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     series = TrainMetrics(loop_config.get("run_name", "rayjobs"), rank)
     losses: list[float] = []
     steps = rows = pack_tokens = trained_tokens = guard_dropped = 0
-    for epoch in range(config.train.epochs):
-        shard = ray.train.get_dataset_shard(f"train_epoch_{epoch}")
+    names = loop_config.get("datasets") or [f"train_epoch_{e}" for e in range(config.train.epochs)]
+    for index, name in enumerate(names):  # one stream of every epoch, or one dataset per epoch
+        shard = ray.train.get_dataset_shard(name)
         guard = _Guard()
         for batch in rank_batches(shard, config.train.batch_size, device, guard):
             logits = model(
@@ -150,6 +151,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             pack_tokens += int(batch["num_tokens"].sum())
             trained_tokens += int(local_count)
             if steps % config.train.report_every == 0:
+                epoch = int(batch["epoch"].max()) if "epoch" in batch else index
                 ray.train.report({"step": steps, "epoch": epoch, "loss": step_loss})
             if config.train.max_steps is not None and steps >= config.train.max_steps:
                 break

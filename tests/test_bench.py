@@ -57,6 +57,8 @@ def test_bench_cli_on_real_sets(tmp_path, capsys):
             "--json",
             str(out),
             "--no-pipeline",
+            "--window-tokens",
+            "200000",
         ]
     )
     assert code == 0
@@ -74,6 +76,8 @@ def test_bench_cli_on_real_sets(tmp_path, capsys):
         "max_delay_windows",
     }
     by_key = {(r["dataset"], r["seq_len"], r["strategy"]): r for r in rows}
+    global_rows = {r["dataset"]: r for r in rows if r["strategy"] == "global_bfd"}
+    len_stream = {name: r["window"] for name, r in global_rows.items()}  # the whole stream
     assert {k[0] for k in by_key} == {"alpaca", "hh_chat"}
     for dataset in ("alpaca", "hh_chat"):
         for seq_len in (2048, 8192):
@@ -85,7 +89,16 @@ def test_bench_cli_on_real_sets(tmp_path, capsys):
             assert bfd["packs"] >= bfd["lower_bound_packs"]
             next_fit = by_key[(dataset, seq_len, "next_fit")]
             assert next_fit["efficiency"] < bfd["efficiency"] - 0.01, "guard: strategies differ"
-    assert "bfd (window 4096) vs global BFD" in capsys.readouterr().out
+            stream = by_key[(dataset, seq_len, "stream")]  # windows of 200k tokens: several
+            assert 0 < stream["window"] * 2 < len_stream[dataset], "guard: several windows"
+            # The design's price: at most one row more than global BFD per packer call.
+            calls = -(-len_stream[dataset] // stream["window"])
+            global_packs = by_key[(dataset, seq_len, "global_bfd")]["packs"]
+            assert global_packs <= stream["packs"] <= global_packs + calls
+            assert stream["max_delay_windows"] == 0  # nothing waits for a later call
+    printed = capsys.readouterr().out
+    assert "bfd (planned, window 4096) vs global BFD" in printed
+    assert "stream (the streaming path's packer, windows of 200,000 tokens)" in printed
 
 
 def test_bench_rejects_unknown_set(capsys):

@@ -105,7 +105,8 @@ def _mix_config(by: str, **extra) -> dict:
             },
         ],
         "tokenizer": {"path": str(GPT2)},
-        "packing": {"seq_len": 1024, "window": 64},  # 15+ windows: tenths of the epoch
+        # planned: exact shares; 15+ windows of 64 samples make tenths of the epoch
+        "packing": {"mode": "planned", "seq_len": 1024, "window": 64},
         "mix": {"by": by, **extra},
     }
 

@@ -25,6 +25,8 @@ def test_no_two_streams_of_a_run_draw_the_same_numbers():
         for epoch in range(3)
         for dataset in range(5)
     ]
+    keys += [("stream_order", (e, d, c)) for e in range(3) for d in range(5) for c in range(2)]
+    keys += [("pack_window", (e, w)) for e in range(3) for w in (0, 1, 2**40)]
     assert {name for name, _ in keys} == set(seeds.STREAMS), "guard: every stream is covered"
     draws = {(name, k): tuple(seeds.rng(7, name, *k).integers(2**63, size=4)) for name, k in keys}
     assert len(set(draws.values())) == len(draws)

@@ -1,0 +1,174 @@
+"""The streaming path: the per-window packer places every sample of every window, the Ray
+adapter keeps epochs apart and counts exactly, and weights set each dataset's reads per epoch."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import ray
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import ALPACA, GPT2, GPTEACHER, HH_CHAT, ROOT
+from rayjobs import stream
+from rayjobs.config import config_from_dict
+from rayjobs.rows import IGNORE_INDEX
+from rayjobs.tokenize import TOKEN_LIST
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 64), min_size=0, max_size=300),
+    strategy=st.sampled_from(["bfd", "ffd", "first_fit", "next_fit"]),
+    seed=st.integers(0, 2**16),
+)
+def test_pack_batch_places_every_sample_once(lengths, strategy, seed):
+    lengths = np.array(lengths, dtype=np.int64)
+    packs = stream.pack_batch(lengths, 64, strategy, np.random.default_rng(seed))
+    placed = np.concatenate(packs) if packs else np.empty(0, dtype=np.int64)
+    assert sorted(placed.tolist()) == list(range(len(lengths)))
+    assert all(lengths[p].sum() <= 64 and len(p) for p in packs)
+
+
+def test_pack_batch_is_tight_on_real_lengths():
+    """One window of real-like lengths: at most one more row than the lower bound."""
+    rng = np.random.default_rng(0)
+    lengths = np.minimum(rng.geometric(1 / 300, 5000), 2048)
+    packs = stream.pack_batch(lengths, 2048, "bfd", rng)
+    lower = -(-lengths.sum() // 2048)
+    assert lower <= len(packs) <= lower + 1
+
+
+def _samples(epoch_of: list[int]) -> pa.Table:
+    """Tokenized samples as the Tokenize stage emits them, with the stream's epoch tag."""
+    rng = np.random.default_rng(1)
+    ids = [rng.integers(1, 1000, int(rng.integers(1, 40))).astype(np.int32) for _ in epoch_of]
+    labels = [np.append(x[1:], IGNORE_INDEX).astype(np.int32) for x in ids]
+    return pa.table(
+        {
+            "input_ids": pa.array(ids, type=TOKEN_LIST),
+            "labels": pa.array(labels, type=TOKEN_LIST),
+            "source": ["a" if i % 3 else "b" for i in range(len(ids))],
+            "uid": pa.array(np.arange(len(ids)) * 7 + 11, type=pa.int64()),
+            "num_tokens": pa.array([len(x) for x in ids], type=pa.int32()),
+            "_epoch": pa.array(epoch_of, type=pa.int32()),
+        }
+    )
+
+
+class _Ledger:
+    def __init__(self):
+        self.calls = []
+        outer = self
+
+        class _Add:
+            def remote(self, *args):
+                outer.calls.append(args)
+
+        self.add_pack = _Add()
+
+
+def test_pack_stream_keeps_epochs_apart_and_counts_each(monkeypatch):
+    """A window that straddles an epoch boundary packs each epoch's samples into its own rows."""
+    monkeypatch.setattr(ray, "get", lambda value: value)
+    epoch_of = [0] * 70 + [1] * 50
+    batch = _samples(epoch_of)
+    ledger = _Ledger()
+    rows = stream.PackStream(seq_len=64, strategy="bfd", pad_id=0, seed=0, ledger=ledger)(batch)
+    assert set(rows["epoch"].tolist()) == {0, 1}
+    documents = {0: [], 1: []}
+    for row in range(len(rows["epoch"])):
+        for doc in range(rows["num_documents"][row]):
+            where = rows["document_ids"][row] == doc
+            documents[int(rows["epoch"][row])].append(tuple(rows["input_ids"][row][where]))
+    for epoch in (0, 1):
+        mine = batch.filter(pa.compute.equal(batch["_epoch"], epoch))
+        assert sorted(documents[epoch]) == sorted(tuple(x) for x in mine["input_ids"].to_pylist())
+    counts = dict(ledger.calls)
+    assert sorted(counts) == [0, 1]
+    assert counts[0].num_documents == 70 and counts[1].num_documents == 50
+    assert counts[1].documents_by_source == {"a": 34, "b": 16}  # b: rows 72, 75, ..., 117
+    for epoch, c in counts.items():
+        mine = rows["epoch"] == epoch
+        assert c.num_packs == mine.sum()
+        assert c.num_tokens == rows["num_tokens"][mine].sum()
+    assert (rows["num_documents"] >= 2).any(), "guard: rows hold several documents"
+
+
+def _config(**extra):
+    datasets = [
+        {"name": "alpaca", "source": str(ALPACA), "template": "alpaca"},
+        {"name": "hh_chat", "source": str(HH_CHAT), "template": "chat"},
+        {
+            "name": "roleplay",
+            "source": str(GPTEACHER),
+            "template": "alpaca",
+            "column_map": {"output": "response"},
+        },
+    ]
+    weights = extra.pop("weights", None)
+    for spec, weight in zip(datasets, weights or [], strict=False):
+        spec["weight"] = weight
+    return config_from_dict(
+        {"datasets": datasets, "tokenizer": {"path": str(GPT2)}, **extra}, base_dir=ROOT
+    )
+
+
+# (weights, mix.by, sizes (rows, mean tokens) per dataset) → reads per epoch
+FRACTIONS = {
+    "no_weights": (None, "tokens", [(100, 10.0), (50, 40.0), (10, 1.0)], [1.0, 1.0, 1.0]),
+    # by samples: 160 samples, shares 80/48/32 of 100/50/10 rows
+    "by_samples": ([0.5, 0.3, 0.2], "samples", [(100, 10.0), (50, 40.0), (10, 1.0)],
+                   [0.8, 0.96, 3.2]),
+    # by tokens: 1000 + 2000 + 10 = 3010 tokens; shares 1505/903/602 of 1000/2000/10 tokens
+    "by_tokens": ([0.5, 0.3, 0.2], "tokens", [(100, 10.0), (50, 40.0), (10, 1.0)],
+                  [1.505, 0.4515, 60.2]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("weights", "by", "sizes", "expected"), FRACTIONS.values(),
+                         ids=FRACTIONS)  # fmt: skip
+def test_epoch_fractions(weights, by, sizes, expected):
+    config = _config(weights=weights, mix={"by": by})
+    estimates = {
+        spec.name: stream.Estimate(mean_tokens=mean, rows=rows)
+        for spec, (rows, mean) in zip(config.datasets, sizes, strict=True)
+    }
+    assert stream.epoch_fractions(config, estimates) == pytest.approx(expected)
+
+
+def test_weighted_stream_realizes_its_shares(ray_local):
+    """0.5/0.3/0.2 by tokens on real data, two epochs: each epoch's realized token shares (counted
+    by the pack stage) are near the weights, though two datasets are subsampled and one repeated."""
+    from rayjobs.pipeline import start_job
+
+    config = _config(
+        weights=[0.5, 0.3, 0.2],
+        mix={"by": "tokens"},
+        packing={"seq_len": 1024, "window_tokens": 50_000},
+        train={"epochs": 2},
+    )
+    job = start_job(config, prefix="test")
+    rows = job.rows.take_all()
+    assert {int(r["epoch"]) for r in rows} == {0, 1}
+    mixes = job.mixes(job.snapshot())
+    assert len(mixes) == 2
+    for mix in mixes:
+        shares = [mix[name]["share"] for name in ("alpaca", "hh_chat", "roleplay")]
+        assert shares == pytest.approx([0.5, 0.3, 0.2], abs=0.03), mix
+    fractions = stream.epoch_fractions(config, stream.estimate(config, count_rows=True))
+    assert min(fractions) < 1 < max(fractions), "guard: subsampled and repeated datasets"
+
+
+def test_estimate_counts_rows_and_mean_length(ray_local):
+    config = _config()
+    estimates = stream.estimate(config, count_rows=True)
+    assert {name: e.rows for name, e in estimates.items()} == {
+        "alpaca": 300,
+        "hh_chat": 400,
+        "roleplay": 300,
+    }
+    assert dataclasses.asdict(estimates["alpaca"])["mean_tokens"] > 50
