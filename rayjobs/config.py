@@ -175,6 +175,8 @@ class RayConfig(_Strict):
     tokenize_concurrency: int | None = Field(default=None, gt=0)
     """Maximum Tokenize actors (the pool grows to it as data waits); default half the cluster's
     CPUs, so adding CPU nodes adds tokenizers."""
+    min_actors: int = Field(default=1, gt=0)
+    """Actors each data pool (Tokenize, packers) starts with, before it grows."""
     pack_concurrency: int | None = Field(default=None, gt=0)
     """stream: maximum packer actors; default a quarter of the cluster's CPUs (at least 1)."""
 

@@ -45,6 +45,12 @@ class StageTimer:
         self.cpu_seconds += time.process_time() - self._cpu_started
 
 
+def report_actor(ledger: Any, kind: str) -> None:
+    """Tell the run's ledger that an actor of ``kind`` started on this node (where the work ran)."""
+    if ledger is not None and ray.is_initialized():
+        report(ledger, "add_actor", kind, ray.get_runtime_context().get_node_id())
+
+
 def report(ledger: Any, method: str, *args: Any) -> None:
     """Call ``ledger.<method>(*args)`` and wait for it (so counts are in before rows move on);
     no-op without a ledger (in-process use, unit tests)."""
@@ -205,6 +211,7 @@ class Ledger:
 
     def __init__(self, run_name: str = "rayjobs"):
         self.tokenize: dict[str, TokenizeCounts] = defaultdict(TokenizeCounts)  # by dataset
+        self.actors: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self.pack: dict[int, PackCounts] = defaultdict(PackCounts)
         self._run = run_name
         self._series = _series(name for name in METRICS if not name.startswith("rayjobs_train_"))
@@ -245,10 +252,16 @@ class Ledger:
                 for name, gauge in self._mix.items():
                     gauge.set(stats[name], tags=tags)
 
+    def add_actor(self, kind: str, node_id: str) -> None:
+        """An actor of ``kind`` (Tokenize, PackStream, ...) started on ``node_id``."""
+        self.actors[kind][node_id] += 1
+
     def snapshot(self) -> dict[str, Any]:
-        """Plain-dict copy: ``{"tokenize": {dataset: counts}, "pack": {epoch: counts}}``
-        (tokenization runs once per run; packing once per epoch)."""
+        """Plain-dict copy: ``{"tokenize": {dataset: counts}, "pack": {epoch: counts},
+        "actors": {kind: {node id: actors started}}}`` (tokenization counted over the run,
+        packing per epoch)."""
         return {
             "tokenize": {dataset: asdict(c) for dataset, c in sorted(self.tokenize.items())},
             "pack": {epoch: asdict(c) for epoch, c in sorted(self.pack.items())},
+            "actors": {kind: dict(nodes) for kind, nodes in sorted(self.actors.items())},
         }

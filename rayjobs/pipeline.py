@@ -112,6 +112,7 @@ class Job:
         for name, stats in summary["datasets"].items():
             stats["share"] = sum(mix[name]["share"] for mix in mixes) / max(1, len(mixes))
         summary["mix"] = [{"epoch": epoch, "datasets": mix} for epoch, mix in enumerate(mixes)]
+        summary["actors"] = snapshot["actors"]
         if self.epochs is not None:
             summary["packed"]["max_delay_windows"] = self.epochs.max_delay_windows
             summary["packed"]["plan_seconds"] = self.epochs.plan_seconds

@@ -38,7 +38,7 @@ import ray.data
 
 from rayjobs import seeds
 from rayjobs.config import Config, DatasetConfig
-from rayjobs.metrics import PackCounts, StageTimer, report
+from rayjobs.metrics import PackCounts, StageTimer, report, report_actor
 from rayjobs.pack import StreamPacker
 from rayjobs.rows import assemble
 from rayjobs.sources import read_dataset
@@ -134,7 +134,9 @@ def tokenized(rows: ray.data.Dataset, config: Config, ledger: Any = None) -> ray
         batch_size=TOKENIZE_BATCH_ROWS,
         batch_format="pyarrow",
         num_cpus=1,
-        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=ceiling),
+        compute=ray.data.ActorPoolStrategy(
+            min_size=min(config.ray.min_actors, ceiling), max_size=ceiling
+        ),
         fn_constructor_kwargs={
             "datasets": config.datasets,
             "tokenizer": config.tokenizer,
@@ -173,13 +175,14 @@ def packed_rows(config: Config, pad_id: int, ledger: Any = None) -> ray.data.Dat
     rows = streams[0]
     if len(streams) > 1:  # interleaved block by block in the ratio of expected rows
         rows = rows.mix(*streams[1:], weights=list(np.array(expected) / sum(expected)))
+    packers = config.ray.pack_concurrency or max(1, int(cluster_cpus()) // 4)
     return tokenized(rows, config, ledger).map_batches(
         PackStream,
         batch_size=window_rows(config, estimates),
         batch_format="pyarrow",
         num_cpus=0.5,
         compute=ray.data.ActorPoolStrategy(
-            min_size=1, max_size=config.ray.pack_concurrency or max(1, int(cluster_cpus()) // 4)
+            min_size=min(config.ray.min_actors, packers), max_size=packers
         ),
         fn_constructor_kwargs={
             "seq_len": config.packing.seq_len,
@@ -208,6 +211,7 @@ class PackStream:
     def __init__(self, seq_len: int, strategy: str, pad_id: int, seed: int, ledger: Any = None):
         self.seq_len, self.strategy, self.pad_id = seq_len, strategy, pad_id
         self.seed, self.ledger = seed, ledger
+        report_actor(ledger, "PackStream")
 
     def __call__(self, batch: pa.Table) -> dict[str, np.ndarray]:
         outputs = []

@@ -27,7 +27,7 @@ import pyarrow as pa
 
 from rayjobs import templates
 from rayjobs.config import DatasetConfig, TokenizerConfig
-from rayjobs.metrics import StageTimer, TokenizeCounts, report
+from rayjobs.metrics import StageTimer, TokenizeCounts, report, report_actor
 from rayjobs.rows import IGNORE_INDEX
 from rayjobs.templates import Message, RowError, Segment
 
@@ -219,7 +219,9 @@ class Tokenize:
         ledger: Any = None,
     ):
         self.datasets = {spec.name: spec for spec in datasets}
+        self.file_index = {s.name: {f: str(i) for i, f in enumerate(s.files)} for s in datasets}
         self.tokenizer = Tokenizer(tokenizer)
+        report_actor(ledger, "Tokenize")
         self.seq_len = seq_len
         self.overflow = overflow
         self.ledger = ledger
@@ -246,7 +248,9 @@ class Tokenize:
         for index, (name, path, row, record) in enumerate(zip(*columns, strict=True)):
             spec = self.datasets[name]
             try:
-                origin = f"{name}\0{path}\0{row}"
+                # The file's place in the dataset's sorted file list, not its absolute path:
+                # the same data elsewhere (another machine, a fresh clone) gets the same uids.
+                origin = f"{name}\0{self.file_index[name].get(path, path)}\0{row}"
                 rows.append((index, spec, origin, self._segments(spec, json.loads(record))))
             except RowError as error:
                 where = f"dataset {name!r}, file {path}, row {row}: {error}"

@@ -174,9 +174,12 @@ def test_real_mix_shares_within_one_point(epochs_by, ray_local, by):
 
 
 def test_real_mix_is_interleaved_per_window(epochs_by):
+    """Real lengths, an epoch of 4x the data (tenths of ~600 samples, so one long sample does not
+    swing a tenth's token shares): every tenth of the epoch is near the weights."""
     epochs, _ = epochs_by("tokens")
-    dataset_ids, sample_ids = epochs.plan(0)
     lengths = [lengths for _, lengths in epochs.samples]
+    total = sum(int(x.sum()) for x in lengths)
+    dataset_ids, sample_ids = plan_epoch(lengths, WEIGHTS, by="tokens", epoch_tokens=4 * total)
     tokens = _tokens(dataset_ids, sample_ids, lengths)
     window = epochs.config.packing.window
     windows = np.arange(len(dataset_ids)) // window

@@ -497,3 +497,16 @@ def test_label_invariants_on_real_data(gpt2_config, relative, template):
         num_trained += sum(label != X for label in labels)
         num_ignored += sum(label == X for label in labels)
     assert num_trained > 0 and num_ignored > 200  # guard: prompts masked and responses trained
+
+
+def test_uids_do_not_depend_on_where_the_files_are(gpt2_config):
+    """The same data at two absolute paths (a fresh clone, another machine) gets the same uids,
+    so the planned path's shuffles and packs repeat there."""
+    record = [{"text": "Hello world!"}]
+    uids = []
+    for root in ("/a/clone", "/b/elsewhere"):
+        files = (f"{root}/data/x.jsonl", f"{root}/data/y.jsonl")
+        spec = _spec("text").model_copy(update={"files": files})
+        tokenize = Tokenize([spec], gpt2_config, seq_len=64, overflow="truncate")
+        uids.append(tokenize(_batch("d", record, path=f"{root}/data/y.jsonl"))["uid"].to_pylist())
+    assert uids[0] == uids[1] == [sample_uid("d\x001\x001\x000")]  # file 1 of the dataset, row 1
