@@ -3,7 +3,8 @@
 rayjobs run CONFIG [dotted.key=value ...] [--address ADDR] [--json]
 rayjobs export CONFIG [dotted.key=value ...] --out DIR [--epochs N] [--address ADDR]
 rayjobs bench packing [--data NAME ...] [--data-dir DIR] [--seq-len N ...] [--window N]
-                      [--json OUT] [--no-pipeline]
+                      [--window-tokens N] [--json OUT] [--no-pipeline]
+rayjobs bench pipeline [--scales N ...] [--data-dir DIR] [--json OUT]
 rayjobs bench attention [--seq-len N ...] [--mean-length L] [--json OUT]     (CUDA GPU)
 """
 
@@ -45,9 +46,13 @@ def _parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmarks")
     bench.add_argument(
         "what",
-        choices=["packing", "attention"],
-        help="packing: efficiency and speed on real data; attention: the document "
-        "mask on a CUDA GPU, FlexAttention vs dense SDPA",
+        choices=["packing", "pipeline", "attention"],
+        help="packing: efficiency and speed on real data; pipeline: the streaming path end to "
+        "end at growing data sizes; attention: the document mask on a CUDA GPU, FlexAttention "
+        "vs dense SDPA",
+    )
+    bench.add_argument(
+        "--scales", type=int, nargs="+", default=[1, 30], help="pipeline: copies of the data"
     )
     bench.add_argument(
         "--data",
@@ -117,6 +122,12 @@ def format_summary(summary: dict[str, Any]) -> str:
 def _bench(args: argparse.Namespace) -> int:
     if args.what == "attention":
         return _bench_attention(args)
+    if args.what == "pipeline":
+        from rayjobs import bench_pipeline
+
+        argv = ["--scales", *map(str, args.scales)]
+        argv += ["--data-dir", args.data_dir] if args.data_dir else []
+        return bench_pipeline.main(argv + (["--json", args.json] if args.json else []))
     from pathlib import Path
 
     from rayjobs import bench

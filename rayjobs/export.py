@@ -1,6 +1,6 @@
 """``rayjobs export``: run the data side only and write the packed rows as Parquet plus a manifest.
 
-Layout of ``OUT``: ``epoch_<e>/*.parquet`` (the data-contract columns as ``fixed_size_list<int32>``
+Layout of ``OUT``: ``epoch=<e>/*.parquet`` (the data-contract columns as ``fixed_size_list<int32>``
 of ``seq_len``, plus ``num_tokens`` and ``num_documents``) and ``manifest.json``: the validated
 config, per-dataset accounting (the same numbers as the run summary), the realized mix and the pack
 counts of each epoch, so exported data can be audited and reused by any trainer.

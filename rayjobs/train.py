@@ -1,12 +1,12 @@
 """Train: Ray Train ``TorchTrainer`` workers consume per-rank packed batches and train the decoder.
 
 Design note.
-- Each epoch is its own Ray dataset (``train_epoch_<e>``), built with that epoch's seed, so packs
-  differ per epoch. Ray Train splits each one with ``streaming_split(world_size, equal=True)``:
-  equal rows per rank, and with a fixed batch size and ``drop_last`` equal batches per rank. No
-  local
-  shuffle buffer (Ray bug #66085: a buffer < 2 × batch_size yields short batches mid-stream); the
-  packer already shuffles.
+- The trainer consumes the datasets named in ``loop_config["datasets"]`` in order: one stream of
+  every epoch (``train``, stream mode; rows carry their ``epoch``), or one dataset per epoch
+  (``train_epoch_<e>``, planned mode). Ray Train splits each with ``streaming_split(world_size,
+  equal=True)``: equal rows per rank, and with a fixed batch size and ``drop_last`` equal batches
+  per rank. No local shuffle buffer (Ray bug #66085: a buffer < 2 × batch_size yields short
+  batches mid-stream); the packer already shuffles.
 - A collective guard all-reduces "I have a batch" before every step, so if ranks ever disagree they
   stop together instead of hanging DDP; batches dropped that way are counted in the summary.
 - Loss = cross entropy summed over labels ≠ -100 divided by the *global* count of such labels (one

@@ -106,3 +106,25 @@ def test_bench_rejects_unknown_set(capsys):
         main(["bench", "packing", "--data", "nope", "--data-dir", str(DATA), "--no-pipeline"]) == 2
     )
     assert "not a bench set" in capsys.readouterr().err
+
+
+def test_pipeline_bench_shards_and_report(tmp_path):
+    """The pipeline bench's input is the real sets repeated, one shard per copy, and its report
+    reads ratios between scales off one run."""
+    from rayjobs import bench_pipeline
+
+    folders = bench_pipeline.write_shards(DATA, tmp_path, scale=3)
+    alpaca = sorted(folders["alpaca"].iterdir())
+    assert [p.name for p in alpaca] == ["part-0000.jsonl", "part-0001.jsonl", "part-0002.jsonl"]
+    assert len(alpaca[0].read_text().splitlines()) == len(
+        json.loads((DATA / "sft" / "alpaca_en_demo.json").read_text())
+    )
+    chat = (DATA / "chat" / "hh_rlhf_harmless_chosen.messages.jsonl").read_text()
+    assert all(p.read_text() == chat for p in folders["hh_chat"].iterdir())
+    rows = [bench_pipeline.PipelineRow(scale, 700 * scale, first, 1000.0, 0.1, 0.2, memory,
+                                       500.0, 2)
+            for scale, first, memory in ((1, 10.0, 1000.0), (30, 12.0, 1300.0))]  # fmt: skip
+    report = bench_pipeline.format_rows(rows)
+    assert (
+        "30x vs 1x: first batch 1.20x, peak memory 1.30x; throughput at 30x = 100% of 2" in report
+    )

@@ -29,7 +29,7 @@ def _config(**packing):
             "tokenizer": {"path": str(GPT2)},
             # Windows of ~20k tokens: several packer calls per epoch, on two packer actors.
             "packing": {"seq_len": SEQ_LEN, "window_tokens": 20_000, **packing},
-            "ray": {"tokenize_concurrency": 2, "pack_concurrency": 2},
+            "ray": {"min_actors": 2, "tokenize_concurrency": 2, "pack_concurrency": 2},
         },
         base_dir=ROOT,
     )
@@ -115,6 +115,9 @@ def test_ledger_matches_the_rows(packed_run):
     assert pack["num_slots"] == len(rows) * SEQ_LEN
     lower_bound = -(-pack["num_tokens"] // SEQ_LEN)
     assert pack["calls"] >= 4, "guard: several packer calls (windows of 20k tokens)"
+    # guard: the exactly-once checks above ran with two tokenize and two packer actors
+    assert sum(snapshot["actors"]["Tokenize"].values()) >= 2
+    assert sum(snapshot["actors"]["PackStream"].values()) >= 2
     assert lower_bound <= len(rows) <= lower_bound + pack["calls"]  # at most a row per call
 
 

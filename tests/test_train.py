@@ -36,35 +36,32 @@ def _packed_rows(num_rows: int, num_blocks: int) -> ray.data.Dataset:
 
 
 def _count_batches(loop_config: dict) -> None:
+    """For each (dataset, batch size) case: the rows every rank trained on and the batches its
+    guard dropped, gathered from all ranks."""
     import ray.train
-
-    context = ray.train.get_context()
-    name = loop_config["dataset_of_rank"][context.get_world_rank()]
-    shard = ray.train.get_dataset_shard(name)
-    from rayjobs.train import _Guard
-
-    guard = _Guard()
-    rows = sum(
-        len(b["input_ids"])
-        for b in rank_batches(shard, loop_config["batch_size"], torch.device("cpu"), guard)
-    )
     import torch.distributed as dist
 
-    counts = [torch.zeros(2, dtype=torch.long) for _ in range(context.get_world_size())]
-    dist.all_gather(counts, torch.tensor([rows, guard.dropped]))
-    metrics = {"rows": [int(c[0]) for c in counts], "dropped": [int(c[1]) for c in counts]}
-    with (
-        tempfile.TemporaryDirectory() as directory
-    ):  # Result.metrics keeps checkpointed reports only
-        checkpoint = (
-            ray.train.Checkpoint.from_directory(directory)
-            if context.get_world_rank() == 0
-            else None
+    from rayjobs.train import _Guard
+
+    context = ray.train.get_context()
+    rank, world_size = context.get_world_rank(), context.get_world_size()
+    metrics = {}
+    for case, (names, batch_size) in enumerate(loop_config["cases"]):
+        shard = ray.train.get_dataset_shard(names[rank])
+        guard = _Guard()
+        rows = sum(
+            len(b["input_ids"]) for b in rank_batches(shard, batch_size, torch.device("cpu"), guard)
         )
+        counts = [torch.zeros(2, dtype=torch.long) for _ in range(world_size)]
+        dist.all_gather(counts, torch.tensor([rows, guard.dropped]))
+        metrics[f"rows_{case}"] = [int(c[0]) for c in counts]
+        metrics[f"dropped_{case}"] = [int(c[1]) for c in counts]
+    with tempfile.TemporaryDirectory() as directory:  # Result.metrics keeps checkpointed reports
+        checkpoint = ray.train.Checkpoint.from_directory(directory) if rank == 0 else None
         ray.train.report(metrics, checkpoint=checkpoint)
 
 
-def _fit(datasets: dict, loop_config: dict, split: bool):
+def _fit(datasets: dict, loop_config: dict, split: bool, world_size: int = 2):
     from ray.train import DataConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -72,42 +69,41 @@ def _fit(datasets: dict, loop_config: dict, split: bool):
         _count_batches,
         train_loop_config=loop_config,
         datasets=datasets,
-        scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
+        scaling_config=ScalingConfig(num_workers=world_size, resources_per_worker={"CPU": 0.5}),
         dataset_config=DataConfig(datasets_to_split="all" if split else []),
     )
     return trainer.fit().metrics
 
 
-@pytest.mark.parametrize(
-    "num_rows,num_blocks,batch_size,expected_batches",
-    [
-        (
-            103,
-            7,
-            4,
-            12,
-        ),  # 51 rows per rank (1 tail row dropped), blocks of 14-15 rows; 51 // 4 = 12
-        (61, 5, 3, 10),  # 30 rows per rank; 30 // 3 = 10
-        (9, 4, 5, 0),  # 4 rows per rank: not one full batch anywhere
-    ],
-)
-def test_equal_batches_per_rank(ray_local, num_rows, num_blocks, batch_size, expected_batches):
-    assert num_rows % 2 or num_rows % num_blocks, "guard: rows must not divide evenly"
-    metrics = _fit(
-        {"train": _packed_rows(num_rows, num_blocks)},
-        {"dataset_of_rank": ["train", "train"], "batch_size": batch_size},
-        split=True,
-    )
-    assert metrics["rows"] == [expected_batches * batch_size] * 2
-    assert metrics["dropped"] == [0, 0]
+# (rows, blocks, batch size) of each case; then, per world size, the batches every rank gets.
+# Rows split equally (floor(rows / world) per rank, the remainder dropped), then full batches only:
+# e.g. 103 rows over 3 ranks = 34 each, 34 // 4 = 8 batches.
+CASES = [(103, 7, 4), (61, 5, 3), (9, 4, 5)]
+EXPECTED_BATCHES = {2: [12, 10, 0], 3: [8, 6, 0], 4: [6, 5, 0]}
+
+
+@pytest.mark.parametrize("world_size", sorted(EXPECTED_BATCHES))
+def test_equal_batches_per_rank(ray_local, world_size):
+    """Uneven rows and blocks, fractional CPUs: every rank gets the same number of batches."""
+    assert all(rows % world_size or rows % blocks for rows, blocks, _ in CASES), "guard: uneven"
+    datasets = {
+        f"case_{i}": _packed_rows(rows, blocks) for i, (rows, blocks, _) in enumerate(CASES)
+    }
+    cases = [([f"case_{i}"] * world_size, size) for i, (_, _, size) in enumerate(CASES)]
+    metrics = _fit(datasets, {"cases": cases}, split=True, world_size=world_size)
+    for case, ((_, _, batch_size), batches) in enumerate(
+        zip(CASES, EXPECTED_BATCHES[world_size], strict=True)
+    ):
+        assert metrics[f"rows_{case}"] == [batches * batch_size] * world_size, case
+        assert metrics[f"dropped_{case}"] == [0] * world_size
 
 
 def test_guard_stops_every_rank_when_one_runs_out(ray_local):
     # Unsplit datasets of different sizes: rank 0 has 5 batches of 2, rank 1 has 7.
     datasets = {"short": _packed_rows(10, 3), "long": _packed_rows(14, 3)}
-    metrics = _fit(datasets, {"dataset_of_rank": ["short", "long"], "batch_size": 2}, split=False)
-    assert metrics["rows"] == [10, 10]
-    assert metrics["dropped"] == [0, 1]
+    metrics = _fit(datasets, {"cases": [(["short", "long"], 2)]}, split=False)
+    assert metrics["rows_0"] == [10, 10]
+    assert metrics["dropped_0"] == [0, 1]
 
 
 @pytest.mark.parametrize(

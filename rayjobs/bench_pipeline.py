@@ -1,0 +1,221 @@
+"""``rayjobs bench pipeline``: the streaming path end to end at growing data sizes, in one run.
+
+For each scale the bench writes the real alpaca and hh chat sets repeated ``scale`` times as JSONL
+shards (one file per copy), streams two epochs through the job's own data path (``start_job``:
+read → mix → Tokenize pool → PackStream pool) into two consumers standing in for trainers
+(``streaming_split(2, equal=True)``), and reports from job start:
+
+- ``first_batch_s``: seconds until the first packed batch reaches a consumer;
+- ``tokens_per_s``: non-pad tokens consumed per second between the first and the last batch;
+- ``epoch_gap_s``: the longest wait for a batch around the epoch boundary, against
+  ``median_batch_s``, the median wait between batches;
+- ``peak_rss_mb``: peak resident memory of all Ray processes and the driver, sampled every 0.2 s,
+  plus the object store in use at that moment;
+- ``reference_tokens_per_s``: the same tokenizer and templates alone, in-process on one core, over
+  the 1× data: what one CPU can tokenize, so throughput can be read against the CPUs given.
+
+Ratios between scales are measured in the same run, on the same machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+BATCH_ROWS = 4
+
+
+@dataclass
+class PipelineRow:
+    scale: int
+    samples_per_epoch: int
+    first_batch_s: float
+    tokens_per_s: float
+    median_batch_s: float
+    epoch_gap_s: float
+    peak_rss_mb: float
+    reference_tokens_per_s: float
+    tokenize_cpus: int
+
+
+def write_shards(data_dir: Path, out: Path, scale: int) -> dict[str, Path]:
+    """The alpaca and hh chat sets, ``scale`` copies each, one JSONL shard per copy."""
+    alpaca = json.loads((data_dir / "sft" / "alpaca_en_demo.json").read_text())
+    chat = (data_dir / "chat" / "hh_rlhf_harmless_chosen.messages.jsonl").read_text()
+    folders = {"alpaca": out / "alpaca", "hh_chat": out / "hh_chat"}
+    for folder in folders.values():
+        folder.mkdir(parents=True, exist_ok=True)
+    lines = "".join(json.dumps(row) + "\n" for row in alpaca)
+    for copy in range(scale):
+        (folders["alpaca"] / f"part-{copy:04d}.jsonl").write_text(lines)
+        (folders["hh_chat"] / f"part-{copy:04d}.jsonl").write_text(chat)
+    return folders
+
+
+class _Memory(threading.Thread):
+    """Samples the RSS of every Ray process and this driver, and the object store in use."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.peak_mb, self.running = 0.0, True
+
+    def run(self) -> None:
+        import psutil
+
+        while self.running:
+            rss = 0
+            for process in psutil.process_iter(["name", "cmdline", "memory_info"]):
+                command = " ".join(process.info["cmdline"] or [])
+                if "ray" in command or process.pid == psutil.Process().pid:
+                    rss += process.info["memory_info"].rss if process.info["memory_info"] else 0
+            store = _object_store_used()
+            self.peak_mb = max(self.peak_mb, (rss + store) / 2**20)
+            time.sleep(0.2)
+
+
+def _object_store_used() -> int:
+    import ray
+
+    try:
+        total = ray.cluster_resources().get("object_store_memory", 0)
+        free = ray.available_resources().get("object_store_memory", total)
+        return int(total - free)
+    except Exception:  # noqa: BLE001 - the sampler must never stop the bench
+        return 0
+
+
+def _consume(iterator, stamps: list, tokens: list) -> None:
+    for batch in iterator.iter_batches(batch_size=BATCH_ROWS, drop_last=True):
+        stamps.append((time.perf_counter(), int(batch["epoch"].max()), int(batch["epoch"].min())))
+        tokens.append(int(batch["num_tokens"].sum()))
+
+
+def run_scale(config, scale: int) -> dict:
+    """Stream two epochs of the config into two consumers; timings from job start."""
+    from rayjobs.pipeline import start_job
+
+    memory = _Memory()
+    memory.start()
+    started = time.perf_counter()
+    job = start_job(config, prefix=f"bench-{scale}x")
+    iterators = job.rows.streaming_split(2, equal=True)
+    stamps: list[list] = [[], []]
+    tokens: list[list] = [[], []]
+    threads = [
+        threading.Thread(target=_consume, args=(it, stamps[i], tokens[i]))
+        for i, it in enumerate(iterators)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    memory.running = False
+    memory.join()
+    merged = sorted(stamp for consumer in stamps for stamp in consumer)
+    times = [t for t, _, _ in merged]
+    waits = [b - a for a, b in zip(times, times[1:], strict=False)]
+    boundary = [i for i, (_, high, low) in enumerate(merged) if high >= 1 or low >= 1]
+    first_of_epoch_1 = boundary[0] if boundary else len(merged) - 1
+    around = waits[max(0, first_of_epoch_1 - 2) : first_of_epoch_1 + 2]
+    snapshot = job.snapshot()
+    return {
+        "samples_per_epoch": snapshot["pack"][0]["num_documents"],
+        "first_batch_s": times[0] - started,
+        "tokens_per_s": sum(map(sum, tokens)) / max(1e-9, times[-1] - times[0]),
+        "median_batch_s": statistics.median(waits) if waits else 0.0,
+        "epoch_gap_s": max(around) if around else 0.0,
+        "peak_rss_mb": memory.peak_mb,
+    }
+
+
+def reference_tokens_per_s(config) -> float:
+    """The job's templates and tokenizer alone, in-process, over one copy of the data."""
+    import pyarrow as pa
+    import ray
+
+    from rayjobs.sources import read_dataset
+    from rayjobs.tokenize import Tokenize
+
+    tokenize = Tokenize(config.datasets, config.tokenizer, config.packing.seq_len, "truncate")
+    tables = [pa.concat_tables(ray.get(read_dataset(s).to_arrow_refs())) for s in config.datasets]
+    started = time.process_time()
+    tokens = sum(int(tokenize(t).column("num_tokens").to_numpy().sum()) for t in tables)
+    return tokens / (time.process_time() - started)
+
+
+def bench_pipeline(data_dir: Path, scales: list[int]) -> list[PipelineRow]:
+    from rayjobs.config import config_from_dict
+    from rayjobs.pipeline import init_ray, load_tokenizer
+    from rayjobs.stream import cluster_cpus
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        reference = None
+        for scale in scales:
+            folders = write_shards(data_dir, Path(tmp) / f"{scale}x", scale)
+            config = config_from_dict(
+                {
+                    "datasets": [
+                        {"name": "alpaca", "source": str(folders["alpaca"]), "template": "alpaca"},
+                        {"name": "hh_chat", "source": str(folders["hh_chat"]), "template": "chat"},
+                    ],
+                    "tokenizer": {"path": str(data_dir / "tokenizers" / "gpt2")},
+                    "packing": {"seq_len": 2048},
+                    "train": {"epochs": 2},
+                }
+            )
+            load_tokenizer(config)
+            init_ray(config)
+            if reference is None:
+                reference = reference_tokens_per_s(config)
+            measured = run_scale(config, scale)
+            tokenize_cpus = config.ray.tokenize_concurrency or max(1, int(cluster_cpus()) // 2)
+            rows.append(PipelineRow(scale, reference_tokens_per_s=reference,
+                                    tokenize_cpus=tokenize_cpus, **measured))  # fmt: skip
+    return rows
+
+
+def format_rows(rows: list[PipelineRow]) -> str:
+    header = (
+        f"{'scale':>6}{'samples/epoch':>14}{'first batch s':>14}{'tokens/s':>11}"
+        f"{'median wait s':>14}{'epoch gap s':>12}{'peak MB':>9}{'1-core tok/s':>13}"
+    )
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        lines.append(
+            f"{r.scale:>5}x{r.samples_per_epoch:>14}{r.first_batch_s:>14.1f}{r.tokens_per_s:>11,.0f}"
+            f"{r.median_batch_s:>14.3f}{r.epoch_gap_s:>12.3f}{r.peak_rss_mb:>9,.0f}"
+            f"{r.reference_tokens_per_s:>13,.0f}"
+        )
+    if len(rows) > 1:
+        first, last = rows[0], rows[-1]
+        first_batch = last.first_batch_s / first.first_batch_s
+        memory = last.peak_rss_mb / first.peak_rss_mb
+        lines.append(
+            f"\n{last.scale}x vs {first.scale}x: first batch {first_batch:.2f}x, "
+            f"peak memory {memory:.2f}x; throughput at {last.scale}x = "
+            f"{last.tokens_per_s / (last.tokenize_cpus * last.reference_tokens_per_s):.0%} of "
+            f"{last.tokenize_cpus} tokenize CPU(s) x the 1-core reference"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rayjobs.bench import DEFAULT_DATA_DIR
+
+    parser = argparse.ArgumentParser(prog="rayjobs bench pipeline", description=__doc__)
+    parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR)
+    parser.add_argument("--scales", type=int, nargs="+", default=[1, 30])
+    parser.add_argument("--json", metavar="OUT")
+    args = parser.parse_args(argv)
+    rows = bench_pipeline(args.data_dir, args.scales)
+    print(format_rows(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    return 0
