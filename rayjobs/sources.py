@@ -23,6 +23,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import ray.data
 from ray.data.datasource import FileBasedDatasource
@@ -69,12 +70,18 @@ class RowFileDatasource(FileBasedDatasource):
             )
 
 
-def read_dataset(spec: DatasetConfig) -> ray.data.Dataset:
-    """The raw rows of one dataset spec (files or a Hugging Face dataset)."""
+def read_dataset(spec: DatasetConfig, order_seed: int | None = None) -> ray.data.Dataset:
+    """The raw rows of one dataset spec (files or a Hugging Face dataset). With ``order_seed``,
+    its files are read in a random order: a shuffle of the read tasks, so, unlike an all-to-all
+    shuffle of blocks, nothing waits for the whole dataset to be read."""
     if spec.format == HF:
-        return _read_huggingface(spec)
+        rows = _read_huggingface(spec)
+        return rows if order_seed is None else rows.randomize_block_order(seed=order_seed)
+    files = list(spec.files)
+    if order_seed is not None:
+        files = [files[i] for i in np.random.default_rng(order_seed).permutation(len(files))]
     datasource = RowFileDatasource(
-        list(spec.files), format=spec.format, dataset=spec.name, text_split=spec.text_split
+        files, format=spec.format, dataset=spec.name, text_split=spec.text_split
     )
     return ray.data.read_datasource(datasource)
 

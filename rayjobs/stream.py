@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -38,10 +39,11 @@ import ray.data
 
 from rayjobs import seeds
 from rayjobs.config import Config, DatasetConfig
+from rayjobs.formats import HF, parse_file
 from rayjobs.metrics import PackCounts, StageTimer, report, report_actor
 from rayjobs.pack import StreamPacker
 from rayjobs.rows import assemble
-from rayjobs.sources import read_dataset
+from rayjobs.sources import read_dataset, record_table
 from rayjobs.tokenize import Tokenize
 
 SAMPLE_ROWS = 2048
@@ -67,8 +69,7 @@ def estimate(config: Config, count_rows: bool) -> dict[str, Estimate]:
     )
     estimates = {}
     for spec in config.datasets:
-        rows = read_dataset(spec).limit(SAMPLE_ROWS).to_arrow_refs()
-        sample = pa.concat_tables(ray.get(rows)) if rows else None
+        sample = _head(spec)
         lengths = tokenize(sample).column("num_tokens").to_numpy() if sample else np.empty(0)
         if not len(lengths):
             raise ValueError(
@@ -80,16 +81,38 @@ def estimate(config: Config, count_rows: bool) -> dict[str, Estimate]:
     return estimates
 
 
+def _head(spec: DatasetConfig) -> pa.Table | None:
+    """Up to ``SAMPLE_ROWS`` raw rows from the first files of a dataset, parsed in the driver: a
+    cost that does not grow with the number of files (a Hugging Face dataset goes through Ray)."""
+    if spec.format == HF:
+        refs = read_dataset(spec).limit(SAMPLE_ROWS).to_arrow_refs()
+        return pa.concat_tables(ray.get(refs)) if refs else None
+    tables, count = [], 0
+    for path in spec.files:
+        rows, records = parse_file(
+            Path(path).read_bytes(), path, format=spec.format, dataset=spec.name,
+            text_split=spec.text_split,
+        )  # fmt: skip
+        keep = min(len(rows), SAMPLE_ROWS - count)
+        tables.append(record_table(spec.name, [path] * keep, rows[:keep], records[:keep]))
+        count += keep
+        if count >= SAMPLE_ROWS:
+            break
+    return pa.concat_tables(tables) if tables else None
+
+
 def _epoch_stream(
     spec: DatasetConfig, index: int, epoch: int, seed: int, fraction: float
 ) -> ray.data.Dataset:
     """One dataset's rows for one epoch: ``fraction`` of it (whole passes, then a random
-    subsample), each pass in a fresh random block order, every row tagged with the epoch."""
+    subsample), each pass reading its files in a fresh random order (no all-to-all shuffle: that
+    would wait for the whole dataset), every row tagged with the epoch; the packer's window
+    shuffles the samples."""
     passes, remainder = divmod(fraction, 1.0)
     parts = []
     for copy in range(int(passes) + (remainder > 1e-9)):
         rng = seeds.rng(seed, "stream_order", epoch, index, copy)
-        part = read_dataset(spec).randomize_block_order(seed=int(rng.integers(2**31)))
+        part = read_dataset(spec, order_seed=int(rng.integers(2**31)))
         if copy == int(passes):
             part = part.random_sample(remainder, seed=int(rng.integers(2**31)))
         parts.append(part)
