@@ -150,7 +150,9 @@ def reference_tokens_per_s(config) -> float:
     return tokens / (time.process_time() - started)
 
 
-def bench_pipeline(data_dir: Path, scales: list[int]) -> list[PipelineRow]:
+def bench_pipeline(
+    data_dir: Path, scales: list[int], window_tokens: int | None = None
+) -> list[PipelineRow]:
     import ray.data
 
     from rayjobs.config import config_from_dict
@@ -170,7 +172,8 @@ def bench_pipeline(data_dir: Path, scales: list[int]) -> list[PipelineRow]:
                         {"name": "hh_chat", "source": str(folders["hh_chat"]), "template": "chat"},
                     ],
                     "tokenizer": {"path": str(data_dir / "tokenizers" / "gpt2")},
-                    "packing": {"seq_len": 2048},
+                    "packing": {"seq_len": 2048}
+                    | ({"window_tokens": window_tokens} if window_tokens else {}),
                     "train": {"epochs": 2},
                 }
             )
@@ -217,8 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR)
     parser.add_argument("--scales", type=int, nargs="+", default=[1, 30])
     parser.add_argument("--json", metavar="OUT")
+    parser.add_argument("--window-tokens", type=int, help="packing.window_tokens (default: job's)")
     args = parser.parse_args(argv)
-    rows = bench_pipeline(args.data_dir, args.scales)
+    rows = bench_pipeline(args.data_dir, args.scales, args.window_tokens)
     print(format_rows(rows))
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=1))

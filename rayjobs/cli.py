@@ -4,7 +4,7 @@ rayjobs run CONFIG [dotted.key=value ...] [--address ADDR] [--json]
 rayjobs export CONFIG [dotted.key=value ...] --out DIR [--epochs N] [--address ADDR]
 rayjobs bench packing [--data NAME ...] [--data-dir DIR] [--seq-len N ...] [--window N]
                       [--window-tokens N] [--json OUT] [--no-pipeline]
-rayjobs bench pipeline [--scales N ...] [--data-dir DIR] [--json OUT]
+rayjobs bench pipeline [--scales N ...] [--window-tokens N] [--data-dir DIR] [--json OUT]
 rayjobs bench attention [--seq-len N ...] [--mean-length L] [--json OUT]     (CUDA GPU)
 """
 
@@ -126,6 +126,7 @@ def _bench(args: argparse.Namespace) -> int:
         from rayjobs import bench_pipeline
 
         argv = ["--scales", *map(str, args.scales)]
+        argv += ["--window-tokens", str(args.window_tokens)] if args.window_tokens else []
         argv += ["--data-dir", args.data_dir] if args.data_dir else []
         return bench_pipeline.main(argv + (["--json", args.json] if args.json else []))
     from pathlib import Path

@@ -12,7 +12,10 @@ ends. ``PackStream`` therefore keeps nothing between calls: each call packs its 
 emits every sample in exactly one row. The price is one under-filled tail per call, about half a
 pack, so the window is sized in tokens, not samples: ``packing.window_tokens`` tokens per call
 (the row count comes from a driver-side estimate of each dataset's mean sample length). The
-packing bench measures this packer at the job's window against global best-fit decreasing.
+window is also the first batch's latency: no row leaves before a window is tokenized, so the first
+batch comes after start-up plus ``window_tokens`` over the cluster's tokenize rate. The packing
+bench measures this packer at the job's window against global best-fit decreasing; the pipeline
+bench measures the latency.
 
 Mixing. Each dataset is its own stream per epoch: every sample once (no weights), or, with weights,
 whole shuffled passes plus a random subsample so that its expected share of the epoch (tokens or
