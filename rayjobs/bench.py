@@ -1,16 +1,16 @@
 """``rayjobs bench packing``: every packing strategy and two reference packers on real data.
 
 Each real set under ``--data-dir`` (default: the subsets bundled in ``configs/data``; any folder
-with
-the same layout, such as the full public sets, works) is tokenized with the GPT-2 tokenizer through
-the same templates
-and Tokenize code the job uses (in-process, no Ray), over-length samples truncated, and streamed as
-the set concatenated 10 times, each copy freshly shuffled. For seq_len 2048, 4096 and 8192 the bench
-packs that stream with every strategy (``StreamPacker``, windows of ``--window`` samples), with two
-reference packers implemented here from their published behaviour, and with global best-fit
-decreasing over the whole stream (the offline yardstick), and reports efficiency (non-pad tokens /
-slots), packs vs the lower bound ceil(tokens / seq_len), samples/s of the packing function and the
-longest wait of any sample in windows.
+with the same layout, such as the full public sets, works) is tokenized with the GPT-2 tokenizer
+through the same templates and Tokenize code the job uses (in-process, no Ray), over-length samples
+truncated, and streamed as the set concatenated 10 times, each copy freshly shuffled. For seq_len
+2048, 4096 and 8192 the bench packs that stream with the streaming path's packer at the job's window
+(``stream``, windows of ``--window-tokens`` tokens), with every strategy of the planned path
+(``StreamPacker``, windows of ``--window`` samples), with two reference packers implemented here
+from their published behaviour, and with global best-fit decreasing over the whole stream (the
+offline yardstick), and reports efficiency (non-pad tokens / slots), packs vs the lower bound
+ceil(tokens / seq_len), samples/s of the packing function and the longest wait of any sample in
+windows.
 
 - ``trl``: TRL's ``pack_dataset(strategy="bfd")``: BFD inside each chunk of 1000 samples (the
   ``datasets.map`` batch), every bin emitted.
@@ -172,9 +172,9 @@ def stream_windows(
 ) -> tuple[list[np.ndarray], int]:
     """The streaming path's packer (``stream.pack_batch``) over consecutive windows sized as the
     job sizes them (``window_tokens`` over the mean sample length): (packs, window rows)."""
-    from rayjobs.stream import pack_batch
+    from rayjobs.stream import pack_batch, window_rows
 
-    rows = max(1, int(window_tokens / max(1.0, float(lengths.mean()))))
+    rows = window_rows(window_tokens, float(lengths.mean()))
     rng = np.random.default_rng(seed)
     packs: list[np.ndarray] = []
     for start in range(0, len(lengths), rows):

@@ -30,10 +30,10 @@ import ray.data
 from rayjobs import seeds
 from rayjobs.config import Config, ConfigError
 from rayjobs.metrics import PackCounts, StageTimer, report
-from rayjobs.mix import plan_epoch
+from rayjobs.mix import plan_epoch, with_shares
 from rayjobs.pack import StreamPacker
 from rayjobs.rows import assemble, ranges
-from rayjobs.stream import flat_values, pack_counts
+from rayjobs.stream import flat_samples, pack_counts
 
 PACK_STAGE_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**30), "MALLOC_TRIM_THRESHOLD_": str(2**32)}
 """Environment of the pack-stage actors: glibc keeps freed memory for the next call. Its default
@@ -95,10 +95,7 @@ class AssemblePacks:
         packs = batch.column("pack").to_numpy()[order]
         documents_per_row = np.diff(np.flatnonzero(np.diff(packs, prepend=-1, append=-1)))
         lengths = batch.column("num_tokens").to_numpy().astype(np.int64)[order]
-        tokens, starts = flat_values(batch.column("input_ids"))
-        labels, label_starts = flat_values(batch.column("labels"))
-        if not np.array_equal(starts, label_starts):
-            raise ValueError("a sample's labels differ in length from its input_ids")
+        tokens, labels, starts = flat_samples(batch)
         return assemble(
             tokens, labels, starts[order], lengths, documents_per_row, self.seq_len, self.pad_id
         )
@@ -173,11 +170,7 @@ class Epochs:
             }
             for i, spec in enumerate(self.config.datasets)
         }
-        unit = self.config.mix.by
-        total = sum(stats[unit] for stats in realized.values()) or 1
-        for stats in realized.values():
-            stats["share"] = stats[unit] / total
-        return realized
+        return with_shares(realized, self.config.mix.by)
 
     def pack_plan(self, epoch: int) -> dict[str, np.ndarray]:
         """Every occurrence's uid, pack, slot and emission group, sorted by uid."""

@@ -1,15 +1,14 @@
 """Metrics: exact per-run accounting (the ``Ledger`` actor) and Prometheus series for the dashboard.
 
 Design note. Two needs, one place. The run summary needs *exact* counts (samples, tokens,
-truncation, drops, skips per dataset; packs and pad slots), gathered from Tokenize and AssemblePacks
-actors spread over the cluster. Each of those calls ``ray.get(ledger.add_….remote(...))`` once per
-batch, synchronously, so by the time a batch's rows reach a trainer its counts are already in the
-ledger and the driver's final ``snapshot()`` misses nothing. The same calls feed
-``ray.util.metrics``
-counters, exported by every Ray node to Prometheus (``ray_rayjobs_*``) and shown on the Ray
-dashboard
-/ Grafana while the job runs. Tokenization is counted once per run, by dataset; packing once per
-epoch. A retried Ray task would count its batch twice.
+truncation, drops, skips per dataset; packs and pad slots), gathered from Tokenize and packing
+actors (``PackStream``; ``AssemblePacks`` in planned mode) spread over the cluster. Each of those
+calls ``ray.get(ledger.add_….remote(...))`` once per batch, synchronously, so by the time a batch's
+rows reach a trainer its counts are already in the ledger and the driver's final ``snapshot()``
+misses nothing. The same calls feed ``ray.util.metrics`` counters, exported by every Ray node to
+Prometheus (``ray_rayjobs_*``) and shown on the Ray dashboard / Grafana while the job runs.
+Tokenization is counted over the run, by dataset (stream mode tokenizes every epoch's reads, planned
+mode once); packing per epoch. A retried Ray task would count its batch twice.
 """
 
 from __future__ import annotations
@@ -245,7 +244,7 @@ class Ledger:
         self._efficiency.set(packing_efficiency(total_tokens, total_slots), tags=tags)
 
     def add_mix(self, mixes: list[dict[str, dict[str, float]]]) -> None:
-        """The planned mix of each epoch (from ``Epochs.realized_mix``) as gauges."""
+        """The realized mix of each epoch (``Job.mixes``: what the pack stage counted) as gauges."""
         for epoch, mix in enumerate(mixes):
             for dataset, stats in mix.items():
                 tags = {"run": self._run, "dataset": dataset, "epoch": str(epoch)}

@@ -29,6 +29,21 @@ import numpy as np
 from rayjobs import seeds
 
 
+def with_shares(mix: dict[str, dict[str, float]], by: str) -> dict[str, dict[str, float]]:
+    """Add each dataset's ``share`` of the epoch, in ``by`` units (``samples`` or ``tokens``), to a
+    ``{dataset: {"samples": n, "tokens": n}}`` mix; returns it.
+
+    >>> counts = {"a": {"samples": 1, "tokens": 30}, "b": {"samples": 3, "tokens": 10}}
+    >>> mix = with_shares(counts, "tokens")
+    >>> [stats["share"] for stats in mix.values()]
+    [0.75, 0.25]
+    """
+    total = sum(stats[by] for stats in mix.values()) or 1
+    for stats in mix.values():
+        stats["share"] = stats[by] / total
+    return mix
+
+
 def _targets(sizes: np.ndarray, shares: np.ndarray, total: int) -> np.ndarray:
     """Split ``total`` by ``shares`` into integers that add up to it (largest remainder)."""
     exact = shares * total

@@ -27,6 +27,7 @@ from rayjobs import stream
 from rayjobs.config import Config, ConfigError
 from rayjobs.epochs import Epochs
 from rayjobs.metrics import Ledger, packing_efficiency
+from rayjobs.mix import with_shares
 from rayjobs.sources import read_dataset
 from rayjobs.tokenize import Tokenizer
 
@@ -95,11 +96,7 @@ class Job:
                 }
                 for spec in self.config.datasets
             }
-            unit = self.config.mix.by
-            total = sum(stats[unit] for stats in mix.values()) or 1
-            for stats in mix.values():
-                stats["share"] = stats[unit] / total
-            mixes.append(mix)
+            mixes.append(with_shares(mix, self.config.mix.by))
         return mixes
 
     def accounting(self) -> dict[str, Any]:

@@ -2,19 +2,14 @@
 
 Every dataset, whatever its format, becomes rows of one schema: ``_dataset`` (the spec's name),
 ``_path`` and ``_row`` (the 0-based record index in a JSON list, Parquet or CSV file; the 1-based
-line
-number in JSONL and text files, so a bad row can be reported by file and row) and ``_record``, the
-row
-as a JSON object string. One schema lets every dataset flow through a single Tokenize actor pool
-(one
-pool, not one per dataset, keeps the CPU budget of a small cluster predictable) and means files
-whose
-rows disagree on types (a field missing here, a nested list there) never fail at the Arrow layer.
-Files are read by ``RowFileDatasource``, a Ray ``FileBasedDatasource``: one read task per file,
-spread
-over the cluster like Ray's own readers. Hugging Face datasets (hub names or ``save_to_disk``
-folders)
-are read with ``datasets`` and handed over with ``ray.data.from_huggingface``.
+line number in JSONL and text files, so a bad row can be reported by file and row) and ``_record``,
+the row as a JSON object string. One schema lets every dataset flow through a single Tokenize actor
+pool (one pool, not one per dataset, keeps the CPU budget of a small cluster predictable) and means
+files whose rows disagree on types (a field missing here, a nested list there) never fail at the
+Arrow layer. Files are read by ``RowFileDatasource``, a Ray ``FileBasedDatasource``: one read task
+per file, spread over the cluster like Ray's own readers. Hugging Face datasets (hub names or
+``save_to_disk`` folders) are read with ``datasets`` and handed over with
+``ray.data.from_huggingface``.
 """
 
 from __future__ import annotations

@@ -173,10 +173,10 @@ def tokenized(rows: ray.data.Dataset, config: Config, ledger: Any = None) -> ray
     )
 
 
-def window_rows(config: Config, estimates: dict[str, Estimate]) -> int:
-    """Samples per packer call: ``packing.window_tokens`` over the estimated mean sample length."""
-    mean_tokens = float(np.mean([e.mean_tokens for e in estimates.values()]))
-    return max(1, int(config.packing.window_tokens / max(1.0, mean_tokens)))
+def window_rows(window_tokens: int, mean_tokens: float) -> int:
+    """Samples per packer call: ``window_tokens`` over the mean sample length (the bench sizes its
+    windows with this too)."""
+    return max(1, int(window_tokens / max(1.0, mean_tokens)))
 
 
 def _size_hint(spec: DatasetConfig, estimate: Estimate) -> float:
@@ -204,7 +204,10 @@ def packed_rows(config: Config, pad_id: int, ledger: Any = None) -> ray.data.Dat
     packers = config.ray.pack_concurrency or max(1, int(cluster_cpus()) // 4)
     return tokenized(rows, config, ledger).map_batches(
         PackStream,
-        batch_size=window_rows(config, estimates),
+        batch_size=window_rows(
+            config.packing.window_tokens,
+            float(np.mean([e.mean_tokens for e in estimates.values()])),
+        ),
         batch_format="pyarrow",
         num_cpus=0.5,
         compute=ray.data.ActorPoolStrategy(
@@ -256,8 +259,7 @@ class PackStream:
         rng = seeds.rng(self.seed, "pack_window", epoch, int(uids.min()) if len(uids) else 0)
         packs = pack_batch(lengths, self.seq_len, self.strategy, rng)
         order = np.concatenate(packs)
-        tokens, starts = flat_values(batch.column("input_ids"))
-        labels, _ = flat_values(batch.column("labels"))
+        tokens, labels, starts = flat_samples(batch)
         rows = assemble(
             tokens,
             labels,
@@ -271,7 +273,21 @@ class PackStream:
         return rows
 
 
-def flat_values(column: pa.ChunkedArray) -> tuple[list[np.ndarray], np.ndarray]:
+def flat_samples(batch: pa.Table) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray]:
+    """A batch's ``input_ids`` and ``labels`` as their chunks' values (zero-copy) and each sample's
+    start in their concatenation, for ``rows.assemble``.
+
+    Raises:
+        ValueError: if a sample's labels differ in length from its input_ids.
+    """
+    tokens, starts = _flat_values(batch.column("input_ids"))
+    labels, label_starts = _flat_values(batch.column("labels"))
+    if not np.array_equal(starts, label_starts):
+        raise ValueError("a sample's labels differ in length from its input_ids")
+    return tokens, labels, starts
+
+
+def _flat_values(column: pa.ChunkedArray) -> tuple[list[np.ndarray], np.ndarray]:
     """A list<int32> column as its chunks' values (zero-copy) and each row's start in their
     concatenation."""
     values, starts, offset = [], [], 0

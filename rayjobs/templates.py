@@ -5,7 +5,7 @@ label shifting happen once, in ``tokenize.py``. Segments are tokenized separatel
 so the trained/untrained boundary falls exactly between tokens (the torchtune convention).
 
 - ``alpaca``: the Stanford Alpaca prompt (with or without ``input``) → untrained; ``output`` →
-trained.
+  trained.
 - ``chat``: OpenAI ``messages`` ({role, content}) or ShareGPT ``conversations`` ({from, value}),
   rendered by the tokenizer's chat template (or a ChatML layout when it has none). Each assistant
   turn is found by rendering the conversation prefix by prefix: the text added by the assistant

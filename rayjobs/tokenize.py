@@ -2,10 +2,9 @@
 
 Design note. Labels are shifted here, once, inside each sample: ``labels[t]`` is the target for
 ``input_ids[t]`` (= ``input_ids[t + 1]`` when that token is trained, else -100) and the last
-position
-is always -100. A packed row is a plain concatenation of samples, so no position can ever be trained
-to predict the first token of the next document, and the model never shifts again. An EOS token ends
-every sample (trained when the sample's last segment is). Over-length samples follow
+position is always -100. A packed row is a plain concatenation of samples, so no position can ever
+be trained to predict the first token of the next document, and the model never shifts again. An EOS
+token ends every sample (trained when the sample's last segment is). Over-length samples follow
 ``packing.overflow``: ``truncate`` keeps the first ``seq_len`` tokens, ``split`` cuts them into
 ``seq_len`` chunks that become separate documents, ``drop`` discards them; every case is counted.
 

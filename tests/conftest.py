@@ -23,12 +23,39 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
+class _FakeRemote:
+    def __init__(self, calls: list):
+        self.calls = calls
+
+    def remote(self, *args):
+        self.calls.append(args)
+        return args
+
+
+class FakeLedger:
+    """Stands in for the ledger actor in-process: ``add_tokenize.remote(...)`` and
+    ``add_pack.remote(...)`` record their arguments in ``calls``."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+        self.add_tokenize = self.add_pack = _FakeRemote(self.calls)
+
+
+@pytest.fixture
+def fake_ledger(monkeypatch) -> FakeLedger:
+    """A ``FakeLedger``; ``ray.get`` returns what it is given (no Ray needed)."""
+    import ray
+
+    monkeypatch.setattr(ray, "get", lambda values: values)
+    return FakeLedger()
+
+
 @pytest.fixture(scope="module")
 def ray_local():
     """A module-scoped local Ray. 4 logical CPUs on this 2-core machine: the job's resource plan
     (read tasks + a 1-CPU Tokenize actor + 0.5-CPU plan-join and assembly actors + two 0.5-CPU
-    trainers) does
-    not fit in 2 and would hang (README, "Design: CPU resources"); logical CPUs only schedule."""
+    trainers) does not fit in 2 and would hang (README, "Design: CPU resources"); logical CPUs only
+    schedule."""
     import ray
 
     # Workers import this checkout's rayjobs (whatever is pip-installed) and functions defined

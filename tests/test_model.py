@@ -74,8 +74,7 @@ def test_packed_loss_equals_token_weighted_mean_of_documents_alone():
 
 def test_document_mask_matters():
     """Guard for the fidelity test: with one causal mask over the whole row the later documents'
-    logits
-    change, so the fidelity test would catch attention leaking across documents. (Restarting
+    logits change, so the fidelity test would catch attention leaking across documents. (Restarting
     position_ids alone is invisible in exact arithmetic: RoPE scores depend only on q - kv.)"""
     model = _tiny_decoder()
     row = _pack(_documents([7, 12, 5]), seq_len=30)

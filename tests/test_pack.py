@@ -229,9 +229,8 @@ def assemble_bins(
 def _random_window(
     rng: np.random.Generator, num_samples: int, seq_len: int
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Samples with token ids >= 1 (so PAD_ID is recognizable), labels shifted within the sample
-    and a
-    masked prompt of random length."""
+    """Samples with token ids >= 1 (so PAD_ID is recognizable), labels shifted within the sample and
+    a masked prompt of random length."""
     lengths = np.minimum(rng.geometric(4 / seq_len, num_samples), seq_len)
     input_ids = [rng.integers(1, 1000, length, dtype=np.int32) for length in lengths]
     labels = []

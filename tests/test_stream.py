@@ -8,7 +8,6 @@ import dataclasses
 import numpy as np
 import pyarrow as pa
 import pytest
-import ray
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -59,25 +58,13 @@ def _samples(epoch_of: list[int]) -> pa.Table:
     )
 
 
-class _Ledger:
-    def __init__(self):
-        self.calls = []
-        outer = self
-
-        class _Add:
-            def remote(self, *args):
-                outer.calls.append(args)
-
-        self.add_pack = _Add()
-
-
-def test_pack_stream_keeps_epochs_apart_and_counts_each(monkeypatch):
+def test_pack_stream_keeps_epochs_apart_and_counts_each(fake_ledger):
     """A window that straddles an epoch boundary packs each epoch's samples into its own rows."""
-    monkeypatch.setattr(ray, "get", lambda value: value)
     epoch_of = [0] * 70 + [1] * 50
     batch = _samples(epoch_of)
-    ledger = _Ledger()
-    rows = stream.PackStream(seq_len=64, strategy="bfd", pad_id=0, seed=0, ledger=ledger)(batch)
+    rows = stream.PackStream(seq_len=64, strategy="bfd", pad_id=0, seed=0, ledger=fake_ledger)(
+        batch
+    )
     assert set(rows["epoch"].tolist()) == {0, 1}
     documents = {0: [], 1: []}
     for row in range(len(rows["epoch"])):
@@ -87,7 +74,7 @@ def test_pack_stream_keeps_epochs_apart_and_counts_each(monkeypatch):
     for epoch in (0, 1):
         mine = batch.filter(pa.compute.equal(batch["_epoch"], epoch))
         assert sorted(documents[epoch]) == sorted(tuple(x) for x in mine["input_ids"].to_pylist())
-    counts = dict(ledger.calls)
+    counts = dict(fake_ledger.calls)
     assert sorted(counts) == [0, 1]
     assert counts[0].num_documents == 70 and counts[1].num_documents == 50
     assert counts[1].documents_by_source == {"a": 34, "b": 16}  # b: rows 72, 75, ..., 117

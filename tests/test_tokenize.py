@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
-import ray
 
 from conftest import DATA
 from rayjobs import tokenize
@@ -309,29 +308,6 @@ def test_apply_overflow(seq_len, policy, pieces, truncated):
     assert labels.tolist() == LABELS  # the caller's labels are not modified
 
 
-class _FakeRemote:
-    def __init__(self, calls: list):
-        self.calls = calls
-
-    def remote(self, *args):
-        self.calls.append(args)
-        return args
-
-
-class FakeLedger:
-    """Stands in for the ledger actor: ``add_tokenize.remote(...)`` records its arguments."""
-
-    def __init__(self):
-        self.calls: list[tuple] = []
-        self.add_tokenize = _FakeRemote(self.calls)
-
-
-@pytest.fixture
-def ledger(monkeypatch) -> FakeLedger:
-    monkeypatch.setattr(ray, "get", lambda values: values)
-    return FakeLedger()
-
-
 SAY_HI, ADD = ALPACA["without_input"][0], ALPACA["with_input"][0]
 NO_OUTPUT = {"instruction": "Say hi.", "answer": "Hi!"}
 
@@ -356,20 +332,20 @@ def test_bad_row_under_error_raises_data_error_naming_dataset_file_row_field(gpt
         assert part in message
 
 
-def test_bad_row_under_skip_is_skipped_and_counted(gpt2_config, ledger):
+def test_bad_row_under_skip_is_skipped_and_counted(gpt2_config, fake_ledger):
     tokenizer = Tokenize(
         datasets=[_spec("alpaca", name="alpaca", on_bad_row="skip")],
         tokenizer=gpt2_config,
         seq_len=4096,
         overflow="truncate",
-        ledger=ledger,
+        ledger=fake_ledger,
     )
     table = tokenizer(_batch("alpaca", [SAY_HI, NO_OUTPUT, ADD], path="/data/alpaca.json"))
     assert table.column_names == ["input_ids", "labels", "source", "uid", "num_tokens"]
     assert len(set(table.column("uid").to_pylist())) == 2
     assert [len(ids) for ids in table.column("input_ids").to_pylist()] == [36, 52]
     assert table.column("source").to_pylist() == ["alpaca", "alpaca"]
-    [(by_dataset,)] = ledger.calls  # one report per batch
+    [(by_dataset,)] = fake_ledger.calls  # one report per batch
     [(name, counts)] = by_dataset.items()
     assert name == "alpaca"
     assert (counts.samples, counts.tokens, counts.trained_tokens, counts.skipped_rows) == (
@@ -401,27 +377,31 @@ OVERFLOW_COUNTS = {
 @pytest.mark.parametrize(
     "overflow, rows, counts", list(OVERFLOW_COUNTS.values()), ids=list(OVERFLOW_COUNTS)
 )
-def test_overflow_rows_and_counts(gpt2_config, ledger, overflow, rows, counts):
+def test_overflow_rows_and_counts(gpt2_config, fake_ledger, overflow, rows, counts):
     tokenizer = Tokenize(
-        datasets=[_spec("text")], tokenizer=gpt2_config, seq_len=3, overflow=overflow, ledger=ledger
+        datasets=[_spec("text")],
+        tokenizer=gpt2_config,
+        seq_len=3,
+        overflow=overflow,
+        ledger=fake_ledger,
     )
     table = tokenizer(_batch("d", [{"text": "Hello world!"}]))
     assert (
         list(zip(table.column("input_ids").to_pylist(), table.column("labels").to_pylist())) == rows
     )
-    [(by_dataset,)] = ledger.calls
+    [(by_dataset,)] = fake_ledger.calls
     [(name, got)] = by_dataset.items()
     assert got.seconds > 0  # the stage timer ran; the counts are exact
     assert (name, dataclasses.replace(got, seconds=0.0, cpu_seconds=0.0)) == ("d", counts)
 
 
-def test_one_batch_serves_several_datasets(gpt2_config, ledger):
+def test_one_batch_serves_several_datasets(gpt2_config, fake_ledger):
     tokenizer = Tokenize(
         datasets=[_spec("text", name="web"), _spec("alpaca", name="sft")],
         tokenizer=gpt2_config,
         seq_len=4096,
         overflow="truncate",
-        ledger=ledger,
+        ledger=fake_ledger,
     )
     batch = pa.table(
         {
@@ -438,7 +418,7 @@ def test_one_batch_serves_several_datasets(gpt2_config, ledger):
     table = tokenizer(batch)
     assert table.column("source").to_pylist() == ["web", "sft", "web"]
     assert [ids[-1] for ids in table.column("input_ids").to_pylist()] == [EOS, EOS, EOS]
-    [(by_dataset,)] = ledger.calls  # one report for the whole batch
+    [(by_dataset,)] = fake_ledger.calls  # one report for the whole batch
     assert {name: (c.samples, c.tokens) for name, c in by_dataset.items()} == {
         "web": (2, 6),
         "sft": (1, 52),
