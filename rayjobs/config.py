@@ -4,8 +4,15 @@ A config is a YAML mapping with the sections below; ``load_config`` reads it, ap
 ``dotted.key=value`` overrides (values parsed as YAML scalars), and validates everything with
 pydantic. Unknown keys, wrong types and missing local files fail here with a ``ConfigError`` whose
 message names the dotted key, the bad value and what would be valid, so no Ray work starts on a bad
-config. Relative paths are resolved against the directory of the config file, which makes a config
-and its data movable together (``configs/demo.yaml`` points at ``configs/demo/``).
+config. Relative paths (dataset sources, the tokenizer, ``train.storage_path``) are resolved
+against the directory of the config file, which makes a config and its data movable together
+(``configs/demo.yaml`` points at ``configs/demo/``); overrides are resolved the same way.
+
+A dataset's ``source`` is resolved to its ``files`` here, once: directories and globs expanded and
+sorted, and a file reached twice (listed twice, under a relative and an absolute spelling, through
+a symlink, or by a glob and a path: the same ``os.path.realpath``) kept once, under its first
+spelling. Design note: a file read twice is a silent duplication of its samples, almost always an
+accident of overlapping sources; training on a dataset more than once is what ``weight`` is for.
 """
 
 from __future__ import annotations
@@ -60,8 +67,15 @@ class DatasetConfig(_Strict):
     """Target share of the epoch (normalised over datasets), in samples or tokens (``mix.by``).
     Set it on every dataset or on none (none: each dataset in its natural proportion)."""
     on_bad_row: Literal["error", "skip"] = "error"
-    """A row missing a template field: stop with an error naming file, row and field, or skip it
-    and count it under ``skipped_rows``."""
+    """A bad row (``rayjobs.formats.SKIP_REASONS``: a JSONL line that is not JSON, bytes that are
+    not UTF-8, a ragged CSV row, a field of the wrong type, missing or empty, a template that
+    raises): stop with an error naming dataset, file, row and field or reason, or skip it and count
+    it under ``skipped_rows`` and, by reason, ``skipped_by_reason``. Over-length samples follow
+    ``packing.overflow`` instead."""
+    binary: Literal["error", "utf8"] = "error"
+    """Parquet / Hugging Face columns of bytes: refuse the file (``error``; ``str`` of bytes would
+    train on the text ``b'...'``), or decode them as UTF-8 text (``utf8``; a value that does not
+    decode is a bad row, ``invalid_utf8``)."""
     text_split: Literal["line", "paragraph", "file"] = "paragraph"
     """For ``format: text``: one document per line, per blank-line separated paragraph, or per
     file."""
@@ -120,6 +134,10 @@ class PackingConfig(_Strict):
     window_tokens: int = Field(default=4_194_304, gt=0)
     """stream: tokens packed together by one packer call (its shuffle window); each call leaves
     about half a row of padding behind, so larger windows pack tighter and use more memory."""
+    warmup_tokens: int = Field(default=262_144, ge=0)
+    """stream: tokens at the head of the first epoch packed in a lane of their own, in windows of
+    a quarter of this, so the first batch waits for them and not for a whole ``window_tokens``
+    window (0: no warm-up lane)."""
     window: int = Field(default=4096, gt=0)
     """planned: samples packed together by one best-fit-decreasing pass."""
     overflow: Literal["truncate", "drop", "split"] = "truncate"
@@ -134,6 +152,9 @@ class PackingConfig(_Strict):
 
 
 class ModelConfig(_Strict):
+    """``train.model`` with ``kind: demo`` (the default): the small decoder of ``rayjobs.model``."""
+
+    kind: Literal["demo"] = "demo"
     dim: int = Field(default=128, gt=0)
     n_layers: int = Field(default=2, gt=0)
     n_heads: int = Field(default=4, gt=0)
@@ -143,6 +164,46 @@ class ModelConfig(_Strict):
         if self.dim % self.n_heads:
             raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
         return self
+
+
+class HFModelConfig(_Strict):
+    """``train.model`` with ``kind: hf``: a Hugging Face causal LM, pretrained (``path``) or an
+    architecture initialised at random with the run's seed (``config_path`` or
+    ``config.model_type``)."""
+
+    kind: Literal["hf"]
+    path: str | None = None
+    """Pretrained weights: a local checkpoint directory or a Hub name (from the local cache unless
+    ``allow_download``), loaded with ``AutoModelForCausalLM.from_pretrained``."""
+    config_path: str | None = None
+    """An architecture from a local ``config.json`` (or a folder holding one), random init."""
+    config: dict[str, Any] = Field(default_factory=dict)
+    """Config values: overrides of the loaded config; without ``path`` or ``config_path`` the
+    whole architecture, ``model_type`` included (``AutoConfig.for_model``). ``vocab_size`` and the
+    bos/eos/pad token ids default to the tokenizer's for a random init."""
+    attn_implementation: Literal["sdpa", "eager", "flex_attention"] | None = None
+    """Attention backend; default from ``train.attention`` (flex: ``flex_attention``, sdpa:
+    ``sdpa``). ``flex_attention`` trains on CUDA only."""
+    allow_download: bool = False
+    """Let ``path`` (a Hub name) download; by default only the local cache is read."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> HFModelConfig:
+        if self.path is not None and self.config_path is not None:
+            raise ValueError("set path (pretrained weights) or config_path (random init), not both")
+        has_type = "model_type" in self.config
+        if (self.path is not None or self.config_path is not None) and has_type:
+            raise ValueError("config.model_type comes from path / config_path; remove it")
+        if self.path is None and self.config_path is None and not has_type:
+            raise ValueError(
+                "set path (pretrained weights), config_path (a config.json) or "
+                "config.model_type (an architecture, e.g. llama) to say which model to build"
+            )
+        return self
+
+
+MODEL_KINDS = {"demo": ModelConfig, "hf": HFModelConfig}
+"""``train.model.kind`` → its section."""
 
 
 class TrainConfig(_Strict):
@@ -163,8 +224,39 @@ class TrainConfig(_Strict):
     """auto: FlexAttention on CUDA, SDPA with the dense document mask on CPU."""
     report_every: int = Field(default=10, gt=0)
     storage_path: str = "runs"
-    """Where Ray Train writes checkpoints (relative to the working directory)."""
-    model: ModelConfig = Field(default_factory=ModelConfig)
+    """Where Ray Train writes checkpoints: a folder (relative to the config file's folder, like
+    every path in the config) or a URI with a scheme (``s3://bucket/runs``), kept as is."""
+    loss_chunk_tokens: int = Field(default=1024, ge=0)
+    """Labelled positions whose logits the loss computes at once (chunked cross entropy, each
+    chunk recomputed in backward); 0: the whole batch's logits at once."""
+    checkpoint_every: int | None = Field(default=None, gt=0)
+    """Also save a checkpoint every this many steps (the summary lists them)."""
+    model: ModelConfig | HFModelConfig = Field(default_factory=ModelConfig)
+    """``kind: demo`` (default) or ``kind: hf``; see ``ModelConfig`` and ``HFModelConfig``."""
+
+    @field_validator("model", mode="wrap")
+    @classmethod
+    def _model_kind(cls, value: Any, handler: Any) -> ModelConfig | HFModelConfig:
+        # Dispatch on kind by hand: a pydantic discriminated union would put the kind into error
+        # locations (train.model.hf.path), naming a key that does not exist.
+        if isinstance(value, (ModelConfig, HFModelConfig)):
+            return handler(value)
+        if not isinstance(value, dict):
+            raise ValueError("must be a mapping (kind: demo or kind: hf, and its keys)")
+        kind = value.get("kind", "demo")
+        if kind not in MODEL_KINDS:
+            raise ValidationError.from_exception_data(
+                "model",
+                [
+                    {
+                        "type": "literal_error",
+                        "loc": ("kind",),
+                        "input": kind,
+                        "ctx": {"expected": " or ".join(repr(k) for k in MODEL_KINDS)},
+                    }
+                ],
+            )
+        return MODEL_KINDS[kind].model_validate(value)
 
 
 class RayConfig(_Strict):
@@ -233,10 +325,17 @@ def config_from_dict(raw: dict[str, Any], base_dir: str | os.PathLike = ".") -> 
     base_dir = Path(base_dir).resolve()
     datasets = [_resolve_dataset(d, i, base_dir) for i, d in enumerate(config.datasets)]
     tokenizer_path = _resolve_tokenizer(config.tokenizer.path, base_dir)
+    storage_path = _resolve_storage(config.train.storage_path, base_dir)
     return config.model_copy(
         update={
             "datasets": datasets,
             "tokenizer": config.tokenizer.model_copy(update={"path": tokenizer_path}),
+            "train": config.train.model_copy(
+                update={
+                    "storage_path": storage_path,
+                    "model": _resolve_model(config.train.model, base_dir),
+                }
+            ),
         }
     )
 
@@ -293,6 +392,7 @@ def _resolve_dataset(spec: DatasetConfig, index: int, base_dir: Path) -> Dataset
         resolved = str(local) if local.exists() else sources[0]
         return spec.model_copy(update={"source": resolved})
     files: list[str] = []
+    seen: set[str] = set()  # real paths of the files kept
     for source in sources:
         full = Path(os.path.expanduser(source))
         full = full if full.is_absolute() else base_dir / full
@@ -308,7 +408,11 @@ def _resolve_dataset(spec: DatasetConfig, index: int, base_dir: Path) -> Dataset
             matches = sorted(glob.glob(str(full), recursive=True))
         if not matches:
             raise ConfigError(f"{key} (dataset {spec.name!r}): no file matches {full}")
-        files.extend(m for m in matches if m not in files)  # a file listed twice is read once
+        for match in matches:  # a file reached twice is read once, under its first spelling
+            real = os.path.realpath(match)
+            if real not in seen:
+                seen.add(real)
+                files.append(match)
     if all(_is_empty(f) for f in files):
         raise ConfigError(
             f"{key} (dataset {spec.name!r}): every file is empty ({files[:3]}); "
@@ -333,6 +437,38 @@ def _is_empty(path: str) -> bool:
     if size > 1 << 16:
         return False
     return Path(path).read_bytes().strip() in (b"", b"[]")
+
+
+def _resolve_storage(path: str, base_dir: Path) -> str:
+    """``train.storage_path``: a URI (``s3://…``) as is, a folder against ``base_dir``."""
+    if "://" in path:
+        return path
+    local = Path(os.path.expanduser(path))
+    return str(local if local.is_absolute() else base_dir / local)
+
+
+def _resolve_model(
+    spec: ModelConfig | HFModelConfig, base_dir: Path
+) -> ModelConfig | HFModelConfig:
+    """``train.model.path`` / ``config_path`` of ``kind: hf`` against ``base_dir``. ``path`` may
+    also be a Hub name (anything that does not look like a path); ``config_path`` must exist."""
+    if not isinstance(spec, HFModelConfig):
+        return spec
+    update = {}
+    if spec.path is not None:
+        local = Path(os.path.expanduser(spec.path))
+        local = local if local.is_absolute() else base_dir / local
+        if local.exists():
+            update["path"] = str(local)
+        elif spec.path.startswith((".", "/", "~")):
+            raise ConfigError(f"train.model.path: no checkpoint directory at {local}")
+    if spec.config_path is not None:
+        local = Path(os.path.expanduser(spec.config_path))
+        local = local if local.is_absolute() else base_dir / local
+        if not local.exists():
+            raise ConfigError(f"train.model.config_path: no config.json or folder at {local}")
+        update["config_path"] = str(local)
+    return spec.model_copy(update=update)
 
 
 def _resolve_tokenizer(path: str, base_dir: Path) -> str:

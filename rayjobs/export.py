@@ -4,12 +4,18 @@ Layout of ``OUT``: ``epoch=<e>/*.parquet`` (the data-contract columns as ``fixed
 of ``seq_len``, plus ``num_tokens`` and ``num_documents``) and ``manifest.json``: the validated
 config, per-dataset accounting (the same numbers as the run summary), the realized mix and the pack
 counts of each epoch, so exported data can be audited and reused by any trainer.
+
+``OUT`` must be empty (or new), so that two exports never mix. ``overwrite`` (``--overwrite``)
+empties it first, but only when it holds nothing but an earlier export (``manifest.json`` and
+``epoch=<e>`` folders): design note, a mistyped ``--out`` (a home folder, the repository) must
+not be wiped by a flag meant for re-running an export.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -35,14 +41,53 @@ def to_arrow(batch: dict[str, np.ndarray]) -> pa.Table:
     return pa.table(columns)
 
 
-def export(config: Config, out: str | os.PathLike, epochs: int | None = None) -> dict[str, Any]:
+def prepare_out(out: Path, overwrite: bool = False) -> None:
+    """Check that ``out`` is new or empty; with ``overwrite``, empty an earlier export there.
+
+    Raises:
+        ConfigError: ``out`` is not empty (and ``overwrite`` is off), or holds something that is
+            not part of an export.
+    """
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a folder")
+    entries = sorted(out.iterdir()) if out.exists() else []
+    if not entries:
+        return
+    if not overwrite:
+        raise ConfigError(
+            f"--out {out} is not empty; export into a new folder, or pass --overwrite to "
+            f"replace the earlier export there"
+        )
+    foreign = [e.name for e in entries if not _export_entry(e)]
+    if foreign:
+        raise ConfigError(
+            f"--out {out} holds {foreign[:3]}, which no export writes; --overwrite only replaces "
+            f"an earlier export (manifest.json, epoch=<e>/), so remove them yourself"
+        )
+    for entry in entries:
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+
+
+def _export_entry(entry: Path) -> bool:
+    """Whether ``entry`` (in an export folder) is something an export writes."""
+    if entry.name == MANIFEST:
+        return entry.is_file()
+    return entry.name.startswith("epoch=") and entry.is_dir() and not entry.is_symlink()
+
+
+def export(
+    config: Config, out: str | os.PathLike, epochs: int | None = None, overwrite: bool = False
+) -> dict[str, Any]:
     """Write every epoch's packed rows under ``out`` (``epoch=<e>/*.parquet``) and return the
-    manifest (also written). ``out`` must not hold an earlier export."""
+    manifest (also written). ``out`` must be new or empty; ``overwrite`` first empties an earlier
+    export there (see module note)."""
     from rayjobs.pipeline import start_job
 
     out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise ConfigError(f"--out {out} is not empty; export into a new folder")
+    prepare_out(out, overwrite)
     if epochs:
         config = config.model_copy(
             update={"train": config.train.model_copy(update={"epochs": epochs})}

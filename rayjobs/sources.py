@@ -2,19 +2,21 @@
 
 Every dataset, whatever its format, becomes rows of one schema: ``_dataset`` (the spec's name),
 ``_path`` and ``_row`` (the 0-based record index in a JSON list, Parquet or CSV file; the 1-based
-line number in JSONL and text files, so a bad row can be reported by file and row) and ``_record``,
-the row as a JSON object string. One schema lets every dataset flow through a single Tokenize actor
-pool (one pool, not one per dataset, keeps the CPU budget of a small cluster predictable) and means
-files whose rows disagree on types (a field missing here, a nested list there) never fail at the
-Arrow layer. Files are read by ``RowFileDatasource``, a Ray ``FileBasedDatasource``: one read task
-per file, spread over the cluster like Ray's own readers. Hugging Face datasets (hub names or
-``save_to_disk`` folders) are read with ``datasets`` and handed over with
-``ray.data.from_huggingface``.
+line number in JSONL and text files, so a bad row can be reported by file and row), ``_record``,
+the row as a JSON object string, and ``_skip``: null, or, for a row the parser found bad under
+``on_bad_row: skip``, its reason (``formats.SKIP_REASONS``), with ``_record`` then holding what is
+wrong. Bad rows travel on like good ones because counts have one home: the Tokenize actor counts
+them by reason and reports them to the run's ledger; read tasks have none. One schema lets every
+dataset flow through a single Tokenize actor pool (one pool, not one per dataset, keeps the CPU
+budget of a small cluster predictable) and means files whose rows disagree on types (a field
+missing here, a nested list there) never fail at the Arrow layer. Files are read by
+``RowFileDatasource``, a Ray ``FileBasedDatasource``: one read task per file, spread over the
+cluster like Ray's own readers. Hugging Face datasets (hub names or ``save_to_disk`` folders) are
+read with ``datasets`` and handed over with ``ray.data.from_huggingface``.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,45 +26,109 @@ import ray.data
 from ray.data.datasource import FileBasedDatasource
 
 from rayjobs.config import DatasetConfig
-from rayjobs.formats import HF, parse_file
+from rayjobs.formats import (
+    HF,
+    Parsed,
+    SourceError,
+    apply_policy,
+    parse_rows,
+    table_records,
+)
 
 _BLOCK_ROWS = 1024
 
 
-def record_table(dataset: str, paths: list[str], rows: list[int], records: list[str]) -> pa.Table:
-    """The common raw-row schema (see module note)."""
+def record_table(
+    dataset: str,
+    paths: list[str],
+    rows: list[int],
+    records: list[str],
+    skips: list[str | None] | None = None,
+) -> pa.Table:
+    """The common raw-row schema (see module note); ``skips``: each row's skip reason or None
+    (default: every row good)."""
     return pa.table(
         {
             "_dataset": pa.array([dataset] * len(rows), type=pa.string()),
             "_path": pa.array(paths, type=pa.string()),
             "_row": pa.array(rows, type=pa.int64()),
             "_record": pa.array(records, type=pa.string()),
+            "_skip": pa.array(skips or [None] * len(rows), type=pa.string()),
         }
     )
 
 
-class RowFileDatasource(FileBasedDatasource):
-    """JSON / JSONL / CSV / Parquet / text files → rows with ``_path`` and ``_row``."""
+def parsed_tables(dataset: str, path: str, parsed: Parsed) -> Iterator[pa.Table]:
+    """One parsed file as raw-row tables of at most ``_BLOCK_ROWS`` rows, good and bad rows in
+    row order (bad ones with their ``_skip`` reason and, as ``_record``, what is wrong)."""
+    rows, records, skips = parsed.rows, parsed.records, [None] * len(parsed.rows)
+    if parsed.bad:
+        entries = sorted(
+            [*zip(rows, records, skips, strict=True)]
+            + [(bad.row, bad.detail, bad.reason) for bad in parsed.bad],
+            key=lambda entry: entry[0],
+        )
+        rows, records, skips = (list(column) for column in zip(*entries, strict=True))
+    for start in range(0, len(rows), _BLOCK_ROWS):
+        part = slice(start, start + _BLOCK_ROWS)
+        yield record_table(
+            dataset, [path] * len(rows[part]), rows[part], records[part], skips[part]
+        )
 
-    def __init__(self, paths: list[str], *, format: str, dataset: str, text_split: str):
+
+def file_tables(
+    data: bytes,
+    path: str,
+    *,
+    format: str,
+    dataset: str,
+    text_split: str = "paragraph",
+    binary: str = "error",
+    on_bad_row: str = "error",
+) -> Iterator[pa.Table]:
+    """One file's bytes → raw-row tables (what a read task emits; in-process, without Ray)."""
+    parsed = parse_rows(
+        data,
+        path,
+        format=format,
+        dataset=dataset,
+        text_split=text_split,
+        binary=binary,
+        on_bad_row=on_bad_row,
+    )
+    yield from parsed_tables(dataset, path, parsed)
+
+
+class RowFileDatasource(FileBasedDatasource):
+    """JSON / JSONL / CSV / Parquet / text files → rows with ``_path``, ``_row`` and ``_skip``."""
+
+    def __init__(
+        self,
+        paths: list[str],
+        *,
+        format: str,
+        dataset: str,
+        text_split: str,
+        binary: str = "error",
+        on_bad_row: str = "error",
+    ):
         super().__init__(paths)
         self.file_format = format
         self.dataset = dataset
         self.text_split = text_split
+        self.binary = binary
+        self.on_bad_row = on_bad_row
 
     def _read_stream(self, f: pa.NativeFile, path: str) -> Iterator[pa.Table]:
-        rows, records = parse_file(
+        yield from file_tables(
             f.readall(),
             path,
             format=self.file_format,
             dataset=self.dataset,
             text_split=self.text_split,
+            binary=self.binary,
+            on_bad_row=self.on_bad_row,
         )
-        for start in range(0, len(rows), _BLOCK_ROWS):
-            end = start + _BLOCK_ROWS
-            yield record_table(
-                self.dataset, [path] * len(rows[start:end]), rows[start:end], records[start:end]
-            )
 
 
 def read_dataset(spec: DatasetConfig, order_seed: int | None = None) -> ray.data.Dataset:
@@ -76,7 +142,12 @@ def read_dataset(spec: DatasetConfig, order_seed: int | None = None) -> ray.data
     if order_seed is not None:
         files = [files[i] for i in np.random.default_rng(order_seed).permutation(len(files))]
     datasource = RowFileDatasource(
-        files, format=spec.format, dataset=spec.name, text_split=spec.text_split
+        files,
+        format=spec.format,
+        dataset=spec.name,
+        text_split=spec.text_split,
+        binary=spec.binary,
+        on_bad_row=spec.on_bad_row,
     )
     return ray.data.read_datasource(datasource)
 
@@ -96,10 +167,12 @@ def _read_huggingface(spec: DatasetConfig) -> ray.data.Dataset:
 
     def to_records(batch: pa.Table) -> pa.Table:
         rows = batch.column("_row").to_pylist()
-        records = [
-            json.dumps(r, ensure_ascii=False, default=str)
-            for r in batch.drop_columns(["_row"]).to_pylist()
-        ]
-        return record_table(spec.name, [label] * len(rows), rows, records)
+        try:
+            parsed = table_records(batch.drop_columns(["_row"]), rows, spec.binary)
+        except ValueError as error:
+            raise SourceError(f"dataset {spec.name!r}, {label}: {error}") from None
+        parsed = apply_policy(parsed, dataset=spec.name, path=label, on_bad_row=spec.on_bad_row)
+        empty = record_table(spec.name, [], [], [])
+        return pa.concat_tables([empty, *parsed_tables(spec.name, label, parsed)])
 
     return ray.data.from_huggingface(loaded).map_batches(to_records, batch_format="pyarrow")

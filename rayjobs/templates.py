@@ -13,8 +13,22 @@ so the trained/untrained boundary falls exactly between tokens (the torchtune co
   any prefix-stable template without ``{% generation %}`` markers; an unstable one is an error.
 - ``text``: the whole ``text`` field, trained.
 
-``column_map`` maps a template field to the dataset's column (``{output: response}``). A missing or
-mistyped field raises ``RowError`` naming the field; the caller adds dataset, file and row.
+``column_map`` maps a template field to the dataset's column (``{output: response}``). A bad row
+raises ``RowError`` naming the field and a reason of ``formats.SKIP_REASONS``; the caller
+(``tokenize.Tokenize``) adds dataset, file and row and applies ``on_bad_row``:
+
+- ``missing_field``: a required field absent or null (alpaca ``instruction``/``output``, text
+  ``text``, chat ``messages`` or ``conversations``), or a conversation with no assistant turn;
+- ``wrong_type``: the row is not an object, a text field is not a string, turns are not a list of
+  ``{role, content}`` with a known role and text content;
+- ``empty_field``: a required text field that is empty or only whitespace, or an empty list of
+  turns. Design note: such a sample trains on nothing but EOS (an empty output) or teaches an
+  answer to no question (an empty instruction); Axolotl and TRL users filter them out, so a
+  dataset that has them learns that it has them. Optional fields may be empty as before: alpaca
+  ``input`` (no ``### Input:`` block then), chat ``system``, and a turn's ``content`` (tool-call
+  turns are often empty);
+- ``template_error``: the chat template is not prefix-stable on the row (``Tokenizer.render_chat``
+  reports a chat template that raises the same way).
 
 Templates live in the :data:`TEMPLATES` registry, which ``datasets[].template`` is validated
 against: a new template is one function ``(row, column_map, render_chat) -> list[Segment]``
@@ -60,11 +74,13 @@ class Segment:
 
 
 class RowError(ValueError):
-    """A row cannot be templated; ``field`` names the template field at fault."""
+    """A row cannot be templated; ``field`` names the template field at fault, ``reason`` the
+    class of problem (a key of ``formats.SKIP_REASONS``; see module note)."""
 
-    def __init__(self, field: str, problem: str):
+    def __init__(self, field: str, problem: str, reason: str = "wrong_type"):
         super().__init__(f"field {field!r}: {problem}")
         self.field = field
+        self.reason = reason
 
 
 Template = Callable[[Mapping[str, Any], Mapping[str, str], RenderChat], list[Segment]]
@@ -101,7 +117,11 @@ def _field(
     column = column_map.get(name, name)
     value = row.get(column)
     if value is None and required:
-        raise RowError(_shown(name, column_map), f"missing; the row has columns {sorted(row)}")
+        raise RowError(
+            _shown(name, column_map),
+            f"missing; the row has columns {sorted(row)}",
+            reason="missing_field",
+        )
     return value
 
 
@@ -113,6 +133,8 @@ def _text_field(
         return ""
     if not isinstance(value, str):
         raise RowError(_shown(name, column_map), f"expected text, got {type(value).__name__}")
+    if required and not value.strip():
+        raise RowError(_shown(name, column_map), f"empty ({value!r})", reason="empty_field")
     return value
 
 
@@ -145,11 +167,15 @@ def chat_messages(row: Mapping[str, Any], column_map: Mapping[str, str]) -> list
         messages = _field(row, "conversations", column_map, required=False)
     if messages is None:
         raise RowError(
-            "messages", f"missing (nor 'conversations'); the row has columns {sorted(row)}"
+            "messages",
+            f"missing (nor 'conversations'); the row has columns {sorted(row)}",
+            reason="missing_field",
         )
     field = "conversations" if sharegpt else "messages"
-    if not isinstance(messages, list) or not messages:
-        raise RowError(field, "expected a non-empty list of turns")
+    if not isinstance(messages, list):
+        raise RowError(field, f"expected a non-empty list of turns, got {type(messages).__name__}")
+    if not messages:
+        raise RowError(field, "empty: expected a non-empty list of turns", reason="empty_field")
     normalised: list[Message] = []
     system = row.get(column_map.get("system", "system"))
     if isinstance(system, str) and system:
@@ -181,6 +207,7 @@ def _check_prefix(earlier: str, later: str) -> None:
             "messages",
             "the chat template is not prefix-stable: rendering a longer "
             "conversation changed earlier text; set tokenizer.chat_template",
+            reason="template_error",
         )
 
 
@@ -195,7 +222,9 @@ def chat(
         field = (
             "messages" if _field(row, "messages", column_map, required=False) else "conversations"
         )
-        raise RowError(field, "the conversation has no assistant turn to learn from")
+        raise RowError(
+            field, "the conversation has no assistant turn to learn from", reason="missing_field"
+        )
     segments: list[Segment] = []
     done = ""
     for index, message in enumerate(messages):

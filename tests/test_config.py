@@ -224,6 +224,39 @@ def test_relative_paths_resolve_against_the_config_directory(tmp_path, monkeypat
     assert config.tokenizer.path == str(root / "tok" / "tokenizer.json")
 
 
+# train.storage_path (None: the default), overrides, expected ("{tmp}" = the config's folder).
+STORAGE_PATHS = {
+    "default": (None, [], "{tmp}/runs"),
+    "relative": ("ckpt/runs", [], "{tmp}/ckpt/runs"),
+    "relative_override": (None, ["train.storage_path=out"], "{tmp}/out"),
+    "absolute": ("/abs/runs", [], "/abs/runs"),
+    "home": ("~/runs", [], str(Path.home() / "runs")),
+    "uri": ("s3://bucket/runs", [], "s3://bucket/runs"),
+}
+
+
+@pytest.mark.parametrize(
+    "value, overrides, expected", list(STORAGE_PATHS.values()), ids=list(STORAGE_PATHS)
+)
+def test_storage_path_resolves_against_the_config_directory(
+    tmp_path, monkeypatch, value, overrides, expected
+):
+    path = _write(tmp_path, {} if value is None else {"train": {"storage_path": value}})
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    config = load_config(Path("..") / path.name, overrides)
+    assert config.train.storage_path == expected.format(tmp=tmp_path.resolve())
+
+
+def test_same_file_reached_twice_is_kept_once_under_its_first_spelling(tmp_path):
+    _data_dir(tmp_path, "a.jsonl", "b.jsonl")
+    (tmp_path / "alias").symlink_to(tmp_path / "shards")
+    sources = ["shards/b.jsonl", "shards/*.jsonl", "alias", str(tmp_path / "shards" / "a.jsonl")]
+    config = load_config(_write(tmp_path, _dataset(source=sources)))
+    root = tmp_path.resolve() / "shards"
+    assert config.datasets[0].files == (str(root / "b.jsonl"), str(root / "a.jsonl"))
+
+
 @pytest.mark.parametrize(
     "filename, expected",
     [
@@ -347,3 +380,85 @@ def test_a_registered_strategy_is_accepted(tmp_path):
         assert [b.tolist() for b in bins] == [[0, 1], [2]]
     finally:
         del pack.STRATEGIES["worst_fit"]
+
+
+# ---------------------------------------------------------------- train.model: demo or hf
+
+LLAMA = {"kind": "hf", "config": {"model_type": "llama", "hidden_size": 64}}
+
+# train.model patch, overrides, texts the ConfigError message must contain ("{tmp}" = tmp_path).
+BAD_MODELS = {
+    "unknown_kind": ({"kind": "hff"}, [], ["train.model.kind", "'demo' or 'hf'", "'hff'"]),
+    "hf_without_a_source": ({"kind": "hf"}, [], ["train.model", "config.model_type"]),
+    "hf_with_a_demo_key": ({**LLAMA, "dim": 64}, [], ["train.model.dim: unknown key"]),
+    "demo_with_an_hf_key": ({"path": "x"}, [], ["train.model.path: unknown key"]),
+    "path_and_config_path": (
+        {"kind": "hf", "path": "a", "config_path": "b"},
+        [],
+        ["train.model", "not both"],
+    ),
+    "model_type_with_a_path": (
+        {"kind": "hf", "path": "a", "config": {"model_type": "llama"}},
+        [],
+        ["train.model", "remove it"],
+    ),
+    "unknown_attention": (
+        {**LLAMA, "attn_implementation": "flash"},
+        [],
+        ["train.model.attn_implementation", "'sdpa', 'eager' or 'flex_attention'"],
+    ),
+    "missing_checkpoint_dir": (
+        {"kind": "hf", "path": "./ckpt"},
+        [],
+        ["train.model.path", "{tmp}/ckpt"],
+    ),
+    "missing_config_json": (
+        {"kind": "hf", "config_path": "llama.json"},
+        [],
+        ["train.model.config_path", "{tmp}/llama.json"],
+    ),
+    "not_a_mapping": ({}, ["train.model=llama"], ["train.model", "must be a mapping"]),
+    "override_into_hf": (LLAMA, ["train.model.dim=32"], ["train.model.dim: unknown key"]),
+}
+
+
+@pytest.mark.parametrize(
+    "patch, overrides, expected", list(BAD_MODELS.values()), ids=list(BAD_MODELS)
+)
+def test_bad_model_section_names_the_key(tmp_path, patch, overrides, expected):
+    path = _write(tmp_path, {"train": {"model": patch}} if patch else {})
+    with pytest.raises(ConfigError) as caught:
+        load_config(path, overrides)
+    for text in expected:
+        assert text.format(tmp=tmp_path.resolve()) in str(caught.value)
+
+
+def test_model_kind_defaults_to_demo_and_hf_paths_resolve(tmp_path):
+    """The demo keys still work without ``kind``; an hf ``config_path`` / ``path`` resolves against
+    the config's folder, a Hub name stays as written, and config values pass through."""
+    config = load_config(_write(tmp_path, {"train": {"model": {"dim": 64, "n_heads": 2}}}))
+    model = config.train.model
+    assert (model.kind, model.dim, model.n_layers, model.n_heads) == ("demo", 64, 2, 2)
+    assert config.train.loss_chunk_tokens == 1024 and config.train.checkpoint_every is None
+    (tmp_path / "arch").mkdir()
+    (tmp_path / "arch" / "config.json").write_text("{}")
+    model = {"kind": "hf", "config_path": "arch", "config": {"num_hidden_layers": 1}}
+    config = load_config(_write(tmp_path, {"train": {"model": model}}))
+    assert config.train.model.config_path == str(tmp_path.resolve() / "arch")
+    assert config.train.model.config == {"num_hidden_layers": 1}
+    assert config.train.model.attn_implementation is None and not config.train.model.allow_download
+    overrides = ["train.model.kind=hf", "train.model.path=Qwen/Qwen2.5-0.5B"]
+    config = load_config(_write(tmp_path), overrides)
+    assert config.train.model.path == "Qwen/Qwen2.5-0.5B"
+    config = load_config(
+        _write(tmp_path, {"train": {"model": LLAMA}}), ["train.model.config.num_hidden_layers=3"]
+    )
+    assert config.train.model.config == {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_hidden_layers": 3,
+    }
+    # the validated config survives the round trip to the train workers (model_dump → validate)
+    from rayjobs.config import Config
+
+    assert Config.model_validate(config.model_dump()) == config

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import ALPACA, GPT2, HH_CHAT, ROOT
-from rayjobs.config import config_from_dict
+from rayjobs.config import ConfigError, config_from_dict
 from rayjobs.export import MANIFEST, export
 
 SEQ_LEN = 512
@@ -85,3 +85,59 @@ def test_epochs_differ(exported):
     out, _ = exported
     first, second = (_epoch(out, e).column("input_ids").to_pylist()[:20] for e in (0, 1))
     assert first != second
+
+
+def _earlier_export(out):
+    (out / "epoch=0").mkdir(parents=True)
+    (out / "epoch=0" / "part-0.parquet").write_bytes(b"PAR1")
+    (out / MANIFEST).write_text("{}")
+
+
+class _Started(Exception):
+    pass
+
+
+def _no_job(config, prefix="rayjobs"):
+    raise _Started
+
+
+def test_export_into_a_non_empty_folder_is_refused_without_overwrite(tmp_path, monkeypatch):
+    monkeypatch.setattr("rayjobs.pipeline.start_job", _no_job)
+    _earlier_export(tmp_path)
+    with pytest.raises(ConfigError, match="is not empty; .* pass --overwrite"):
+        export(None, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch=0", MANIFEST]
+
+
+def test_overwrite_empties_an_earlier_export_before_the_job_starts(tmp_path, monkeypatch):
+    monkeypatch.setattr("rayjobs.pipeline.start_job", _no_job)
+    _earlier_export(tmp_path)
+    with pytest.raises(_Started):
+        export(None, tmp_path, overwrite=True)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_overwrite_never_deletes_what_no_export_writes(tmp_path, monkeypatch):
+    monkeypatch.setattr("rayjobs.pipeline.start_job", _no_job)
+    _earlier_export(tmp_path)
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match=r"holds \['notes.txt'\], which no export writes"):
+        export(None, tmp_path, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch=0", MANIFEST, "notes.txt"]
+
+
+@pytest.mark.parametrize("flag, overwrite", [([], False), (["--overwrite"], True)])
+def test_cli_passes_overwrite_to_export(tmp_path, monkeypatch, flag, overwrite):
+    import rayjobs.export
+    from rayjobs.cli import main
+
+    seen = {}
+
+    def fake_export(config, out, epochs=None, overwrite=False):
+        seen.update(out=out, overwrite=overwrite)
+        return {"packed": {"num_packs": 0, "efficiency": 0.0}, "epochs": []}
+
+    monkeypatch.setattr(rayjobs.export, "export", fake_export)
+    config = str(ROOT / "configs" / "demo.yaml")
+    assert main(["export", config, "--out", str(tmp_path), *flag]) == 0
+    assert seen == {"out": str(tmp_path), "overwrite": overwrite}

@@ -57,10 +57,9 @@ def test_formats_give_records_with_file_and_row(ray_local, tmp_path, fmt, expect
     rows = sorted(read_dataset(_spec(tmp_path, path)).take_all(), key=lambda r: r["_row"])
     assert [r["_row"] for r in rows] == expected_rows
     assert {r["_path"] for r in rows} == {str(path)} and {r["_dataset"] for r in rows} == {"d"}
-    records = [json.loads(r["_record"]) for r in rows]
-    if fmt == "csv":  # CSV has no nulls for empty strings
-        records = [{k: (v if v is not None else "") for k, v in r.items()} for r in records]
-    assert records == ROWS
+    assert {r["_skip"] for r in rows} == {None}
+    # every format gives the rows as written: CSV cells are text, an empty one ""
+    assert [json.loads(r["_record"]) for r in rows] == ROWS
 
 
 @pytest.mark.parametrize(
@@ -96,6 +95,17 @@ def test_huggingface_saved_dataset(ray_local, tmp_path):
     rows = read_dataset(_spec(tmp_path, "hf", format="hf")).take_all()
     assert sorted(json.loads(r["_record"])["output"] for r in rows) == ["3", "Hello"]
     assert sorted(r["_row"] for r in rows) == [0, 1]
+
+
+def test_huggingface_binary_column_is_refused_or_decoded(ray_local, tmp_path):
+    import datasets
+
+    rows = [{**r, "output": r["output"].encode()} for r in ROWS]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "hf"))
+    with pytest.raises(Exception, match=r"column\(s\) \['output'\] hold binary"):
+        read_dataset(_spec(tmp_path, "hf", format="hf")).take_all()
+    decoded = read_dataset(_spec(tmp_path, "hf", format="hf", binary="utf8")).take_all()
+    assert sorted(json.loads(r["_record"])["output"] for r in decoded) == ["3", "Hello"]
 
 
 def test_invalid_json_names_dataset_file_and_line(ray_local, tmp_path):
