@@ -8,16 +8,21 @@ rows reach a trainer its counts are already in the ledger and the driver's final
 misses nothing. The same calls feed ``ray.util.metrics`` counters, exported by every Ray node to
 Prometheus (``ray_rayjobs_*``) and shown on the Ray dashboard / Grafana while the job runs.
 Tokenization is counted over the run, by dataset (stream mode tokenizes every epoch's reads, planned
-mode once); packing per epoch. A retried Ray task would count its batch twice.
+mode once); packing per epoch. Exactly once: Ray runs a batch again when the actor that ran it died
+(even after it reported), so every report carries the batch's identity (``batch_key``: a digest of
+the rows it holds, with their epoch and pass) and the ledger adds a batch once, counting repeats
+under ``repeated_reports``.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
 import ray
 
 
@@ -52,15 +57,24 @@ def report_actor(ledger: Any, kind: str) -> None:
 
 def report(ledger: Any, method: str, *args: Any) -> None:
     """Call ``ledger.<method>(*args)`` and wait for it (so counts are in before rows move on);
-    no-op without a ledger (in-process use, unit tests)."""
-    if ledger is not None:
-        ray.get(getattr(ledger, method).remote(*args))
+    no-op without a ledger (in-process use, unit tests). If the ledger answers ``FAIL`` (fault
+    injection, ``Ledger(fail_after=...)``), this process dies right after its report is in, as a
+    crashed actor would: the tests of exactly-once accounting use it."""
+    if ledger is not None and ray.get(getattr(ledger, method).remote(*args)) == FAIL:
+        os._exit(1)
+
+
+FAIL = "fail"
+"""The ledger's answer that tells a reporting actor to die (fault injection)."""
 
 
 @dataclass
 class TokenizeCounts:
     """What one batch did, per dataset: the run summary's accounting."""
 
+    rows: int = 0
+    """Raw rows received (bad ones included): samples − split_samples + dropped_samples +
+    skipped_rows (``check_accounting``)."""
     samples: int = 0
     tokens: int = 0
     trained_tokens: int = 0
@@ -68,7 +82,11 @@ class TokenizeCounts:
     dropped_samples: int = 0
     split_samples: int = 0
     skipped_rows: int = 0
+    """Bad rows skipped under ``on_bad_row: skip``, all reasons."""
+    skipped_by_reason: dict[str, int] = field(default_factory=dict)
+    """The same rows by reason (``formats.SKIP_REASONS``); sums to ``skipped_rows``."""
     skipped_examples: list[str] = field(default_factory=list)
+    """The first few skipped rows' places and problems (5 kept over the run)."""
     seconds: float = 0.0
     """Wall time spent in Tokenize calls (a stage timer for the bench)."""
     cpu_seconds: float = 0.0
@@ -87,6 +105,10 @@ class PackCounts:
     num_documents: int = 0
     documents_by_source: dict[str, int] = field(default_factory=dict)
     tokens_by_source: dict[str, int] = field(default_factory=dict)
+    trimmed_by_source: dict[str, int] = field(default_factory=dict)
+    """Samples tokenized but left out because their dataset had reached its share of the epoch
+    (weighted stream mode reads a margin more than its share; ``Ledger.admit``)."""
+    trimmed_tokens_by_source: dict[str, int] = field(default_factory=dict)
     calls: int = 0
     """Packing calls that emitted these packs (stream mode: each leaves at most one row's worth of
     padding more than global best-fit would)."""
@@ -94,6 +116,70 @@ class PackCounts:
     """Wall time spent assembling these packs (a stage timer for the bench)."""
     cpu_seconds: float = 0.0
     """CPU time of the assembling process during those calls."""
+
+
+def batch_key(stage: str, *columns: Any) -> str:
+    """A batch's identity for the ledger: a digest of the stage and the batch's identifying
+    columns (e.g. dataset, file, row, epoch and pass of every row), the same when Ray runs the
+    same batch again after a failure, different for any other batch."""
+    import hashlib
+
+    import numpy as np
+
+    digest = hashlib.blake2b(stage.encode(), digest_size=16)
+    for column in columns:
+        values = column.to_numpy(zero_copy_only=False) if hasattr(column, "to_numpy") else column
+        values = np.asarray(values)
+        if values.dtype.kind in "OUS":
+            digest.update("\0".join(map(str, values.tolist())).encode())
+        else:
+            digest.update(np.ascontiguousarray(values).tobytes())
+        digest.update(b"|")
+    return digest.hexdigest()
+
+
+class AccountingError(RuntimeError):
+    """The run's counts do not add up (a lost or double-counted batch): the run fails."""
+
+
+def check_accounting(snapshot: dict[str, Any], streamed: bool) -> list[str]:
+    """The end-of-run check (every run): per dataset, rows read = samples − split pieces + dropped
+    + skipped; and, when streamed (every tokenized sample packed once, every epoch tokenized
+    anew), samples and tokens tokenized = documents and tokens in the packs + those trimmed to the
+    dataset's share, over all epochs.
+    (In planned mode the plan repeats or subsamples the tokenized samples per epoch, so only the
+    first holds.) Returns the problems, empty when the books balance."""
+    problems = []
+    packed_documents: dict[str, int] = defaultdict(int)
+    packed_tokens: dict[str, int] = defaultdict(int)
+    for counts in snapshot["pack"].values():
+        for key, total in (
+            ("documents_by_source", packed_documents),
+            ("trimmed_by_source", packed_documents),
+            ("tokens_by_source", packed_tokens),
+            ("trimmed_tokens_by_source", packed_tokens),
+        ):
+            for name, value in counts.get(key, {}).items():
+                total[name] += value
+    for name, c in snapshot["tokenize"].items():
+        rows = c["samples"] - c["split_samples"] + c["dropped_samples"] + c["skipped_rows"]
+        if rows != c["rows"]:
+            problems.append(
+                f"dataset {name!r}: {c['rows']} rows read but samples − split pieces + dropped + "
+                f"skipped = {rows}"
+            )
+        if streamed and (c["samples"], c["tokens"]) != (
+            packed_documents[name],
+            packed_tokens[name],
+        ):
+            problems.append(
+                f"dataset {name!r}: tokenized {c['samples']} samples / {c['tokens']} tokens but "
+                f"the packs hold (or trimmed) {packed_documents[name]} / {packed_tokens[name]}"
+            )
+    if streamed:
+        for name in set(packed_documents) - set(snapshot["tokenize"]):
+            problems.append(f"dataset {name!r}: packed but never tokenized")
+    return problems
 
 
 def packing_efficiency(num_tokens: int, num_slots: int) -> float:
@@ -132,7 +218,7 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "rayjobs_skipped_rows": (
         "counter",
         ("run", "dataset"),
-        "Bad rows skipped under on_bad_row: skip",
+        "Bad rows skipped under on_bad_row: skip (all reasons; by reason in the run summary)",
     ),
     "rayjobs_packs": ("counter", ("run",), "Packed rows emitted"),
     "rayjobs_pack_slots": ("counter", ("run",), "Token slots in packs"),
@@ -208,11 +294,27 @@ class TrainMetrics:
 class Ledger:
     """Cluster-wide counters of one run: tokenization by dataset, packing by epoch."""
 
-    def __init__(self, run_name: str = "rayjobs"):
+    def __init__(
+        self,
+        run_name: str = "rayjobs",
+        fail_after: dict[str, int] | None = None,
+        dedupe: bool = True,
+    ):
+        """``fail_after``: fault injection for tests, ``{"add_tokenize": n}`` makes the actor
+        whose report is the n-th of that kind die right after it (once per kind); ``dedupe``
+        off (tests only) adds a batch Ray runs again twice, as the ledger once did."""
+        self._fail_after = dict(fail_after or {})
+        self._dedupe = dedupe
+        self._reports: dict[str, int] = defaultdict(int)
         self.tokenize: dict[str, TokenizeCounts] = defaultdict(TokenizeCounts)  # by dataset
         self.actors: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self.pack: dict[int, PackCounts] = defaultdict(PackCounts)
         self._run = run_name
+        self._budgets: dict[tuple[int, str], float] = {}
+        self._used: dict[tuple[int, str], float] = defaultdict(float)
+        self._admitted: dict[str, dict[str, int]] = {}
+        self._seen: set[str] = set()
+        self.repeated_reports = self.injected_faults = 0
         self._series = _series(name for name in METRICS if not name.startswith("rayjobs_train_"))
         self._counters = {name: self._series[f"rayjobs_{name}"] for name in _TOKENIZE_COUNTERS}
         self._packs, self._pack_slots, self._pack_tokens, self._efficiency = (
@@ -223,16 +325,73 @@ class Ledger:
             name: self._series[f"rayjobs_mix_{name}"] for name in ("share", "samples", "tokens")
         }
 
-    def add_tokenize(self, by_dataset: dict[str, TokenizeCounts]) -> None:
-        """One Tokenize batch's counts, per dataset."""
+    def set_budgets(self, budgets: dict[tuple[int, str], float]) -> None:
+        """Each dataset's share of each epoch, ``{(epoch, dataset): units}`` in ``mix.by`` units
+        (weighted stream mode)."""
+        self._budgets = dict(budgets)
+
+    def admit(self, key: str, epoch: int, wants: dict[str, list[int]]) -> dict[str, int]:
+        """How many of a packer window's samples of each dataset (in window order, ``wants``:
+        each sample's size in ``mix.by`` units) fit the dataset's share of ``epoch``: first come,
+        first served, to the nearest sample. The answer for ``key`` is kept, so a window Ray runs
+        again gets the same one."""
+        if key in self._admitted:
+            return self._admitted[key]
+        grant = {}
+        for name, sizes in wants.items():
+            budget = self._budgets.get((epoch, name))
+            if budget is None:
+                grant[name] = len(sizes)
+                continue
+            left = budget - self._used[epoch, name]
+            total = np.cumsum(np.asarray(sizes, dtype=np.float64))
+            n = int(np.searchsorted(total, left, side="right"))  # prefix that fits
+            if n < len(sizes) and total[n] - left < left - (total[n - 1] if n else 0.0):
+                n += 1  # one more comes nearer the share
+            grant[name] = n
+            self._used[epoch, name] += float(total[n - 1]) if n else 0.0
+        self._admitted[key] = grant
+        return grant
+
+    def _answer(self, method: str) -> str | None:
+        """``FAIL`` if fault injection wants this report's sender dead, else None."""
+        self._reports[method] += 1
+        if self._reports[method] == self._fail_after.get(method):
+            self.injected_faults += 1
+            return FAIL
+        return None
+
+    def _first(self, key: str | None) -> bool:
+        """Whether the batch ``key`` names is reported for the first time (a ``None`` key always
+        is); a repeat is Ray running the batch again (a task retried after its actor died) and
+        is counted under ``repeated_reports``, not added."""
+        if key is None or not self._dedupe:
+            return True
+        if key in self._seen:
+            self.repeated_reports += 1
+            return False
+        self._seen.add(key)
+        return True
+
+    def add_tokenize(
+        self, by_dataset: dict[str, TokenizeCounts], key: str | None = None
+    ) -> str | None:
+        """One Tokenize batch's counts, per dataset; ``key`` identifies the batch (see
+        ``batch_key``), so a batch Ray runs twice is counted once."""
+        if not self._first(key):
+            return None
         for dataset, counts in by_dataset.items():
             _merge(self.tokenize[dataset], counts)
             tags = {"run": self._run, "dataset": dataset}
             for name, counter in self._counters.items():
                 if getattr(counts, name):
                     counter.inc(getattr(counts, name), tags=tags)
+        return self._answer("add_tokenize")
 
-    def add_pack(self, epoch: int, counts: PackCounts) -> None:
+    def add_pack(self, epoch: int, counts: PackCounts, key: str | None = None) -> str | None:
+        """One packing call's counts for ``epoch``; ``key`` as in ``add_tokenize``."""
+        if not self._first(key):
+            return None
         _merge(self.pack[epoch], counts)
         tags = {"run": self._run}
         if counts.num_packs:
@@ -242,6 +401,7 @@ class Ledger:
         total_tokens = sum(c.num_tokens for c in self.pack.values())
         total_slots = sum(c.num_slots for c in self.pack.values())
         self._efficiency.set(packing_efficiency(total_tokens, total_slots), tags=tags)
+        return self._answer("add_pack")
 
     def add_mix(self, mixes: list[dict[str, dict[str, float]]]) -> None:
         """The realized mix of each epoch (``Job.mixes``: what the pack stage counted) as gauges."""
@@ -263,4 +423,6 @@ class Ledger:
             "tokenize": {dataset: asdict(c) for dataset, c in sorted(self.tokenize.items())},
             "pack": {epoch: asdict(c) for epoch, c in sorted(self.pack.items())},
             "actors": {kind: dict(nodes) for kind, nodes in sorted(self.actors.items())},
+            "repeated_reports": self.repeated_reports,
+            "injected_faults": self.injected_faults,
         }

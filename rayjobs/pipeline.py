@@ -26,7 +26,7 @@ import ray.data
 from rayjobs import stream
 from rayjobs.config import Config, ConfigError
 from rayjobs.epochs import Epochs
-from rayjobs.metrics import Ledger, packing_efficiency
+from rayjobs.metrics import AccountingError, Ledger, check_accounting, packing_efficiency
 from rayjobs.mix import with_shares
 from rayjobs.sources import read_dataset
 from rayjobs.tokenize import Tokenizer
@@ -48,7 +48,9 @@ def load_tokenizer(config: Config) -> Tokenizer:
     """The run's tokenizer; a tokenizer that cannot be loaded is a ``ConfigError``."""
     try:
         return Tokenizer(config.tokenizer)
-    except (OSError, ValueError) as error:
+    except Exception as error:  # noqa: BLE001 - tokenizers raises a bare Exception on a corrupt file
+        if not isinstance(error, OSError | ValueError) and type(error) is not Exception:
+            raise
         raise ConfigError(
             f"tokenizer.path: cannot load a tokenizer from {config.tokenizer.path!r} ({error})"
         ) from None
@@ -104,26 +106,36 @@ class Job:
         tokenization counts with each dataset's mean share, the realized mix of every epoch, and
         pack totals over all epochs."""
         snapshot = self.snapshot()
+        problems = check_accounting(snapshot, streamed=self.rows is not None)
+        if problems:
+            raise AccountingError("the run's counts do not add up: " + "; ".join(problems))
         summary = accounting(snapshot)
         mixes = self.mixes(snapshot)
         for name, stats in summary["datasets"].items():
             stats["share"] = sum(mix[name]["share"] for mix in mixes) / max(1, len(mixes))
         summary["mix"] = [{"epoch": epoch, "datasets": mix} for epoch, mix in enumerate(mixes)]
         summary["actors"] = snapshot["actors"]
+        summary["repeated_reports"] = snapshot["repeated_reports"]
         if self.epochs is not None:
             summary["packed"]["max_delay_windows"] = self.epochs.max_delay_windows
             summary["packed"]["plan_seconds"] = self.epochs.plan_seconds
         return summary
 
 
-def start_job(config: Config, prefix: str = "rayjobs") -> Job:
+def start_job(
+    config: Config,
+    prefix: str = "rayjobs",
+    fail_after: dict[str, int] | None = None,
+    dedupe: bool = True,
+) -> Job:
     """Set up a run's data side: load the tokenizer (a bad one fails before Ray starts), connect to
     or start Ray, create the run's ``Ledger`` and the packed rows (lazy in stream mode; planned
-    mode tokenizes once here). ``run``, ``export`` and the benches all start here."""
+    mode tokenizes once here). ``run``, ``export`` and the benches all start here.
+    ``fail_after`` and ``dedupe`` are the ledger's fault injection, for tests."""
     tokenizer = load_tokenizer(config)
     init_ray(config)
     name = f"{prefix}-{uuid.uuid4().hex[:8]}"
-    ledger = Ledger.remote(name)
+    ledger = Ledger.remote(name, fail_after, dedupe)
     if config.packing.mode == "planned":
         epochs = Epochs(config, tokenize(config, ledger), tokenizer.pad_id, ledger)
         return Job(config, name, tokenizer, ledger, epochs=epochs)
@@ -154,9 +166,7 @@ def run(config: Config) -> dict[str, Any]:
             resources_per_worker={"CPU": config.train.cpus_per_worker},
         ),
         datasets=datasets,
-        run_config=RunConfig(
-            name=job.name, storage_path=os.path.abspath(config.train.storage_path)
-        ),
+        run_config=RunConfig(name=job.name, storage_path=_storage(config.train.storage_path)),
     )
     result = trainer.fit()
     summary = dict(result.metrics)
@@ -165,6 +175,11 @@ def run(config: Config) -> dict[str, Any]:
     summary.update(job.accounting())
     ray.get(job.ledger.add_mix.remote([m["datasets"] for m in summary["mix"]]))  # final gauges
     return summary
+
+
+def _storage(path: str) -> str:
+    """Ray Train's storage: a URI (``s3://…``, ``gs://…``) as is, a folder made absolute."""
+    return path if "://" in path else os.path.abspath(path)
 
 
 def accounting(snapshot: dict[str, Any]) -> dict[str, Any]:

@@ -10,6 +10,14 @@ token ends every sample (trained when the sample's last segment is). Over-length
 
 ``Tokenize`` is the Ray Data ``map_batches`` class: the tokenizer is loaded once per actor in
 ``__init__`` and every batch is encoded with one call into the Rust tokenizer.
+
+Bad rows are counted here, and only here: the rows the parser found bad under ``on_bad_row: skip``
+arrive with their ``_skip`` reason (see ``sources``), and the rows the template refuses are found
+here (``RowError``'s reason; a template function raising ValueError, TypeError or LookupError, or
+a chat template raising, is ``template_error``). Under ``skip`` each is counted in
+``TokenizeCounts.skipped_rows`` and ``skipped_by_reason`` and its place kept in
+``skipped_examples``; under ``error`` it raises ``DataError`` naming dataset, file, row and field
+or reason. Other exceptions are bugs, not bad rows, and stop the run under either policy.
 """
 
 from __future__ import annotations
@@ -26,7 +34,8 @@ import pyarrow as pa
 
 from rayjobs import templates
 from rayjobs.config import DatasetConfig, TokenizerConfig
-from rayjobs.metrics import StageTimer, TokenizeCounts, report, report_actor
+from rayjobs.formats import bad_row_error, bad_row_place
+from rayjobs.metrics import StageTimer, TokenizeCounts, batch_key, report, report_actor
 from rayjobs.rows import IGNORE_INDEX
 from rayjobs.templates import Message, RowError, Segment
 
@@ -35,6 +44,14 @@ TOKEN_LIST = pa.list_(pa.int32())
 
 class DataError(ValueError):
     """A bad row under ``on_bad_row: error``: names dataset, file, row and field."""
+
+
+class _BadRow(Exception):
+    """A row that cannot become a sample: its reason (``formats.SKIP_REASONS``) and problem."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason, self.detail = reason, detail.replace("\n", "\\n")
 
 
 class Tokenizer:
@@ -101,19 +118,36 @@ class Tokenizer:
 
     def render_chat(self, messages: list[Message], add_generation_prompt: bool) -> str:
         """The conversation as the chat template renders it (as ``apply_chat_template`` would,
-        special tokens visible to the template); ChatML when there is no template."""
+        special tokens visible to the template); ChatML when there is no template.
+
+        Raises:
+            RowError: (``template_error``) the template raised on this conversation, as templates
+                do through ``raise_exception`` ("roles must alternate", ...).
+            jinja2.TemplateSyntaxError: the template itself is not valid Jinja (every row would
+                fail: the run stops under either policy).
+        """
         if self.chat_template is None:
             return templates.chatml(messages, add_generation_prompt)
         if not messages:
             return ""
+        from jinja2 import TemplateSyntaxError
         from transformers.utils.chat_template_utils import render_jinja_template
 
-        rendered, _ = render_jinja_template(
-            conversations=[messages],
-            chat_template=self.chat_template,
-            add_generation_prompt=add_generation_prompt,
-            **self.special_tokens,
-        )
+        try:
+            rendered, _ = render_jinja_template(
+                conversations=[messages],
+                chat_template=self.chat_template,
+                add_generation_prompt=add_generation_prompt,
+                **self.special_tokens,
+            )
+        except TemplateSyntaxError:
+            raise
+        except Exception as error:  # noqa: BLE001 - whatever a template raises on a row
+            raise RowError(
+                "messages",
+                f"the chat template raised {type(error).__name__}: {error}",
+                reason="template_error",
+            ) from None
         return rendered[0]
 
 
@@ -236,31 +270,75 @@ class Tokenize:
         for tally in counts.values():  # the batch's time, shared by the datasets in it
             tally.seconds = timer.seconds / len(counts)
             tally.cpu_seconds = timer.cpu_seconds / len(counts)
-        report(self.ledger, "add_tokenize", dict(counts))
+        report(self.ledger, "add_tokenize", dict(counts), input_key(batch))
         return table
+
+    def _bad_row(
+        self,
+        counts: dict[str, TokenizeCounts],
+        spec: DatasetConfig,
+        where: tuple[str, int],
+        reason: str,
+        detail: str,
+    ) -> None:
+        """Count a bad row under ``skip``; raise ``DataError`` under ``error``."""
+        place = bad_row_place(spec.name, *where, detail)
+        if spec.on_bad_row == "error":
+            fix = {
+                "missing_field": "Fix the data, map the column with column_map",
+                "template_error": "Fix the data or the template",
+            }.get(reason, "Fix the data")
+            raise DataError(bad_row_error(place, reason, fix))
+        tally = counts[spec.name]
+        tally.skipped_rows += 1
+        tally.skipped_by_reason[reason] = tally.skipped_by_reason.get(reason, 0) + 1
+        if len(tally.skipped_examples) < 5:
+            tally.skipped_examples.append(f"{place} [{reason}]")
+
+    def _template(self, spec: DatasetConfig, record: str) -> list[Segment]:
+        """The row's segments.
+
+        Raises:
+            _BadRow: the row's reason and problem (a template function raising ValueError,
+                TypeError or LookupError is ``template_error``).
+        """
+        try:
+            row = json.loads(record)
+        except json.JSONDecodeError as error:  # parsers emit valid JSON; a hand-made row may not
+            raise _BadRow("invalid_json", f"the record is not valid JSON: {error.msg}") from None
+        try:
+            return self._segments(spec, row)
+        except RowError as error:
+            raise _BadRow(error.reason, str(error)) from None
+        except (ValueError, TypeError, LookupError) as error:
+            problem = f"template {spec.template!r} raised {type(error).__name__}: {error}"
+            raise _BadRow("template_error", problem) from None
 
     def _tokenize(self, batch: pa.Table, counts: dict[str, TokenizeCounts]) -> pa.Table:
         rows: list[tuple[int, DatasetConfig, str, list[Segment]]] = []
         columns = [
             batch.column(name).to_pylist() for name in ("_dataset", "_path", "_row", "_record")
         ]
-        for index, (name, path, row, record) in enumerate(zip(*columns, strict=True)):
+        skips = (
+            batch.column("_skip").to_pylist()
+            if "_skip" in batch.column_names
+            else [None] * batch.num_rows
+        )
+        for index, (name, path, row, record, skip) in enumerate(zip(*columns, skips, strict=True)):
             spec = self.datasets[name]
+            counts[name].rows += 1
+            if skip is not None:  # found bad by the parser; the record says what is wrong
+                self._bad_row(counts, spec, (path, row), skip, record)
+                continue
             try:
-                # The file's place in the dataset's sorted file list, not its absolute path:
-                # the same data elsewhere (another machine, a fresh clone) gets the same uids.
-                origin = f"{name}\0{self.file_index[name].get(path, path)}\0{row}"
-                rows.append((index, spec, origin, self._segments(spec, json.loads(record))))
-            except RowError as error:
-                where = f"dataset {name!r}, file {path}, row {row}: {error}"
-                if spec.on_bad_row == "error":
-                    raise DataError(
-                        f"{where}. Fix the data, map the column with column_map, or "
-                        f"set on_bad_row: skip to count and skip such rows."
-                    ) from None
-                counts[name].skipped_rows += 1
-                if len(counts[name].skipped_examples) < 5:
-                    counts[name].skipped_examples.append(where)
+                segments = self._template(spec, record)
+            except _BadRow as bad:
+                self._bad_row(counts, spec, (path, row), bad.reason, bad.detail)
+                continue
+            # The file's place in the dataset's sorted file list, not its absolute path:
+            # the same data elsewhere (another machine, a fresh clone) gets the same uids.
+            origin = f"{name}\0{self.file_index[name].get(path, path)}\0{row}"
+            rows.append((index, spec, origin, segments))
         encoded = iter(
             self.tokenizer.encode_batch([s.text for *_, segments in rows for s in segments])
         )
@@ -291,6 +369,18 @@ class Tokenize:
             "uid": pa.array(uids, type=pa.int64()),
             "num_tokens": pa.array([len(ids) for ids in input_ids], type=pa.int32()),
         }
-        if "_epoch" in batch.column_names:  # the streaming path's epoch tag follows the sample
-            out["_epoch"] = batch.column("_epoch").take(pa.array(kept, type=pa.int64()))
+        for tag in STREAM_TAGS:  # the streaming path's epoch and pass follow the sample
+            if tag in batch.column_names:
+                out[tag] = batch.column(tag).take(pa.array(kept, type=pa.int64()))
         return pa.table(out)
+
+
+STREAM_TAGS = ("_epoch", "_pass")
+"""Columns the streaming path tags raw rows with (``stream._tag_epoch``)."""
+
+
+def input_key(batch: pa.Table) -> str:
+    """A Tokenize batch's identity for the ledger (``metrics.batch_key``): the place of every row
+    it holds (bad rows included), with their epoch and pass when streamed."""
+    columns = ["_dataset", "_path", "_row", *(t for t in STREAM_TAGS if t in batch.column_names)]
+    return batch_key("tokenize", *(batch.column(name) for name in columns))

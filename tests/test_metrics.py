@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
+
 from conftest import ROOT
-from rayjobs.metrics import METRICS
+from rayjobs.metrics import METRICS, check_accounting
 
 
 def _exported_name(name: str) -> str:
@@ -35,3 +37,50 @@ def test_grafana_dashboard_queries_only_exported_series():
         "ray_rayjobs_tokens_total",
         "ray_rayjobs_mix_share",
     } <= used
+
+
+def _snapshot(rows=10, samples=9, split=1, dropped=1, skipped=1, tokens=100, packed=(9, 100)):
+    return {
+        "tokenize": {
+            "a": {
+                "rows": rows,
+                "samples": samples,
+                "split_samples": split,
+                "dropped_samples": dropped,
+                "skipped_rows": skipped,
+                "tokens": tokens,
+            }
+        },
+        "pack": {
+            0: {"documents_by_source": {"a": packed[0] - 4}, "tokens_by_source": {"a": 60}},
+            1: {"documents_by_source": {"a": 4}, "tokens_by_source": {"a": packed[1] - 60}},
+        },
+    }
+
+
+@pytest.mark.parametrize(
+    ("snapshot", "streamed", "problem"),
+    [
+        (_snapshot(), True, None),  # 9 − 1 + 1 + 1 = 10 rows; 9 / 100 packed over two epochs
+        (
+            _snapshot(rows=11),
+            True,
+            "11 rows read but samples − split pieces + dropped + skipped = 10",
+        ),
+        (_snapshot(skipped=0), True, "10 rows read but"),
+        (
+            _snapshot(packed=(8, 100)),
+            True,
+            "tokenized 9 samples / 100 tokens but the packs hold 8 / 100",
+        ),
+        (_snapshot(packed=(9, 99)), True, "the packs hold 9 / 99"),
+        (_snapshot(packed=(8, 99)), False, None),  # planned: the plan repeats or subsamples
+    ],
+)
+def test_the_accounting_check(snapshot, streamed, problem):
+    problems = check_accounting(snapshot, streamed)
+    if problem is None:
+        assert problems == []
+    else:
+        [found] = problems
+        assert problem in found and found.startswith("dataset 'a': ")

@@ -327,6 +327,7 @@ def test_bad_row_under_error_raises_data_error_naming_dataset_file_row_field(gpt
         "file /data/alpaca.json",
         "row 2",
         "field 'output'",
+        "[missing_field]",
         "on_bad_row: skip",
     ):
         assert part in message
@@ -345,7 +346,7 @@ def test_bad_row_under_skip_is_skipped_and_counted(gpt2_config, fake_ledger):
     assert len(set(table.column("uid").to_pylist())) == 2
     assert [len(ids) for ids in table.column("input_ids").to_pylist()] == [36, 52]
     assert table.column("source").to_pylist() == ["alpaca", "alpaca"]
-    [(by_dataset,)] = fake_ledger.calls  # one report per batch
+    [(by_dataset, _key)] = fake_ledger.calls  # one report per batch
     [(name, counts)] = by_dataset.items()
     assert name == "alpaca"
     assert (counts.samples, counts.tokens, counts.trained_tokens, counts.skipped_rows) == (
@@ -354,8 +355,10 @@ def test_bad_row_under_skip_is_skipped_and_counted(gpt2_config, fake_ledger):
         5,
         1,
     )
+    assert counts.skipped_by_reason == {"missing_field": 1}
     [example] = counts.skipped_examples
     assert example.startswith("dataset 'alpaca', file /data/alpaca.json, row 2: field 'output'")
+    assert example.endswith("[missing_field]")
 
 
 # overflow policy at seq_len 3 for "Hello world!" (4 tokens) → (rows, counts sent to the ledger).
@@ -389,7 +392,7 @@ def test_overflow_rows_and_counts(gpt2_config, fake_ledger, overflow, rows, coun
     assert (
         list(zip(table.column("input_ids").to_pylist(), table.column("labels").to_pylist())) == rows
     )
-    [(by_dataset,)] = fake_ledger.calls
+    [(by_dataset, _key)] = fake_ledger.calls
     [(name, got)] = by_dataset.items()
     assert got.seconds > 0  # the stage timer ran; the counts are exact
     assert (name, dataclasses.replace(got, seconds=0.0, cpu_seconds=0.0)) == ("d", counts)
@@ -418,7 +421,7 @@ def test_one_batch_serves_several_datasets(gpt2_config, fake_ledger):
     table = tokenizer(batch)
     assert table.column("source").to_pylist() == ["web", "sft", "web"]
     assert [ids[-1] for ids in table.column("input_ids").to_pylist()] == [EOS, EOS, EOS]
-    [(by_dataset,)] = fake_ledger.calls  # one report for the whole batch
+    [(by_dataset, _key)] = fake_ledger.calls  # one report for the whole batch
     assert {name: (c.samples, c.tokens) for name, c in by_dataset.items()} == {
         "web": (2, 6),
         "sft": (1, 52),
@@ -490,3 +493,25 @@ def test_uids_do_not_depend_on_where_the_files_are(gpt2_config):
         tokenize = Tokenize([spec], gpt2_config, seq_len=64, overflow="truncate")
         uids.append(tokenize(_batch("d", record, path=f"{root}/data/y.jsonl"))["uid"].to_pylist())
     assert uids[0] == uids[1] == [sample_uid("d\x001\x001\x000")]  # file 1 of the dataset, row 1
+
+
+def test_a_corrupt_tokenizer_file_is_a_config_error(tmp_path):
+    """tokenizers raises a bare Exception on a torn tokenizer.json; the user sees the key."""
+    from rayjobs.config import ConfigError, config_from_dict
+    from rayjobs.pipeline import load_tokenizer
+
+    (tmp_path / "tokenizer.json").write_text('{"version": "1.0", "model": ')
+    config = config_from_dict(
+        {
+            "datasets": [
+                {
+                    "name": "a",
+                    "source": str(DATA / "sft" / "alpaca_en_demo.json"),
+                    "template": "alpaca",
+                }
+            ],
+            "tokenizer": {"path": str(tmp_path)},
+        }
+    )
+    with pytest.raises(ConfigError, match=r"tokenizer\.path: cannot load a tokenizer from .*EOF"):
+        load_tokenizer(config)
