@@ -12,8 +12,13 @@ ends. ``PackStream`` therefore keeps nothing between calls: each call packs its 
 emits every sample in exactly one row. The price is one under-filled tail per call, about half a
 pack, so the window is sized in tokens, not samples: ``packing.window_tokens`` tokens per call
 (the row count comes from a driver-side estimate of each dataset's mean sample length). The
-window is also the first batch's latency: no row leaves before a window is tokenized, so the first
-batch comes after start-up plus ``window_tokens`` over the cluster's tokenize rate. The packing
+window would also be the first batch's latency (no row leaves before its window is tokenized), so
+the head of the first epoch, ``packing.warmup_tokens`` taken from the first file each dataset reads,
+is a warm-up lane of its own: read, tokenized and packed by tasks (which give their CPUs back when
+the lane is done) in windows a quarter of its size, and joined to the main lane by a union; the
+main lane reads everything else. Packed rows leave in blocks of about 1 MiB (``block_rows``): the
+trainers' ``streaming_split(equal=True)`` hands a block to one rank only while the blocks it still
+holds can even the ranks out, so one block per window would hold the first batch back. The packing
 bench measures this packer at the job's window against global best-fit decreasing; the pipeline
 bench measures the latency.
 
@@ -43,7 +48,7 @@ import ray.data
 from rayjobs import seeds
 from rayjobs.config import Config, DatasetConfig
 from rayjobs.formats import HF, parse_file
-from rayjobs.metrics import PackCounts, StageTimer, report, report_actor
+from rayjobs.metrics import PackCounts, StageTimer, batch_key, report, report_actor
 from rayjobs.pack import StreamPacker
 from rayjobs.rows import assemble
 from rayjobs.sources import read_dataset, record_table
@@ -54,6 +59,23 @@ SAMPLE_ROWS = 2048
 
 TOKENIZE_BATCH_ROWS = 256
 
+BLOCK_BYTES = 1 << 20
+
+MIX_MARGIN = 0.1
+"""Weighted mixing reads each dataset this much more than its share of an epoch, so that estimates
+a little low still fill the share; the packers trim what lies beyond it (``Ledger.admit``)."""
+
+MIX_BLOCKS = 16
+"""Raw-row blocks per packer window at least, when datasets are mixed (see ``packed_rows``)."""
+
+MIN_MIX_BLOCK_ROWS = 16
+
+WARMUP_CALLS = 4
+
+WARMUP_CPUS = 0.25
+"""Logical CPUs of a warm-up lane task (short, and the main lane's actors hold theirs)."""
+"""Packer calls over the warm-up lane: the first rows wait for a quarter of it."""
+
 
 @dataclass(frozen=True)
 class Estimate:
@@ -63,6 +85,9 @@ class Estimate:
     """Mean tokens per sample, from a tokenized sample of the dataset."""
     rows: int | None = None
     """Rows in the dataset (counted only when weights need it)."""
+    rows_per_byte: float | None = None
+    """Rows per byte of the files parsed for the sample (to size a dataset whose rows are not
+    counted)."""
 
 
 def estimate(config: Config, count_rows: bool) -> dict[str, Estimate]:
@@ -72,7 +97,7 @@ def estimate(config: Config, count_rows: bool) -> dict[str, Estimate]:
     )
     estimates = {}
     for spec in config.datasets:
-        sample = _head(spec)
+        sample, density = _head(spec)
         lengths = tokenize(sample).column("num_tokens").to_numpy() if sample else np.empty(0)
         if not len(lengths):
             raise ValueError(
@@ -80,51 +105,130 @@ def estimate(config: Config, count_rows: bool) -> dict[str, Estimate]:
                 "templating (see on_bad_row and the overflow policy); it cannot be streamed"
             )
         count = read_dataset(spec).count() if count_rows else None
-        estimates[spec.name] = Estimate(float(lengths.mean()), count)
+        estimates[spec.name] = Estimate(float(lengths.mean()), count, density)
     return estimates
 
 
-def _head(spec: DatasetConfig) -> pa.Table | None:
-    """Up to ``SAMPLE_ROWS`` raw rows from the first files of a dataset, parsed in the driver: a
-    cost that does not grow with the number of files (a Hugging Face dataset goes through Ray)."""
+def _head(spec: DatasetConfig) -> tuple[pa.Table | None, float | None]:
+    """Up to ``SAMPLE_ROWS`` raw rows from the first files of a dataset, parsed in the driver (a
+    cost that does not grow with the number of files; a Hugging Face dataset goes through Ray),
+    and the rows per byte of the files parsed."""
     if spec.format == HF:
         refs = read_dataset(spec).limit(SAMPLE_ROWS).to_arrow_refs()
-        return pa.concat_tables(ray.get(refs)) if refs else None
-    tables, count = [], 0
+        return (pa.concat_tables(ray.get(refs)) if refs else None), None
+    tables, count, parsed_rows, parsed_bytes = [], 0, 0, 0
     for path in spec.files:
-        rows, records = parse_file(
-            Path(path).read_bytes(), path, format=spec.format, dataset=spec.name,
-            text_split=spec.text_split,
-        )  # fmt: skip
+        rows, records = _parse(spec, path)
         keep = min(len(rows), SAMPLE_ROWS - count)
         tables.append(record_table(spec.name, [path] * keep, rows[:keep], records[:keep]))
         count += keep
+        parsed_rows += len(rows)
+        parsed_bytes += os.path.getsize(path)
         if count >= SAMPLE_ROWS:
             break
-    return pa.concat_tables(tables) if tables else None
+    density = parsed_rows / parsed_bytes if parsed_bytes else None
+    return (pa.concat_tables(tables) if tables else None), density
+
+
+def _parse(spec: DatasetConfig, path: str) -> tuple[list[int], list[str]]:
+    """One file of a dataset parsed in the driver: (row numbers, records)."""
+    return parse_file(
+        Path(path).read_bytes(), path, format=spec.format, dataset=spec.name,
+        text_split=spec.text_split, binary=spec.binary, on_bad_row=spec.on_bad_row,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One read of a dataset within an epoch: its files in a fresh random order, whole or
+    subsampled."""
+
+    files: tuple[str, ...]
+    """Files in reading order (empty for a Hugging Face dataset)."""
+    order_seed: int
+    sample: float | None
+    """Fraction of rows kept by a random subsample; None for a whole pass."""
+    sample_seed: int
+
+
+def passes(spec: DatasetConfig, index: int, epoch: int, seed: int, fraction: float) -> list[Pass]:
+    """How a dataset is read in one epoch: ``fraction`` of it as whole passes, then a random
+    subsample; each pass its own file order (``seeds.STREAMS["stream_order"]``)."""
+    whole, remainder = divmod(fraction, 1.0)
+    reads = []
+    for copy in range(int(whole) + (remainder > 1e-9)):
+        rng = seeds.rng(seed, "stream_order", epoch, index, copy)
+        order_seed, sample_seed = int(rng.integers(2**31)), int(rng.integers(2**31))
+        order = np.random.default_rng(order_seed).permutation(len(spec.files))
+        sample = remainder if copy == int(whole) else None
+        reads.append(Pass(tuple(spec.files[i] for i in order), order_seed, sample, sample_seed))
+    return reads
+
+
+@dataclass(frozen=True)
+class Head:
+    """A dataset's part of the warm-up lane: the rows of ``path`` (the first file of the first
+    epoch's first pass) numbered below ``below_row``."""
+
+    path: str
+    below_row: int
+    rows: int
+
+
+def _read(spec: DatasetConfig, read: Pass, head: Head | None, lane: str) -> ray.data.Dataset:
+    """One pass over a dataset as raw rows: ``lane`` ``main`` leaves out the warm-up ``head``
+    (if any), ``head`` is only those rows."""
+    if spec.format == HF:
+        rows = read_dataset(spec, order_seed=read.order_seed)
+    elif lane == "head":
+        rows = read_dataset(spec.model_copy(update={"files": (head.path,)})).map_batches(
+            _below, batch_format="pyarrow", fn_kwargs={"row": head.below_row}
+        )
+    else:
+        rows = read_dataset(spec.model_copy(update={"files": read.files}))
+        if head is not None:
+            rows = rows.map_batches(
+                _not_head, batch_format="pyarrow",
+                fn_kwargs={"path": head.path, "row": head.below_row},
+            )  # fmt: skip
+    if read.sample is not None:
+        rows = rows.random_sample(read.sample, seed=read.sample_seed)
+    return rows
+
+
+def _below(batch: pa.Table, row: int) -> pa.Table:
+    return batch.filter(pc.less(batch.column("_row"), row))
+
+
+def _not_head(batch: pa.Table, path: str, row: int) -> pa.Table:
+    head = pc.and_(pc.equal(batch.column("_path"), path), pc.less(batch.column("_row"), row))
+    return batch.filter(pc.invert(head))
 
 
 def _epoch_stream(
-    spec: DatasetConfig, index: int, epoch: int, seed: int, fraction: float
+    spec: DatasetConfig, reads: list[Pass], epoch: int, head: Head | None = None
 ) -> ray.data.Dataset:
-    """One dataset's rows for one epoch: ``fraction`` of it (whole passes, then a random
-    subsample), each pass reading its files in a fresh random order (no all-to-all shuffle: that
-    would wait for the whole dataset), every row tagged with the epoch; the packer's window
-    shuffles the samples."""
-    passes, remainder = divmod(fraction, 1.0)
-    parts = []
-    for copy in range(int(passes) + (remainder > 1e-9)):
-        rng = seeds.rng(seed, "stream_order", epoch, index, copy)
-        part = read_dataset(spec, order_seed=int(rng.integers(2**31)))
-        if copy == int(passes):
-            part = part.random_sample(remainder, seed=int(rng.integers(2**31)))
-        parts.append(part)
-    rows = parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
-    return rows.map_batches(_tag_epoch, batch_format="pyarrow", fn_kwargs={"epoch": epoch})
+    """One dataset's rows for one epoch: its passes (each reading the files in a fresh random
+    order: no all-to-all shuffle, which would wait for the whole dataset), less the warm-up
+    ``head``, every row tagged with the epoch; the packer's window shuffles the samples."""
+    parts = [
+        _tagged(_read(spec, read, head if copy == 0 else None, "main"), epoch, copy)
+        for copy, read in enumerate(reads)
+    ]
+    return parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
 
 
-def _tag_epoch(batch: pa.Table, epoch: int) -> pa.Table:
-    return batch.append_column("_epoch", pa.array(np.full(batch.num_rows, epoch, np.int32)))
+def _tagged(rows: ray.data.Dataset, epoch: int, copy: int) -> ray.data.Dataset:
+    """Rows tagged with their epoch and pass: the epoch groups them in the packer, and both
+    tell a batch read twice in one epoch from a batch Ray runs again (``metrics.batch_key``)."""
+    return rows.map_batches(
+        _tag_epoch, batch_format="pyarrow", fn_kwargs={"epoch": epoch, "copy": copy}
+    )
+
+
+def _tag_epoch(batch: pa.Table, epoch: int, copy: int) -> pa.Table:
+    batch = batch.append_column("_epoch", pa.array(np.full(batch.num_rows, epoch, np.int32)))
+    return batch.append_column("_pass", pa.array(np.full(batch.num_rows, copy, np.int32)))
 
 
 def epoch_fractions(config: Config, estimates: dict[str, Estimate]) -> list[float]:
@@ -151,9 +255,24 @@ def cluster_cpus() -> float:
     return float(ray.cluster_resources().get("CPU", 1.0))
 
 
-def tokenized(rows: ray.data.Dataset, config: Config, ledger: Any = None) -> ray.data.Dataset:
+def tokenized(
+    rows: ray.data.Dataset, config: Config, ledger: Any = None, tasks: bool = False
+) -> ray.data.Dataset:
     """Raw rows → tokenized samples through one Tokenize actor pool, which grows up to
-    ``ray.tokenize_concurrency`` actors (default half the cluster's CPUs) while data waits."""
+    ``ray.tokenize_concurrency`` actors (default half the cluster's CPUs) while data waits; or,
+    with ``tasks`` (the warm-up lane), through tasks (``_stage_task``)."""
+    kwargs = {
+        "datasets": config.datasets,
+        "tokenizer": config.tokenizer,
+        "seq_len": config.packing.seq_len,
+        "overflow": config.packing.overflow,
+        "ledger": ledger,
+    }
+    if tasks:
+        return rows.map_batches(
+            _stage_task, batch_size=TOKENIZE_BATCH_ROWS, batch_format="pyarrow",
+            num_cpus=WARMUP_CPUS, fn_kwargs={"stage": Tokenize, "kwargs": kwargs},
+        )  # fmt: skip
     ceiling = config.ray.tokenize_concurrency or max(1, int(cluster_cpus()) // 2)
     return rows.map_batches(
         Tokenize,
@@ -163,14 +282,26 @@ def tokenized(rows: ray.data.Dataset, config: Config, ledger: Any = None) -> ray
         compute=ray.data.ActorPoolStrategy(
             min_size=min(config.ray.min_actors, ceiling), max_size=ceiling
         ),
-        fn_constructor_kwargs={
-            "datasets": config.datasets,
-            "tokenizer": config.tokenizer,
-            "seq_len": config.packing.seq_len,
-            "overflow": config.packing.overflow,
-            "ledger": ledger,
-        },
+        fn_constructor_kwargs=kwargs,
     )
+
+
+_STAGES: dict[str, Any] = {}
+
+
+def _stage_task(batch: pa.Table, stage: type, kwargs: dict[str, Any]) -> Any:
+    """Run a ``map_batches`` class as a task: one instance per worker process and arguments, so
+    the tokenizer loads once per process. The warm-up lane runs this way: its work is short, and
+    a task, unlike an actor, gives its CPU back when done (actors held for the whole run by a lane
+    that finished early could starve the main lane and the trainers on a small cluster)."""
+    import hashlib
+
+    from ray import cloudpickle
+
+    key = stage.__name__ + hashlib.blake2b(cloudpickle.dumps(kwargs)).hexdigest()
+    if key not in _STAGES:
+        _STAGES[key] = stage(**kwargs)
+    return _STAGES[key](batch)
 
 
 def window_rows(window_tokens: int, mean_tokens: float) -> int:
@@ -179,48 +310,146 @@ def window_rows(window_tokens: int, mean_tokens: float) -> int:
     return max(1, int(window_tokens / max(1.0, mean_tokens)))
 
 
-def _size_hint(spec: DatasetConfig, estimate: Estimate) -> float:
-    """Relative size of a dataset for interleaving: its rows when counted, else its bytes."""
+def _rows_hint(spec: DatasetConfig, estimate: Estimate) -> float:
+    """Rows in a dataset: counted, else its bytes times the rows per byte of its first files."""
     if estimate.rows is not None:
         return float(estimate.rows)
-    return float(sum(os.path.getsize(f) for f in spec.files)) if spec.files else 1.0
+    size = float(sum(os.path.getsize(f) for f in spec.files)) if spec.files else 1.0
+    return size * estimate.rows_per_byte if estimate.rows_per_byte else size
+
+
+def warmup_heads(
+    config: Config, estimates: dict[str, Estimate], fractions: list[float], first_reads: list[Pass]
+) -> dict[str, Head]:
+    """Each file-based dataset's part of the warm-up lane: ``packing.warmup_tokens`` split in the
+    ratio of the datasets' expected tokens in the first epoch, taken from the head of the first
+    file each reads (parsed here, in the driver: one file per dataset)."""
+    if not config.packing.warmup_tokens:
+        return {}
+    expected = {
+        spec.name: fraction
+        * _rows_hint(spec, estimates[spec.name])
+        * estimates[spec.name].mean_tokens
+        for spec, fraction in zip(config.datasets, fractions, strict=True)
+    }
+    total = sum(expected.values())
+    heads = {}
+    for spec, read in zip(config.datasets, first_reads, strict=True):
+        if spec.format == HF or not total:
+            continue
+        tokens = config.packing.warmup_tokens * expected[spec.name] / total
+        wanted = int(np.ceil(tokens / estimates[spec.name].mean_tokens / (read.sample or 1.0)))
+        rows, _ = _parse(spec, read.files[0])
+        if wanted and rows:
+            below = rows[wanted] if wanted < len(rows) else rows[-1] + 1
+            heads[spec.name] = Head(read.files[0], below, min(wanted, len(rows)))
+    return heads
 
 
 def packed_rows(config: Config, pad_id: int, ledger: Any = None) -> ray.data.Dataset:
     """The packed rows of every epoch, in epoch order, as one lazy dataset (see module note)."""
     estimates = estimate(config, count_rows=config.datasets[0].weight is not None)
     fractions = epoch_fractions(config, estimates)
+    weighted = config.datasets[0].weight is not None
+    margin = 1.0 + MIX_MARGIN if weighted else 1.0  # read a margin more, trim to the share
+    reads = [
+        [
+            passes(spec, index, epoch, config.seed, fractions[index] * margin)
+            for epoch in range(config.train.epochs)
+        ]
+        for index, spec in enumerate(config.datasets)
+    ]  # reads[dataset][epoch]: that epoch's passes over the dataset
+    if weighted and ledger is not None:
+        ray.get(ledger.set_budgets.remote(budgets(config, estimates, fractions)))
+    heads = warmup_heads(config, estimates, fractions, [r[0][0] for r in reads])
     streams, expected = [], []
     for index, spec in enumerate(config.datasets):
         epochs = [
-            _epoch_stream(spec, index, epoch, config.seed, fractions[index])
+            _epoch_stream(
+                spec, reads[index][epoch], epoch, heads.get(spec.name) if not epoch else None
+            )
             for epoch in range(config.train.epochs)
         ]
         streams.append(epochs[0].union(*epochs[1:]) if len(epochs) > 1 else epochs[0])
-        expected.append(fractions[index] * _size_hint(spec, estimates[spec.name]))
+        expected.append(fractions[index] * _rows_hint(spec, estimates[spec.name]))
     rows = streams[0]
+    mean_tokens = float(np.mean([e.mean_tokens for e in estimates.values()]))
+    window = window_rows(config.packing.window_tokens, mean_tokens)
     if len(streams) > 1:  # interleaved block by block in the ratio of expected rows
-        rows = rows.mix(*streams[1:], weights=list(np.array(expected) / sum(expected)))
+        # Blocks of at most 1/MIX_BLOCKS of a window, so each window holds every dataset in
+        # about its ratio (a block is the unit Dataset.mix interleaves).
+        block = max(MIN_MIX_BLOCK_ROWS, window // MIX_BLOCKS)
+        streams = [s.repartition(target_num_rows_per_block=block) for s in streams]
+        rows = streams[0].mix(*streams[1:], weights=list(np.array(expected) / sum(expected)))
     packers = config.ray.pack_concurrency or max(1, int(cluster_cpus()) // 4)
-    return tokenized(rows, config, ledger).map_batches(
-        PackStream,
-        batch_size=window_rows(
-            config.packing.window_tokens,
-            float(np.mean([e.mean_tokens for e in estimates.values()])),
-        ),
-        batch_format="pyarrow",
-        num_cpus=0.5,
-        compute=ray.data.ActorPoolStrategy(
-            min_size=min(config.ray.min_actors, packers), max_size=packers
-        ),
-        fn_constructor_kwargs={
-            "seq_len": config.packing.seq_len,
-            "strategy": config.packing.strategy,
-            "pad_id": pad_id,
-            "seed": config.seed,
-            "ledger": ledger,
-        },
-    )
+    packed = _packed(
+        tokenized(rows, config, ledger), config, pad_id, ledger,
+        window, packers,
+    )  # fmt: skip
+    if not heads:
+        return packed
+    specs = {spec.name: (spec, reads[i][0][0]) for i, spec in enumerate(config.datasets)}
+    parts = [_tagged(_read(*specs[name], head, "head"), 0, 0) for name, head in heads.items()]
+    warm = parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
+    window = window_rows(config.packing.warmup_tokens // WARMUP_CALLS, mean_tokens)
+    warm = _packed(tokenized(warm, config, ledger, tasks=True), config, pad_id, ledger, window, 0)
+    return warm.union(packed)
+
+
+def budgets(
+    config: Config, estimates: dict[str, Estimate], fractions: list[float]
+) -> dict[tuple[int, str], float]:
+    """Each dataset's share of each epoch in ``mix.by`` units, from the estimates: what its
+    ``fraction`` of a read would hold (``Ledger.admit`` trims the margin read beyond it)."""
+    by_tokens = config.mix.by == "tokens"
+    return {
+        (epoch, spec.name): fraction
+        * _rows_hint(spec, estimates[spec.name])
+        * (estimates[spec.name].mean_tokens if by_tokens else 1.0)
+        for epoch in range(config.train.epochs)
+        for spec, fraction in zip(config.datasets, fractions, strict=True)
+    }
+
+
+def _packed(
+    samples: ray.data.Dataset, config: Config, pad_id: int, ledger: Any, window: int, actors: int
+) -> ray.data.Dataset:
+    """Tokenized samples → packed rows through a pool of up to ``actors`` PackStream actors (0:
+    tasks, the warm-up lane), one call per ``window`` samples, cut into blocks of ``block_rows``
+    rows."""
+    kwargs = {
+        "seq_len": config.packing.seq_len,
+        "strategy": config.packing.strategy,
+        "pad_id": pad_id,
+        "seed": config.seed,
+        "ledger": ledger,
+        "budget": config.mix.by if config.datasets[0].weight is not None else None,
+    }
+    if actors:
+        packed = samples.map_batches(
+            PackStream,
+            batch_size=window,
+            batch_format="pyarrow",
+            num_cpus=0.5,
+            compute=ray.data.ActorPoolStrategy(
+                min_size=min(config.ray.min_actors, actors), max_size=actors
+            ),
+            fn_constructor_kwargs=kwargs,
+        )
+    else:
+        packed = samples.map_batches(
+            _stage_task, batch_size=window, batch_format="pyarrow", num_cpus=WARMUP_CPUS,
+            fn_kwargs={"stage": PackStream, "kwargs": kwargs},
+        )  # fmt: skip
+    return packed.repartition(target_num_rows_per_block=block_rows(config.packing.seq_len))
+
+
+def block_rows(seq_len: int) -> int:
+    """Rows per block of packed rows: about ``BLOCK_BYTES`` (four int32 columns). Small blocks
+    matter because the trainers' ``streaming_split(equal=True)`` hands a block to one rank only
+    while the blocks it still holds can even the ranks out: one block per window would hold the
+    first batch back until a second window is packed (or the stream ends)."""
+    return max(1, BLOCK_BYTES // (4 * 4 * seq_len))
 
 
 def pack_batch(
@@ -237,20 +466,49 @@ class PackStream:
     """Ray Data ``map_batches`` class: a window of tokenized samples → its packed rows, every
     sample placed, nothing kept for the next call (see module note)."""
 
-    def __init__(self, seq_len: int, strategy: str, pad_id: int, seed: int, ledger: Any = None):
+    def __init__(
+        self,
+        seq_len: int,
+        strategy: str,
+        pad_id: int,
+        seed: int,
+        ledger: Any = None,
+        budget: str | None = None,
+    ):
+        """``budget``: ``tokens`` or ``samples`` when each dataset's share of an epoch is a
+        budget held by the ledger (weighted mixing), else None."""
         self.seq_len, self.strategy, self.pad_id = seq_len, strategy, pad_id
-        self.seed, self.ledger = seed, ledger
+        self.seed, self.ledger, self.budget = seed, ledger, budget
         report_actor(ledger, "PackStream")
 
     def __call__(self, batch: pa.Table) -> dict[str, np.ndarray]:
         outputs = []
         for epoch in sorted(pc.unique(batch.column("_epoch")).to_pylist()):
             mine = batch.filter(pc.equal(batch.column("_epoch"), epoch))
+            key = window_key(mine, epoch)
+            kept, trimmed = self._admitted(mine, epoch, key)
             with StageTimer() as timer:
-                rows = self._pack(mine, epoch)
-            report(self.ledger, "add_pack", epoch, pack_counts(mine, rows, self.seq_len, timer))
+                rows = self._pack(kept, epoch)
+            counts = pack_counts(kept, rows, self.seq_len, timer, trimmed)
+            report(self.ledger, "add_pack", epoch, counts, key)
             outputs.append(rows)
         return {name: np.concatenate([rows[name] for rows in outputs]) for name in outputs[0]}
+
+    def _admitted(self, batch: pa.Table, epoch: int, key: str) -> tuple[pa.Table, pa.Table | None]:
+        """The window's samples that fit their datasets' shares of the epoch (all of them
+        without a budget), and those trimmed."""
+        if self.budget is None or self.ledger is None:
+            return batch, None
+        sources = batch.column("source").to_numpy(zero_copy_only=False)
+        sizes = batch.column("num_tokens").to_numpy()
+        if self.budget == "samples":
+            sizes = np.ones_like(sizes)
+        wants = {name: sizes[sources == name].tolist() for name in np.unique(sources)}
+        grant = ray.get(self.ledger.admit.remote(key, epoch, wants))
+        keep = np.zeros(len(sources), dtype=bool)
+        for name, n in grant.items():
+            keep[np.flatnonzero(sources == name)[:n]] = True
+        return batch.filter(pa.array(keep)), batch.filter(pa.array(~keep))
 
     def _pack(self, batch: pa.Table, epoch: int) -> dict[str, np.ndarray]:
         lengths = batch.column("num_tokens").to_numpy().astype(np.int64)
@@ -258,7 +516,7 @@ class PackStream:
         # Seeded by the window's content: the same samples in a window pack the same way.
         rng = seeds.rng(self.seed, "pack_window", epoch, int(uids.min()) if len(uids) else 0)
         packs = pack_batch(lengths, self.seq_len, self.strategy, rng)
-        order = np.concatenate(packs)
+        order = np.concatenate(packs) if packs else np.empty(0, dtype=np.int64)
         tokens, labels, starts = flat_samples(batch)
         rows = assemble(
             tokens,
@@ -271,6 +529,13 @@ class PackStream:
         )
         rows["epoch"] = np.full(len(packs), epoch, dtype=np.int32)
         return rows
+
+
+def window_key(batch: pa.Table, epoch: int) -> str:
+    """The identity of one epoch's part of a packer window (``metrics.batch_key``): its samples'
+    uids and passes."""
+    passes = batch.column("_pass") if "_pass" in batch.column_names else []
+    return batch_key("pack", [epoch], batch.column("uid"), passes)
 
 
 def flat_samples(batch: pa.Table) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray]:
@@ -299,12 +564,27 @@ def _flat_values(column: pa.ChunkedArray) -> tuple[list[np.ndarray], np.ndarray]
     return values, np.concatenate(starts) if starts else np.empty(0, dtype=np.int64)
 
 
-def pack_counts(
-    batch: pa.Table, rows: dict[str, np.ndarray], seq_len: int, timer: StageTimer
-) -> PackCounts:
-    """What one pack call emitted, by source, for the ledger."""
+def _by_source(batch: pa.Table) -> tuple[dict[str, int], dict[str, int]]:
+    """Samples and tokens of a batch by source."""
     by_source = batch.group_by("source").aggregate([("num_tokens", "sum"), ("num_tokens", "count")])
     names = by_source.column("source").to_pylist()
+    return (
+        dict(zip(names, by_source.column("num_tokens_count").to_pylist(), strict=True)),
+        dict(zip(names, by_source.column("num_tokens_sum").to_pylist(), strict=True)),
+    )
+
+
+def pack_counts(
+    batch: pa.Table,
+    rows: dict[str, np.ndarray],
+    seq_len: int,
+    timer: StageTimer,
+    trimmed: pa.Table | None = None,
+) -> PackCounts:
+    """What one pack call emitted (and trimmed to the datasets' shares), by source, for the
+    ledger."""
+    documents, tokens = _by_source(batch)
+    trimmed_documents, trimmed_tokens = _by_source(trimmed) if trimmed is not None else ({}, {})
     num_packs = len(rows["num_tokens"])
     return PackCounts(
         num_packs=num_packs,
@@ -312,12 +592,10 @@ def pack_counts(
         num_slots=num_packs * seq_len,
         num_documents=batch.num_rows,
         calls=1,
-        documents_by_source=dict(
-            zip(names, by_source.column("num_tokens_count").to_pylist(), strict=True)
-        ),
-        tokens_by_source=dict(
-            zip(names, by_source.column("num_tokens_sum").to_pylist(), strict=True)
-        ),
+        documents_by_source=documents,
+        tokens_by_source=tokens,
+        trimmed_by_source=trimmed_documents,
+        trimmed_tokens_by_source=trimmed_tokens,
         seconds=timer.seconds,
         cpu_seconds=timer.cpu_seconds,
     )

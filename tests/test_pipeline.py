@@ -27,8 +27,14 @@ def _config(**packing):
                 {"name": "hh_chat", "source": str(HH_CHAT), "template": "chat"},
             ],
             "tokenizer": {"path": str(GPT2)},
-            # Windows of ~20k tokens: several packer calls per epoch, on two packer actors.
-            "packing": {"seq_len": SEQ_LEN, "window_tokens": 20_000, **packing},
+            # Windows of ~20k tokens: several packer calls per epoch, on two packer actors; a
+            # warm-up lane of 16k tokens: part of each dataset's file, the rest in the main lane.
+            "packing": {
+                "seq_len": SEQ_LEN,
+                "window_tokens": 20_000,
+                "warmup_tokens": 16_000,
+                **packing,
+            },
             "ray": {"min_actors": 2, "tokenize_concurrency": 2, "pack_concurrency": 2},
         },
         base_dir=ROOT,
@@ -187,3 +193,21 @@ def test_bad_rows_skipped_are_counted(ray_local, tmp_path):
     assert sum(int(r["num_documents"]) for r in rows) == 1
     examples = sorted(stats["skipped_examples"])  # blocks arrive in any order
     assert "row 2:" in examples[0] and "row 3:" in examples[1]
+
+
+def test_the_warm_up_lane_takes_part_of_each_dataset():
+    """Guard for the tests above: both lanes carry rows of both datasets, so "every sample
+    exactly once" covers the split between them."""
+    from rayjobs import stream
+
+    config = _config()
+    estimates = stream.estimate(config, count_rows=False)
+    fractions = stream.epoch_fractions(config, estimates)
+    first = [stream.passes(s, i, 0, config.seed, 1.0)[0] for i, s in enumerate(config.datasets)]
+    heads = stream.warmup_heads(config, estimates, fractions, first)
+    assert set(heads) == {"alpaca", "hh_chat"}
+    for spec in config.datasets:
+        rows = len(stream._parse(spec, spec.files[0])[0])  # each dataset is one file
+        assert 10 < heads[spec.name].rows < rows / 2
+    tokens = sum(heads[n].rows * estimates[n].mean_tokens for n in heads)
+    assert tokens == pytest.approx(16_000, rel=0.05)
