@@ -10,19 +10,21 @@ data side (CPU nodes; numpy, pyarrow, Ray Data; never torch):
     mix.py         per-epoch plan: weighted shares by tokens or samples, interleaved
     pack.py        streaming best-fit decreasing (strategy registry)
     rows.py        the packed-row contract: columns, dtypes, ignore index, layout, assembly
-    epochs.py      the Ray adapters: plan in the driver, assemble rows in Ray Data
+    stream.py      the default path: read → mix → Tokenize pool → PackStream pool, one stream
+    epochs.py      planned mode's Ray adapters: plan in the driver, assemble rows in Ray Data
     seeds.py       every random stream of a run, from one table
 train side (GPU nodes; torch):
     masks.py       document_ids → dense mask (SDPA) and BlockMask (FlexAttention)
     collate.py     packed rows → tensors on the rank's device
-    model.py       the document-masked decoder and the token-summed loss
+    model.py       the demo decoder, Hugging Face causal LMs (PackedLM), the chunked loss
     train.py       the TorchTrainer loop: equal batches per rank, guard, checkpoint
 on top:
     config.py      YAML + dotted overrides → typed Config, validated against the registries
     pipeline.py    the job: ``start_job`` (data side, shared by run/export/bench) and ``run``
     metrics.py     the run's Ledger (exact counts) and its Prometheus series; stage timers
     export.py      ``rayjobs export``: packed rows as Parquet + manifest
-    bench.py, bench_attention.py, cli.py
+    submit.py      ``rayjobs submit`` / status / logs / stop through Ray's Jobs API
+    bench.py, bench_pipeline.py, bench_attention.py, cli.py
 """
 
 import importlib

@@ -9,6 +9,12 @@ never reaches the loss. Both forms below follow that one rule:
 - ``document_causal_mask``: dense [B,S,S] boolean mask for SDPA (the CPU path; FlexAttention has no
   backward on CPU in torch 2.13).
 - ``document_mask_mod`` and ``block_mask``: the same rule for FlexAttention (the CUDA path).
+- ``hf_attention_mask``: the form a Hugging Face model's attention backend takes as its
+  ``attention_mask``, built from the two above. transformers (5.x, ``masking_utils``) returns a
+  4-D ``attention_mask`` (a tensor or a BlockMask) as it is, without building its own causal mask:
+  ``sdpa`` takes the boolean [B,1,S,S] mask (True = attend), ``eager`` adds the mask to its
+  scores, so it gets an additive float mask (0 where allowed, the dtype's minimum elsewhere), and
+  ``flex_attention`` takes the BlockMask.
 
 BlockMask notes (torch 2.13): build it on the rank from plain tensors, once per step. Its
 ``mask_mod`` is a closure over ``document_ids``: it does not pickle with stdlib pickle, and
@@ -36,6 +42,14 @@ def document_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
     same_document = document_ids[:, :, None] == document_ids[:, None, :]
     causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=document_ids.device).tril()
     return same_document & causal
+
+
+def additive_mask(document_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Float [B,1,S,S] of ``dtype``: 0 where ``document_causal_mask`` allows attention, the dtype's
+    most negative finite value elsewhere (finite, so a softmax over a row never sees inf - inf)."""
+    allowed = document_causal_mask(document_ids)[:, None]
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=document_ids.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
 def document_mask_mod(document_ids: torch.Tensor) -> MaskMod:
@@ -73,4 +87,26 @@ def block_mask(document_ids: torch.Tensor, block_size: int = 128) -> BlockMask:
         KV_LEN=seq_len,
         device=document_ids.device,
         BLOCK_SIZE=block_size,
+    )
+
+
+HF_ATTENTION = ("sdpa", "eager", "flex_attention")
+"""The Hugging Face attention implementations ``hf_attention_mask`` serves."""
+
+
+def hf_attention_mask(
+    document_ids: torch.Tensor, implementation: str, dtype: torch.dtype = torch.float32
+) -> torch.Tensor | BlockMask:
+    """The document-causal mask as a Hugging Face model's ``attention_mask`` for ``implementation``
+    (its ``config._attn_implementation``): a bool [B,1,S,S] for ``sdpa``, an additive [B,1,S,S] of
+    ``dtype`` (the attention scores' dtype) for ``eager``, a BlockMask for ``flex_attention``."""
+    if implementation == "sdpa":
+        return document_causal_mask(document_ids)[:, None]
+    if implementation == "eager":
+        return additive_mask(document_ids, dtype)
+    if implementation == "flex_attention":
+        return block_mask(document_ids)
+    raise ValueError(
+        f"attention implementation {implementation!r} has no document mask here; "
+        f"use one of {', '.join(HF_ATTENTION)}"
     )

@@ -8,6 +8,12 @@ torch 2.13); ``attention="flex"`` uses FlexAttention with a BlockMask, compiled 
 
 Pre-norm blocks: RMSNorm → attention → residual, RMSNorm → SwiGLU MLP → residual; the lm head is
 tied to the token embedding.
+
+``PackedLM`` trains either this decoder or a Hugging Face causal LM (``build_hf_model``) on packed
+rows: the document mask goes to an HF model as its backend needs it (``masks.hf_attention_mask``),
+``position_ids`` restart per document, and the loss (``chunked_loss_sum``) never holds the logits
+of the whole batch: only labelled positions reach the lm head, a chunk of them at a time, each
+chunk recomputed in backward (``torch.utils.checkpoint``) instead of kept.
 """
 
 from __future__ import annotations
@@ -15,11 +21,13 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import flex_attention
+from torch.utils.checkpoint import checkpoint
 
 from rayjobs import masks
 from rayjobs.rows import IGNORE_INDEX
@@ -165,12 +173,22 @@ class Decoder(nn.Module):
         ``attention`` is ``"sdpa"`` (dense mask; any device, trains on CPU) or ``"flex"``
         (FlexAttention BlockMask; compiled on CUDA, forward only on CPU).
         """
+        return self.lm_head(self.hidden_states(input_ids, position_ids, document_ids, attention))
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        document_ids: torch.Tensor,
+        attention: str = "sdpa",
+    ) -> torch.Tensor:
+        """The normed final hidden states [B,S,dim], the input of ``lm_head``."""
         attend = _attend_fn(attention, document_ids)
         cos, sin = _rope(position_ids, self.config.head_dim, self.config.rope_theta)
         x = self.embedding(input_ids)
         for block in self.blocks:
             x = block(x, cos, sin, attend)
-        return self.lm_head(self.norm(x))
+        return self.norm(x)
 
 
 def loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,3 +205,239 @@ def loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, 
         reduction="sum",
     )
     return total, (labels != IGNORE_INDEX).sum()
+
+
+DEFAULT_LOSS_CHUNK_TOKENS = 1024
+"""Labelled positions projected to the vocabulary at once by ``chunked_loss_sum``."""
+
+
+def _chunk_cross_entropy(
+    head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, targets: torch.Tensor
+) -> torch.Tensor:
+    return F.cross_entropy(head(hidden).float(), targets, reduction="sum")
+
+
+def chunked_loss_sum(
+    hidden: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    labels: torch.Tensor,
+    chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``loss_sum(head(hidden), labels)`` without the logits of the whole batch.
+
+    Only positions whose label is not -100 reach ``head``: their hidden states [N,dim] are
+    projected ``chunk_tokens`` rows at a time, each chunk's logits upcast to fp32 for the cross
+    entropy, inside ``torch.utils.checkpoint``: the forward keeps no logits, and backward recomputes
+    them one chunk at a time. The loss therefore holds about one chunk's logits (in the head's
+    dtype, the fp32 copy and their gradient: chunk_tokens × vocab × 12 bytes in fp32) instead of
+    three batch-sized [B,S,vocab] tensors; the price is a second forward of the head per chunk.
+    Equal to ``loss_sum`` up to the summation order. An empty chunk still runs when no position
+    has a label, so every parameter of the head takes part in backward (DDP expects that).
+
+    Args:
+        hidden: [B,S,dim] final hidden states (the head's input).
+        head: hidden [n,dim] → logits [n,vocab] (an lm head; it may apply logit scaling).
+        labels: [B,S] shifted labels, -100 where no loss.
+        chunk_tokens: labelled positions per chunk (> 0).
+
+    Returns:
+        (summed cross entropy as fp32, number of labelled positions).
+    """
+    if chunk_tokens <= 0:
+        raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}.")
+    labels = labels.reshape(-1)
+    labelled = labels != IGNORE_INDEX
+    hidden = hidden.reshape(-1, hidden.shape[-1])[labelled]
+    targets = labels[labelled].long()
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    for start in range(0, max(len(targets), 1), chunk_tokens):
+        chunk = slice(start, start + chunk_tokens)
+        total = total + checkpoint(
+            functools.partial(_chunk_cross_entropy, head),
+            hidden[chunk],
+            targets[chunk],
+            use_reentrant=False,
+        )
+    return total, labelled.sum()
+
+
+class PackedLM(nn.Module):
+    """A causal LM on packed rows: forward takes a batch's columns and returns the summed loss and
+    the count of labelled positions (divide by the *global* count for the per-token mean).
+
+    ``model`` is the demo ``Decoder`` (``attention``: ``"sdpa"`` or ``"flex"``) or a Hugging Face
+    causal LM, whose attention backend is its ``config._attn_implementation`` (``sdpa``, ``eager``
+    or ``flex_attention``; ``attention`` is then ignored). For an HF model the body
+    (``get_decoder()``) runs with ``position_ids`` (restarting per document) and the document mask
+    in its backend's form (``masks.hf_attention_mask``: transformers passes a 4-D mask or a
+    BlockMask through untouched); the lm head (``get_output_embeddings()``, plus the logit scaling
+    or soft-capping some architectures apply in their forward) runs in the loss.
+    ``loss_chunk_tokens``: 0 computes the full logits and ``loss_sum``; else ``chunked_loss_sum``.
+
+    Wrap this module (not the inner model) in DDP: the loss is computed inside its forward, so DDP
+    sees every parameter used.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        attention: str = "sdpa",
+        loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
+    ) -> None:
+        super().__init__()
+        if loss_chunk_tokens < 0:
+            raise ValueError(f"loss_chunk_tokens must be >= 0, got {loss_chunk_tokens}.")
+        self.model = model
+        self.is_hf = not isinstance(model, Decoder)
+        self.loss_chunk_tokens = loss_chunk_tokens
+        self._attention = attention
+        if self.is_hf:
+            if self.attention not in masks.HF_ATTENTION:
+                raise ValueError(
+                    f"attn_implementation {self.attention!r} is not supported; "
+                    f"use one of {', '.join(masks.HF_ATTENTION)}"
+                )
+            config = model.config.get_text_config()
+            # What some architectures' *ForCausalLM.forward does to the head's output
+            # (Cohere: logit_scale, Granite: logits_scaling, Gemma 2/3: final_logit_softcapping).
+            self._logit_scale = getattr(config, "logit_scale", None)
+            self._logits_scaling = getattr(config, "logits_scaling", None)
+            self._softcap = getattr(config, "final_logit_softcapping", None)
+        elif attention not in ("sdpa", "flex"):
+            raise ValueError(f"attention must be 'sdpa' or 'flex', got {attention!r}.")
+
+    @property
+    def attention(self) -> str:
+        """The attention backend: the decoder's ``sdpa`` / ``flex``, or the HF model's own
+        ``config._attn_implementation`` (read at every forward, so ``set_attn_implementation``
+        on the model takes effect)."""
+        return self.model.config._attn_implementation if self.is_hf else self._attention
+
+    def hidden_states(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, document_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """Final hidden states [B,S,dim] of packed rows, documents masked from each other."""
+        if not self.is_hf:
+            return self.model.hidden_states(input_ids, position_ids, document_ids, self.attention)
+        dtype = self.model.get_input_embeddings().weight.dtype
+        output = self.model.get_decoder()(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=masks.hf_attention_mask(document_ids, self.attention, dtype),
+            use_cache=False,
+        )
+        return output.last_hidden_state
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of ``hidden`` [..., dim], as the model's own forward computes them."""
+        if not self.is_hf:
+            return self.model.lm_head(hidden)
+        logits = self.model.get_output_embeddings()(hidden)
+        if self._logit_scale is not None:
+            logits = logits * self._logit_scale
+        if self._logits_scaling is not None:
+            logits = logits / self._logits_scaling
+        if self._softcap is not None:
+            logits = torch.tanh(logits / self._softcap) * self._softcap
+        return logits
+
+    def logits(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, document_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """Full logits [B,S,vocab] (evaluation and tests; training uses ``forward``)."""
+        return self.head(self.hidden_states(input_ids, position_ids, document_ids))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        document_ids: torch.Tensor,
+        labels: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(summed cross entropy over labelled positions, their count) of a batch of rows."""
+        hidden = self.hidden_states(input_ids, position_ids, document_ids)
+        if not self.loss_chunk_tokens:
+            return loss_sum(self.head(hidden), labels)
+        return chunked_loss_sum(hidden, self.head, labels, self.loss_chunk_tokens)
+
+    def check_head(self, num_tokens: int = 16) -> float:
+        """Largest difference between this module's logits and the model's own forward on one
+        short sequence (one document, so the masks agree); raises ``ValueError`` above 1e-4 × the
+        logits' scale: an architecture whose forward does more to its logits than ``head``
+        reproduces would otherwise train on a different loss than it reports."""
+        vocab_size = self.model.get_input_embeddings().num_embeddings
+        device = self.model.get_input_embeddings().weight.device
+        input_ids = (torch.arange(num_tokens, device=device)[None] * 7919) % vocab_size
+        position_ids = torch.arange(num_tokens, device=device)[None]
+        was_training = self.training
+        self.eval()
+        try:
+            with torch.no_grad():
+                expected = self.model(input_ids=input_ids, use_cache=False).logits.float()
+                got = self.logits(input_ids, position_ids, torch.zeros_like(input_ids)).float()
+        finally:
+            self.train(was_training)
+        difference = float((got - expected).abs().max())
+        if difference > 1e-4 * max(1.0, float(expected.abs().max())):
+            raise ValueError(
+                f"{type(self.model).__name__}: logits from get_decoder() + "
+                f"get_output_embeddings() differ from the model's own by {difference:.3g}; "
+                "its forward transforms the logits in a way rayjobs does not reproduce"
+            )
+        return difference
+
+
+def build_hf_model(
+    *,
+    vocab_size: int,
+    seq_len: int,
+    path: str | None = None,
+    config_path: str | None = None,
+    overrides: dict[str, Any] | None = None,
+    attn_implementation: str = "sdpa",
+    local_files_only: bool = True,
+    token_ids: dict[str, int] | None = None,
+) -> nn.Module:
+    """A Hugging Face causal LM in fp32, in train mode.
+
+    - ``path``: pretrained weights, ``AutoModelForCausalLM.from_pretrained(path)`` (a local
+      checkpoint directory, or a Hub name found in the local cache unless ``local_files_only`` is
+      False); ``overrides`` update its config.
+    - otherwise an architecture, randomly initialised from the current torch seed: the config from
+      ``config_path`` (a config.json or its folder) or ``AutoConfig.for_model(overrides
+      ["model_type"], ...)``, with ``overrides`` applied. ``vocab_size`` and ``token_ids``
+      (``bos_token_id``, ``eos_token_id``, ``pad_token_id``: the tokenizer's) fill what the
+      overrides do not set.
+
+    Raises:
+        ValueError: if the model has fewer token embeddings than ``vocab_size`` or fewer positions
+            than ``seq_len``, or does not know ``model_type``.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    overrides = dict(overrides or {})
+    common = {"attn_implementation": attn_implementation, "dtype": torch.float32}
+    if path is not None:
+        config = AutoConfig.from_pretrained(path, local_files_only=local_files_only, **overrides)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, config=config, local_files_only=local_files_only, **common
+        )
+    else:
+        settings = {"vocab_size": vocab_size, **(token_ids or {}), **overrides}
+        if config_path is not None:
+            config = AutoConfig.from_pretrained(config_path, **settings)
+        else:
+            config = AutoConfig.for_model(settings.pop("model_type"), **settings)
+        model = AutoModelForCausalLM.from_config(config, **common)
+    model.train()
+    embeddings = model.get_input_embeddings().num_embeddings
+    if embeddings < vocab_size:
+        raise ValueError(
+            f"the model has {embeddings} token embeddings but the tokenizer {vocab_size} token ids"
+        )
+    positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if positions is not None and positions < seq_len:
+        raise ValueError(
+            f"max_position_embeddings ({positions}) is below packing.seq_len ({seq_len})"
+        )
+    return model

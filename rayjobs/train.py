@@ -14,6 +14,14 @@ Design note.
   gradients over ranks, hence the factor ``world_size``.
 - Attention: FlexAttention with a document-causal BlockMask on CUDA, SDPA with the dense mask from
   the same ``document_ids`` on CPU (FlexAttention has no CPU backward in torch 2.13).
+- The model: ``train.model.kind`` demo (``Decoder``) or hf (a Hugging Face causal LM from
+  ``build_hf_model``), wrapped in ``PackedLM``, which masks documents for the model's attention
+  backend and computes the loss in chunks inside its forward; DDP wraps the ``PackedLM``.
+- Checkpoints: every ``train.checkpoint_every`` steps (named ``checkpoint_step_<step>``, listed in
+  the summary's ``checkpoints``) and at the end (the summary's ``checkpoint``). An HF model is saved
+  with ``save_pretrained`` plus the run's tokenizer, so ``AutoModelForCausalLM.from_pretrained``
+  loads the folder, with ``probe.pt``: the trained model's logits on a fixed input, to check a
+  load against; the demo decoder as ``model.pt`` (its state dict).
 """
 
 from __future__ import annotations
@@ -29,9 +37,10 @@ import torch.distributed as dist
 
 from rayjobs import seeds
 from rayjobs.collate import collate
-from rayjobs.config import Config
+from rayjobs.config import Config, HFModelConfig
 from rayjobs.metrics import TrainMetrics
-from rayjobs.model import Decoder, DecoderConfig, loss_sum
+from rayjobs.model import Decoder, DecoderConfig, PackedLM, build_hf_model
+from rayjobs.tokenize import Tokenizer
 
 
 def _all_reduce(value: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
@@ -90,6 +99,118 @@ def resolve_attention(attention: str, device: torch.device) -> str:
     return attention
 
 
+HF_ATTENTION = {"sdpa": "sdpa", "flex": "flex_attention"}
+"""``train.attention`` (resolved) → the Hugging Face attention implementation it means."""
+
+
+def hf_attention(config: Config, device: torch.device) -> str:
+    """The attention implementation of a ``kind: hf`` model on ``device``."""
+    chosen = config.train.model.attn_implementation
+    if chosen is None:
+        return HF_ATTENTION[resolve_attention(config.train.attention, device)]
+    if chosen == "flex_attention" and device.type != "cuda":
+        raise ValueError(
+            "train.model.attn_implementation: flex_attention has no backward pass on CPU in "
+            "torch 2.13; use sdpa or eager when training without GPUs"
+        )
+    return chosen
+
+
+def build_model(
+    config: Config, tokenizer: Tokenizer, device: torch.device, attention: str
+) -> PackedLM:
+    """The run's model in a ``PackedLM``, initialised from the ``model_init`` seed (the same
+    weights on every rank). ``attention``: the demo decoder's ``sdpa`` or ``flex``."""
+    torch.manual_seed(seeds.torch_seed(config.seed, "model_init"))
+    spec = config.train.model
+    chunk = config.train.loss_chunk_tokens
+    if not isinstance(spec, HFModelConfig):
+        decoder = Decoder(
+            DecoderConfig(
+                vocab_size=tokenizer.vocab_size,
+                dim=spec.dim,
+                n_layers=spec.n_layers,
+                n_heads=spec.n_heads,
+            )
+        )
+        return PackedLM(decoder, attention, chunk).to(device)
+    token_ids = {"eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}
+    if "bos_token" in tokenizer.special_tokens:
+        bos = tokenizer.backend.token_to_id(tokenizer.special_tokens["bos_token"])
+        if bos is not None:
+            token_ids["bos_token_id"] = bos
+    implementation = hf_attention(config, device)
+    try:
+        model = build_hf_model(
+            vocab_size=tokenizer.vocab_size,
+            seq_len=config.packing.seq_len,
+            path=spec.path,
+            config_path=spec.config_path,
+            overrides=spec.config,
+            attn_implementation=implementation,
+            local_files_only=not spec.allow_download,
+            token_ids=token_ids,
+        )
+    except (OSError, ValueError, KeyError) as error:
+        source = spec.path or spec.config_path or spec.config.get("model_type")
+        raise ValueError(f"train.model: cannot build the model from {source!r}: {error}") from None
+    packed = PackedLM(model.to(device), loss_chunk_tokens=chunk)
+    packed.check_head()
+    return packed
+
+
+def save_model(model: PackedLM, tokenizer: Tokenizer, directory: str) -> None:
+    """Write ``model`` into ``directory``: an HF model with ``save_pretrained``, the tokenizer
+    next to it and ``probe.pt`` (``input_ids`` [1,16] and the model's fp32 ``logits`` on them,
+    through the training path); the demo decoder as ``model.pt``."""
+    if not model.is_hf:
+        torch.save(model.model.state_dict(), os.path.join(directory, "model.pt"))
+        return
+    model.model.save_pretrained(directory)
+    save_tokenizer(tokenizer, directory)
+    embeddings = model.model.get_input_embeddings()
+    device = embeddings.weight.device
+    input_ids = (torch.arange(16, device=device)[None] * 7919) % tokenizer.vocab_size
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        logits = model.logits(
+            input_ids, torch.arange(16, device=device)[None], torch.zeros_like(input_ids)
+        )
+    model.train(was_training)
+    torch.save(
+        {"input_ids": input_ids.cpu(), "logits": logits.float().cpu()},
+        os.path.join(directory, "probe.pt"),
+    )
+
+
+def save_tokenizer(tokenizer: Tokenizer, directory: str) -> None:
+    """The run's tokenizer (special tokens and chat template included) as a Hugging Face
+    tokenizer folder: ``AutoTokenizer.from_pretrained(directory)`` loads it."""
+    from transformers import PreTrainedTokenizerFast
+
+    special = dict(tokenizer.special_tokens)
+    special["eos_token"] = tokenizer.backend.id_to_token(tokenizer.eos_id)
+    special["pad_token"] = tokenizer.backend.id_to_token(tokenizer.pad_id)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend, **special)
+    if tokenizer.chat_template:
+        fast.chat_template = tokenizer.chat_template
+    fast.save_pretrained(directory)
+
+
+def _checkpoint_path(name: str) -> str | None:
+    """Where Ray Train persists the checkpoint reported as ``name`` (None if it cannot say)."""
+    import ray.train
+
+    try:
+        storage = ray.train.get_context().get_storage()
+        path = f"{storage.experiment_fs_path}/{name}"
+        scheme = storage.storage_filesystem.type_name
+    except Exception:  # a DeveloperAPI: its shape may change between Ray versions
+        return None
+    return path if scheme == "local" else f"{scheme}://{path}"
+
+
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
@@ -108,36 +229,25 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     # per core in every worker: on a 2-core machine two workers ran 10x slower from
     # oversubscription.
     torch.set_num_threads(max(1, int(config.train.cpus_per_worker)))
-    torch.manual_seed(seeds.torch_seed(config.seed, "model_init"))
-    model_config = config.train.model
-    model = Decoder(
-        DecoderConfig(
-            vocab_size=loop_config["vocab_size"],
-            dim=model_config.dim,
-            n_layers=model_config.n_layers,
-            n_heads=model_config.n_heads,
-        )
-    )
-    model = ray.train.torch.prepare_model(model)
+    tokenizer = Tokenizer(config.tokenizer)
+    packed = build_model(config, tokenizer, device, attention)
+    model = ray.train.torch.prepare_model(packed)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=config.train.lr, weight_decay=config.train.weight_decay
     )
     seq_len = config.packing.seq_len
     series = TrainMetrics(loop_config.get("run_name", "rayjobs"), rank)
     losses: list[float] = []
+    checkpoints: list[dict[str, Any]] = []
     steps = rows = pack_tokens = trained_tokens = guard_dropped = 0
     names = loop_config.get("datasets") or [f"train_epoch_{e}" for e in range(config.train.epochs)]
     for index, name in enumerate(names):  # one stream of every epoch, or one dataset per epoch
         shard = ray.train.get_dataset_shard(name)
         guard = _Guard()
         for batch in rank_batches(shard, config.train.batch_size, device, guard):
-            logits = model(
-                batch["input_ids"],
-                batch["position_ids"],
-                batch["document_ids"],
-                attention=attention,
+            local_sum, local_count = model(
+                batch["input_ids"], batch["position_ids"], batch["document_ids"], batch["labels"]
             )
-            local_sum, local_count = loss_sum(logits, batch["labels"])
             global_count = _all_reduce(local_count.detach().clone()).clamp(min=1)
             loss = local_sum / global_count * world_size
             optimizer.zero_grad(set_to_none=True)
@@ -150,9 +260,21 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             rows += len(batch["input_ids"])
             pack_tokens += int(batch["num_tokens"].sum())
             trained_tokens += int(local_count)
-            if steps % config.train.report_every == 0:
+            every = config.train.checkpoint_every
+            if steps % config.train.report_every == 0 or (every and steps % every == 0):
                 epoch = int(batch["epoch"].max()) if "epoch" in batch else index
-                ray.train.report({"step": steps, "epoch": epoch, "loss": step_loss})
+                metrics = {"step": steps, "epoch": epoch, "loss": step_loss}
+                if every and steps % every == 0:
+                    name = f"checkpoint_step_{steps:06d}"
+                    checkpoints.append({"step": steps, "path": _checkpoint_path(name)})
+                    with tempfile.TemporaryDirectory() as directory:
+                        checkpoint = None
+                        if rank == 0:
+                            save_model(packed, tokenizer, directory)
+                            checkpoint = ray.train.Checkpoint.from_directory(directory)
+                        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name)
+                else:
+                    ray.train.report(metrics)
             if config.train.max_steps is not None and steps >= config.train.max_steps:
                 break
         guard_dropped += guard.dropped
@@ -170,14 +292,15 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         "num_packs": rows,
         "packing_efficiency": pack_tokens / (rows * seq_len) if rows else 0.0,
         "guard_dropped_batches": guard_dropped,
-        "attention": attention,
+        "attention": packed.attention,
+        "model": config.train.model.kind,
+        "checkpoints": checkpoints,
         "world_size": world_size,
     }
     with tempfile.TemporaryDirectory() as directory:
         checkpoint = None
         if rank == 0:
-            unwrapped = model.module if hasattr(model, "module") else model
-            torch.save(unwrapped.state_dict(), os.path.join(directory, "model.pt"))
+            save_model(packed, tokenizer, directory)
             with open(os.path.join(directory, "summary.json"), "w") as f:
                 json.dump(summary, f)
             checkpoint = ray.train.Checkpoint.from_directory(directory)

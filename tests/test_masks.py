@@ -4,6 +4,7 @@ reference (python loops, tiles of the dense mask, SDPA with the dense mask)."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -122,3 +123,26 @@ def test_compiled_flex_forward_matches_sdpa():
     with torch.no_grad():
         got = torch.compile(flex_attention)(q, k, v, block_mask=masks.block_mask(document_ids))
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+# ---------------------------------------------------------------- the forms HF models take
+
+
+def test_hf_attention_masks_follow_the_same_rule():
+    """sdpa: the boolean mask [B,1,S,S]; eager: 0 where it allows, the dtype's minimum elsewhere
+    (finite: padding rows stay finite); flex_attention: the BlockMask; others refused."""
+    rows = [[5, 7, 3], [9, 4]]
+    document_ids = _document_ids(rows, seq_len=20)
+    dense = masks.document_causal_mask(document_ids)[:, None]
+    assert torch.equal(masks.hf_attention_mask(document_ids, "sdpa"), dense)
+    for dtype in (torch.float32, torch.bfloat16):
+        additive = masks.hf_attention_mask(document_ids, "eager", dtype)
+        assert additive.dtype == dtype and additive.shape == dense.shape
+        assert torch.equal(additive == 0, dense)
+        assert (additive[~dense] == torch.finfo(dtype).min).all()
+        scores = torch.softmax(torch.randn(dense.shape).to(dtype) + additive, dim=-1)
+        assert torch.isfinite(scores).all()
+    block_mask = masks.hf_attention_mask(document_ids, "flex_attention")
+    assert isinstance(block_mask, BlockMask) and block_mask.shape == (2, 1, 20, 20)
+    with pytest.raises(ValueError, match="flash_attention_2"):
+        masks.hf_attention_mask(document_ids, "flash_attention_2")

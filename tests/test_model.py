@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from rayjobs.model import Decoder, DecoderConfig, loss_sum
+from rayjobs.model import Decoder, DecoderConfig, PackedLM, loss_sum
 from rayjobs.rows import layout_rows
 
 VOCAB_SIZE = 50
@@ -138,3 +138,21 @@ def test_loss_sum_ignores_minus_100_and_counts():
     total, count = loss_sum(logits, labels)
     assert int(count) == 3
     torch.testing.assert_close(total, 2 * torch.log(torch.tensor(4.0)))
+
+
+def test_packed_lm_is_the_decoder_with_its_loss():
+    """``PackedLM`` over the demo decoder: logits are the decoder's, the loss is ``loss_sum`` of
+    them (chunked or not), and an unknown attention is refused."""
+    model = _tiny_decoder()
+    row = _pack(_documents([7, 12, 5]), seq_len=30)
+    inputs = row["input_ids"], row["position_ids"], row["document_ids"]
+    with torch.no_grad():
+        expected = loss_sum(model(*inputs), row["labels"])
+        for chunk in (0, 4):
+            packed = PackedLM(model, "sdpa", loss_chunk_tokens=chunk)
+            torch.testing.assert_close(packed.logits(*inputs), model(*inputs))
+            total, count = packed(*inputs, row["labels"])
+            assert int(count) == int(expected[1])
+            torch.testing.assert_close(total, expected[0], atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="'sdpa' or 'flex'"):
+        PackedLM(model, "flash")

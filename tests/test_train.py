@@ -10,7 +10,7 @@ import pytest
 import ray.data
 import torch
 
-from rayjobs.train import rank_batches, resolve_attention
+from rayjobs.train import hf_attention, rank_batches, resolve_attention
 
 SEQ_LEN = 8
 
@@ -122,3 +122,36 @@ def test_resolve_attention(requested, device, expected):
 def test_flex_on_cpu_is_refused_with_a_reason():
     with pytest.raises(ValueError, match="no backward pass on CPU"):
         resolve_attention("flex", torch.device("cpu"))
+
+
+def _hf_config(**model):
+    from conftest import ALPACA, GPT2
+    from rayjobs.config import config_from_dict
+
+    spec = {"kind": "hf", "config": {"model_type": "llama"}, **model}
+    return config_from_dict(
+        {
+            "datasets": [{"name": "a", "source": str(ALPACA), "template": "alpaca"}],
+            "tokenizer": {"path": str(GPT2)},
+            "train": {"model": spec},
+        }
+    )
+
+
+@pytest.mark.parametrize(
+    "chosen,device,expected",
+    [
+        (None, "cpu", "sdpa"),
+        (None, "cuda", "flex_attention"),
+        ("eager", "cpu", "eager"),
+        ("sdpa", "cuda", "sdpa"),
+        ("flex_attention", "cuda", "flex_attention"),
+    ],
+)
+def test_hf_attention_follows_train_attention_unless_set(chosen, device, expected):
+    assert hf_attention(_hf_config(attn_implementation=chosen), torch.device(device)) == expected
+
+
+def test_hf_flex_attention_on_cpu_is_refused_naming_the_key():
+    with pytest.raises(ValueError, match="train.model.attn_implementation: flex_attention"):
+        hf_attention(_hf_config(attn_implementation="flex_attention"), torch.device("cpu"))
