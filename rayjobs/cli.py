@@ -1,11 +1,13 @@
 """Command line.
 
 rayjobs run CONFIG [dotted.key=value ...] [--address ADDR] [--json]
-rayjobs export CONFIG [dotted.key=value ...] --out DIR [--epochs N] [--address ADDR]
+rayjobs export CONFIG [dotted.key=value ...] --out DIR [--epochs N] [--overwrite] [--address ADDR]
 rayjobs bench packing [--data NAME ...] [--data-dir DIR] [--seq-len N ...] [--window N]
                       [--window-tokens N] [--json OUT] [--no-pipeline]
 rayjobs bench pipeline [--scales N ...] [--window-tokens N] [--data-dir DIR] [--json OUT]
 rayjobs bench attention [--seq-len N ...] [--mean-length L] [--json OUT]     (CUDA GPU)
+rayjobs submit CONFIG [dotted.key=value ...] [--address URL] [--no-wait] [--json] (Ray Jobs API)
+rayjobs status JOB [--address URL] [--json]  |  logs JOB [--follow]  |  stop JOB   (submit.py)
 """
 
 from __future__ import annotations
@@ -43,6 +45,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     export.add_argument("--out", required=True, help="output directory")
     export.add_argument("--epochs", type=int, help="epochs to export (default: train.epochs)")
+    export.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="empty --out first when it holds an earlier export (and nothing else)",
+    )
     bench = commands.add_parser("bench", help="benchmarks")
     bench.add_argument(
         "what",
@@ -83,6 +90,50 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="skip timing the pack stage against tokenize in the Ray pipeline",
     )
+    address_help = (
+        "Ray Jobs API (dashboard) URL (default: $RAY_API_SERVER_ADDRESS, else an http(s) "
+        "$RAY_ADDRESS, else http://127.0.0.1:8265)"
+    )
+    submit = commands.add_parser("submit", help="run CONFIG on a Ray cluster as a Ray job")
+    submit.add_argument("config", help="YAML config file, under the working directory")
+    submit.add_argument("overrides", nargs="*", metavar="dotted.key=value", help="as for run")
+    submit.add_argument("--address", help=address_help)
+    submit.add_argument(
+        "--working-dir",
+        help="folder shipped as the job's working directory (default: the checkout holding "
+        "CONFIG: the nearest folder above it with .git or pyproject.toml, else its folder)",
+    )
+    submit.add_argument("--no-wait", action="store_true", help="submit and return")
+    submit.add_argument(
+        "--json",
+        action="store_true",
+        help="print the outcome (submission_id, status, summary, ...) as one JSON object on the "
+        "last line of stdout",
+    )
+    submit.add_argument(
+        "--allow-absolute",
+        action="store_true",
+        help="let inputs named by absolute paths through: every cluster node has them there",
+    )
+    submit.add_argument("--max-upload-mib", type=float, help="limit on the upload (default 100)")
+    submit.add_argument("--submission-id", help="the job's id (default: Ray makes one)")
+    submit.add_argument(
+        "--runtime-env-json",
+        help='more runtime_env, e.g. \'{"pip": [...], "env_vars": {...}}\' (not working_dir '
+        "or py_modules; excludes are added to rayjobs')",
+    )
+    for name, text in (
+        ("status", "a submitted job's status"),
+        ("logs", "a submitted job's logs"),
+        ("stop", "stop a submitted job"),
+    ):
+        job = commands.add_parser(name, help=text)
+        job.add_argument("job", metavar="JOB", help="the job's submission id")
+        job.add_argument("--address", help=address_help)
+        if name == "status":
+            job.add_argument("--json", action="store_true", help="one JSON object on stdout")
+        if name == "logs":
+            job.add_argument("--follow", action="store_true", help="follow until the job ends")
     return parser
 
 
@@ -177,6 +228,10 @@ def _bench_attention(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
+    if args.command in ("status", "logs", "stop"):
+        from rayjobs import submit
+
+        return submit.job_command(parser.parse_args(argv))
     # Overrides may also follow options (`run CONFIG --address auto a.b=1`), which argparse does
     # not interleave with positionals on its own.
     overrides = [item for item in extra if "=" in item and not item.startswith("-")]
@@ -186,6 +241,10 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = [*args.overrides, *overrides]
     if args.command == "bench":
         return _bench(args)
+    if args.command == "submit":
+        from rayjobs import submit
+
+        return submit.submit_command(args)
     try:
         config = load_config(args.config, args.overrides)
         if args.address:
@@ -199,16 +258,21 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "export":
             from rayjobs.export import export
 
-            manifest = export(config, args.out, args.epochs)
+            manifest = export(config, args.out, args.epochs, overwrite=args.overwrite)
             packed = manifest["packed"]
             print(
                 f"wrote {packed['num_packs']} packs ({packed['efficiency']:.4f} efficiency) "
                 f"over {len(manifest['epochs'])} epoch(s) to {args.out}"
             )
             return 0
+        import ray
+
         from rayjobs.pipeline import run
 
+        owns_ray = not ray.is_initialized()
         summary = run(config)
+        if owns_ray:  # Ray's last lines (raylet warnings, log dedup) come out before the summary
+            ray.shutdown()
     except Exception as error:  # noqa: BLE001 - user errors are reported without a traceback
         message = _user_error(error)
         if message is None:
@@ -218,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     print(format_summary(summary))
     if args.json:
         print(json.dumps(summary, default=str))
+    sys.stdout.flush()  # before anything the interpreter's exit may print on stderr
     return 0
 
 

@@ -1,0 +1,538 @@
+"""``rayjobs submit`` / ``status`` / ``logs`` / ``stop`` (rayjobs/submit.py) and the last line of
+``rayjobs run --json``.
+
+Without Ray running: address resolution, the runtime_env and entrypoint built for a config (the
+entrypoint goes back through the real argument parser and config loader), the refusals of inputs
+the job could not find on the cluster, the file list checked against the zip Ray builds, and the
+follow / exit-code logic against a stand-in Jobs client. With Ray: one module-scoped head started
+in a subprocess (loopback only, token auth on, its own ports and temp dir, torn down by its own
+process ids, never `ray stop`), a demo job that succeeds and one that fails inside the cluster.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from conftest import ROOT
+from rayjobs import submit
+from rayjobs.cli import _parser, main
+from rayjobs.config import load_config
+
+DEMO = ROOT / "configs" / "demo"
+
+
+# -- address -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "flag, environ, expected",
+    [
+        ("http://head:8265/", {"RAY_API_SERVER_ADDRESS": "http://other:1"}, "http://head:8265"),
+        ("10.0.0.5:8265", {}, "http://10.0.0.5:8265"),
+        (None, {"RAY_API_SERVER_ADDRESS": "https://jobs.example", "RAY_ADDRESS": "http://x:1"}, "https://jobs.example"),
+        (None, {"RAY_ADDRESS": "http://127.0.0.1:9999"}, "http://127.0.0.1:9999"),
+        (None, {"RAY_ADDRESS": "127.0.0.1:6379"}, submit.DEFAULT_ADDRESS),  # a GCS address
+        (None, {"RAY_ADDRESS": "auto"}, submit.DEFAULT_ADDRESS),
+        (None, {}, "http://127.0.0.1:8265"),
+    ],
+    ids=["flag", "flag_without_scheme", "api_server_env", "ray_address_url", "ray_address_gcs",
+         "ray_address_auto", "default"],
+)  # fmt: skip
+def test_address_resolution(flag, environ, expected):
+    assert submit.resolve_address(flag, environ) == expected
+
+
+# -- what is shipped -----------------------------------------------------------------------------
+
+
+def test_demo_ships_the_checkout_and_its_entrypoint_is_a_real_run_command():
+    overrides = ["train.max_steps=3", "tokenizer.eos_token=<|endoftext|>", "seed=7"]
+    plan = submit.plan_submission(DEMO.parent / "demo.yaml", overrides)
+    assert plan.working_dir == ROOT and plan.config == "configs/demo.yaml"
+    env = plan.runtime_env
+    assert env["working_dir"] == str(ROOT)
+    assert "py_modules" not in env  # the checkout's rayjobs/ is the package: shipped once
+    for pattern in (".git", "runs/", "__pycache__", "*.egg-info", ".venv"):
+        assert pattern in env["excludes"]
+    files = submit.shipped_files(ROOT, env["excludes"])
+    assert {"configs/demo.yaml", "configs/demo/alpaca.jsonl", "rayjobs/cli.py"} <= set(files)
+    assert not [f for f in files if f.startswith(".git/") or "__pycache__" in f or ".egg-info" in f]
+    assert plan.upload_bytes == sum(files.values()) < submit.MAX_UPLOAD_MIB * 2**20
+    # The cluster runs this command in its copy of the working directory:
+    argv = shlex.split(plan.entrypoint)
+    assert argv[:3] == ["python", "-m", "rayjobs.cli"]
+    args = _parser().parse_args(argv[3:])
+    assert (args.command, args.config, args.overrides, args.json) == (
+        "run",
+        "configs/demo.yaml",
+        overrides,  # shell specials (<|...|>) survive the shell
+        True,
+    )
+    config = load_config(plan.working_dir / args.config, args.overrides)
+    assert (config.train.max_steps, config.seed) == (3, 7)
+    assert any("train.storage_path" in note for note in plan.notes)  # relative: said on stderr
+
+
+def _project(root: Path, config: dict | None = None) -> Path:
+    """A small project outside the checkout: data/a.jsonl, tok/tokenizer.json, cfg.yaml."""
+    (root / "data").mkdir(parents=True)
+    (root / "tok").mkdir()
+    lines = (DEMO / "alpaca.jsonl").read_text().splitlines()[:20]
+    (root / "data" / "a.jsonl").write_text("\n".join(lines) + "\n")
+    shutil.copy(DEMO / "tokenizer.json", root / "tok" / "tokenizer.json")
+    config = config or {
+        "datasets": [{"name": "a", "source": "data/a.jsonl", "template": "alpaca"}],
+        "tokenizer": {"path": "tok", "eos_token": "<|endoftext|>", "pad_token": "<|pad|>"},
+        "packing": {"seq_len": 128},
+        "train": {"max_steps": 1, "epochs": 1, "storage_path": str(root / "out")},
+    }
+    path = root / "cfg.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_a_project_outside_the_checkout_gets_the_package_as_py_modules(tmp_path):
+    config = _project(tmp_path / "proj")
+    plan = submit.plan_submission(config, working_dir=tmp_path / "proj")
+    assert plan.runtime_env["working_dir"] == str((tmp_path / "proj").resolve())
+    assert plan.runtime_env["py_modules"] == [str(ROOT / "rayjobs")]
+    assert "/rayjobs/" in plan.runtime_env["excludes"]  # no other rayjobs/ may shadow it
+    assert plan.config == "cfg.yaml" and plan.notes == []  # storage_path is absolute
+    files = submit.shipped_files(plan.working_dir, plan.runtime_env["excludes"])
+    assert set(files) == {"cfg.yaml", "data/a.jsonl", "tok/tokenizer.json"}
+
+
+def test_default_working_dir_is_the_checkout_holding_the_config(tmp_path):
+    (tmp_path / "repo" / "configs").mkdir(parents=True)
+    (tmp_path / "repo" / "pyproject.toml").write_text("")
+    assert (
+        submit.repository_root(tmp_path / "repo" / "configs" / "x.yaml")
+        == (tmp_path / "repo").resolve()
+    )
+    assert submit.repository_root(DEMO.parent / "demo.yaml") == ROOT
+
+
+def _refusal(config: Path, overrides=(), **kwargs) -> str:
+    with pytest.raises(submit.SubmitError) as caught:
+        submit.plan_submission(config, overrides, **kwargs)
+    return str(caught.value)
+
+
+def test_inputs_outside_the_working_directory_are_refused_naming_key_and_path(tmp_path):
+    config = _project(tmp_path / "proj")
+    _project(tmp_path / "elsewhere")
+    outside = tmp_path / "elsewhere" / "data" / "a.jsonl"
+    wd = tmp_path / "proj"
+    message = _refusal(config, [f"datasets.0.source={outside}"], working_dir=wd)
+    assert message.startswith("cannot submit:")
+    assert (
+        f"datasets.0.source (dataset 'a'): {outside} is outside the working directory shipped "
+        f"to the cluster ({wd.resolve()}); put it under that folder" in message
+    )
+    assert "--allow-absolute" in message
+    # A relative path that climbs out is refused the same way (no flag makes it work there).
+    message = _refusal(config, ["tokenizer.path=../elsewhere/tok"], working_dir=wd)
+    assert f"tokenizer.path: ../elsewhere/tok ({tmp_path.resolve() / 'elsewhere'}" in message
+    assert "is outside the working directory shipped to the cluster" in message
+    # An absolute path is the cluster's path: --allow-absolute lets it through.
+    plan = submit.plan_submission(
+        config, [f"datasets.0.source={outside}"], working_dir=wd, allow_absolute=True
+    )
+    assert f"datasets.0.source={outside}" in shlex.split(plan.entrypoint)
+
+
+def test_an_absolute_path_inside_the_working_directory_is_refused_with_the_relative_one(tmp_path):
+    config = _project(tmp_path / "proj")
+    data = (tmp_path / "proj" / "data" / "a.jsonl").resolve()
+    message = _refusal(config, [f"datasets.0.source={data}"], working_dir=tmp_path / "proj")
+    assert f"datasets.0.source (dataset 'a'): {data} is an absolute path" in message
+    assert "name it relative to the config (data/a.jsonl)" in message
+
+
+def test_an_input_the_upload_leaves_out_is_refused(tmp_path):
+    config = _project(tmp_path / "proj")
+    (tmp_path / "proj" / ".gitignore").write_text("data/\n")
+    message = _refusal(config, working_dir=tmp_path / "proj")
+    assert "datasets.0.source (dataset 'a'): data/a.jsonl is left out of the upload" in message
+    assert "tokenizer.path" not in message
+
+
+def test_the_config_must_be_inside_the_working_directory(tmp_path):
+    config = _project(tmp_path / "proj")
+    (tmp_path / "other").mkdir()
+    message = _refusal(config, working_dir=tmp_path / "other")
+    assert f"the config {config.resolve()} is outside the working directory" in message
+
+
+def test_an_upload_over_the_limit_is_refused_naming_the_largest_files(tmp_path):
+    config = _project(tmp_path / "proj")
+    message = _refusal(config, working_dir=tmp_path / "proj", max_upload_mib=0.05)
+    assert "over the 0.05 MiB limit (--max-upload-mib); largest: tok/tokenizer.json" in message
+
+
+def test_shipped_files_are_what_ray_zips(tmp_path):
+    from ray._private.runtime_env.packaging import _zip_files
+
+    root = tmp_path / "wd"
+    for name, text in {
+        "a.txt": "a",
+        ".git/HEAD": "ref",
+        ".rayignore": "big/\n",
+        "big/z.txt": "z",
+        "sub/.gitignore": "*.log\n",
+        "sub/x.log": "x",
+        "sub/y.txt": "y",
+        "runs/ckpt/model.pt": "m",
+        "pkg/m.py": "m",
+        "pkg/__pycache__/m.cpython-311.pyc": "c",
+        "pkg.egg-info/PKG-INFO": "p",
+    }.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    _zip_files(str(root), list(submit.EXCLUDES), str(tmp_path / "p.zip"), include_gitignore=True)
+    with zipfile.ZipFile(tmp_path / "p.zip") as archive:
+        zipped = {name for name in archive.namelist() if not name.endswith("/")}
+    assert set(submit.shipped_files(root, submit.EXCLUDES)) == zipped
+    assert zipped == {"a.txt", ".rayignore", "sub/.gitignore", "sub/y.txt", "pkg/m.py"}
+
+
+# -- the command line against a stand-in Jobs client --------------------------------------------
+
+SUMMARY = {
+    "steps": 2,
+    "steps_per_rank": [2, 2],
+    "loss_first": 8.0,
+    "loss_last": 7.0,
+    "num_packs": 16,
+    "packing_efficiency": 0.97,
+    "tokens_trained": 1000,
+    "datasets": {},
+    "checkpoint": "/c",
+}
+
+
+class FakeClient:
+    """Stands in for ``JobSubmissionClient``: a job that ends ``status`` with ``logs``."""
+
+    def __init__(self, status="SUCCEEDED", logs="", message="", interrupt=False):
+        self.status, self.logs, self.message, self.interrupt = status, logs, message, interrupt
+        self.submitted: dict = {}
+        self.stopped: list[str] = []
+
+    def submit_job(self, **kwargs):
+        self.submitted = kwargs
+        return "raysubmit_test"
+
+    async def tail_job_logs(self, job_id):
+        if self.interrupt:
+            raise KeyboardInterrupt
+        yield self.logs
+
+    def get_job_status(self, job_id):
+        return self.status
+
+    def get_job_info(self, job_id):
+        return SimpleNamespace(status=self.status, message=self.message, entrypoint="e")
+
+    def get_job_logs(self, job_id):
+        return self.logs
+
+    def stop_job(self, job_id):
+        self.stopped.append(job_id)
+        return False
+
+
+def _with_client(monkeypatch, client: FakeClient) -> FakeClient:
+    monkeypatch.setattr(submit, "_client", lambda address: client)
+    return client
+
+
+def test_submit_follows_the_logs_and_reports_the_summary(monkeypatch, capsys):
+    logs = "starting\nsteps 2 per rank [2, 2]\n" + json.dumps(SUMMARY) + "\n(raylet) late line\n"
+    client = _with_client(monkeypatch, FakeClient(logs=logs))
+    code = main(["submit", str(DEMO.parent / "demo.yaml"), "--address", "http://h:1", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0
+    assert client.submitted["entrypoint"].startswith("python -m rayjobs.cli run configs/demo.yaml")
+    assert client.submitted["runtime_env"]["working_dir"] == str(ROOT)
+    record = json.loads(out.splitlines()[-1])
+    assert record["status"] == "SUCCEEDED" and record["summary"] == SUMMARY
+    assert record["submission_id"] == "raysubmit_test" and record["error"] is None
+    assert "steps 2 per rank" in out  # the job's log, followed on stdout
+    assert "submitted job raysubmit_test to http://h:1" in err
+    assert "http://h:1/#/jobs/raysubmit_test" in err
+
+
+def test_a_failed_job_exits_1_with_its_error(monkeypatch, capsys):
+    logs = "x\nrayjobs: dataset 'a', file /d.jsonl, row 2: field 'output': missing\n"
+    message = "Job entrypoint command failed with exit code 1, last available logs: ..."
+    _with_client(monkeypatch, FakeClient("FAILED", logs, message))
+    code = main(["submit", str(DEMO.parent / "demo.yaml"), "--json"])
+    out, err = capsys.readouterr()
+    record = json.loads(out.splitlines()[-1])
+    assert code == 1 and record["status"] == "FAILED" and record["summary"] is None
+    assert record["error"] == "dataset 'a', file /d.jsonl, row 2: field 'output': missing"
+    assert record["message"] == message
+    assert "job raysubmit_test FAILED: dataset 'a'" in err
+
+
+def test_ctrl_c_while_following_leaves_the_job_running_and_exits_130(monkeypatch, capsys):
+    client = _with_client(monkeypatch, FakeClient("RUNNING", interrupt=True))
+    assert main(["submit", str(DEMO.parent / "demo.yaml"), "--address", "http://h:1"]) == 130
+    err = capsys.readouterr().err
+    assert "job raysubmit_test keeps running" in err
+    assert "rayjobs stop raysubmit_test --address http://h:1" in err
+    assert client.stopped == []
+
+
+def test_no_wait_returns_after_submitting(monkeypatch, capsys):
+    _with_client(monkeypatch, FakeClient("RUNNING"))
+    assert main(["submit", str(DEMO.parent / "demo.yaml"), "--no-wait", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert record == {
+        "submission_id": "raysubmit_test",
+        "address": submit.resolve_address(None),
+        "dashboard_url": f"{submit.resolve_address(None)}/#/jobs/raysubmit_test",
+        "status": "PENDING",
+    }
+
+
+def test_a_bad_config_fails_with_exit_2_before_anything_is_submitted(monkeypatch, capsys):
+    client = _with_client(monkeypatch, FakeClient())
+    assert main(["submit", str(DEMO.parent / "demo.yaml"), "packing.seq_len=0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rayjobs: invalid config:") and "packing.seq_len" in err
+    assert client.submitted == {}
+
+
+def test_status_logs_and_stop_wrap_the_jobs_api(monkeypatch, capsys):
+    _with_client(monkeypatch, FakeClient("STOPPED", "line 1\n", "Job was intentionally stopped."))
+    assert main(["status", "raysubmit_test", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["status"] == "STOPPED"
+    assert main(["logs", "raysubmit_test", "--address", "http://h:1"]) == 0
+    assert capsys.readouterr().out == "line 1\n"
+    assert main(["stop", "raysubmit_test"]) == 0
+    assert "had already ended: STOPPED" in capsys.readouterr().err
+
+
+def test_run_json_summary_is_the_last_line_whatever_ray_prints_on_shutdown(monkeypatch, capsys):
+    import ray
+
+    import rayjobs.pipeline
+
+    state = {"up": False}
+
+    def fake_run(config):
+        state["up"] = True
+        return SUMMARY
+
+    def fake_shutdown():  # what Ray may still print on its way out (raylet warnings, dedup)
+        print("(raylet) WARNING: a late raylet warning")
+        state["up"] = False
+
+    monkeypatch.setattr(rayjobs.pipeline, "run", fake_run)
+    monkeypatch.setattr(ray, "is_initialized", lambda: state["up"])
+    monkeypatch.setattr(ray, "shutdown", fake_shutdown)
+    assert main(["run", str(DEMO.parent / "demo.yaml"), "--json"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert json.loads(lines[-1]) == SUMMARY
+    assert lines[0] == "(raylet) WARNING: a late raylet warning" and not state["up"]
+
+
+# -- a real head ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Head:
+    url: str
+    env: dict[str, str]
+    """Environment of a client with the head's token auth."""
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    for sock in sockets:
+        sock.bind(("127.0.0.1", 0))
+    ports = [sock.getsockname()[1] for sock in sockets]
+    for sock in sockets:
+        sock.close()
+    return ports
+
+
+def _kill_leftovers(marker: str) -> None:
+    """SIGKILL every process of this head: its command line or working directory names our temp
+    dir (job drivers run in their own session, inside it). Nothing else is touched."""
+    import psutil
+
+    for process in psutil.process_iter(["pid", "cmdline", "cwd"]):
+        try:
+            cmdline = " ".join(process.info["cmdline"] or [])
+            if process.pid != os.getpid() and (
+                marker in cmdline or (process.info["cwd"] or "").startswith(marker)
+            ):
+                process.kill()
+        except (psutil.Error, OSError):
+            pass
+
+
+@pytest.fixture(scope="module")
+def head():
+    """A real Ray head for this module: loopback only (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, as
+    cluster/start-head.sh), token auth on with a token of its own, every port free and its own
+    short temp dir (Ray's socket paths must stay short), so other Ray instances on the machine are
+    left alone. `ray start --block` stops its node on SIGTERM; anything left is killed by id."""
+    temp = tempfile.mkdtemp(prefix="rj", dir="/tmp")
+    token = Path(temp) / "auth_token"
+    token.write_text(secrets.token_hex(32))
+    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
+    drop = ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_TOKEN")
+    env = {k: v for k, v in os.environ.items() if k not in drop} | auth
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # `python`
+    env["RAY_USAGE_STATS_ENABLED"] = "0"
+    env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = "0"  # SIGTERM stops it now, not after 30 s
+    names = [
+        "port",
+        "dashboard-port",
+        "ray-client-server-port",
+        "dashboard-agent-listen-port",
+        "dashboard-agent-grpc-port",
+        "runtime-env-agent-port",
+        "metrics-export-port",
+        "node-manager-port",
+        "object-manager-port",
+    ]
+    ports = dict(zip(names, _free_ports(len(names))))
+    ray_cli = Path(sys.executable).parent / "ray"
+    command = [
+        str(ray_cli if ray_cli.exists() else shutil.which("ray")),
+        "start",
+        "--head",
+        "--block",
+        "--node-ip-address=127.0.0.1",
+        "--dashboard-host=127.0.0.1",
+        "--include-dashboard=true",
+        "--num-cpus=4",
+        "--disable-usage-stats",
+        f"--temp-dir={temp}",
+        *(f"--{name}={port}" for name, port in ports.items()),
+    ]
+    log = open(Path(temp) / "ray-start.log", "w")  # noqa: SIM115 - closed at teardown
+    process = subprocess.Popen(
+        command,
+        env=env | {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{ports['dashboard-port']}"
+    try:
+        deadline = time.monotonic() + 120
+        request = urllib.request.Request(
+            f"{url}/api/version", headers={"Authorization": f"Bearer {token.read_text()}"}
+        )
+        while True:
+            try:
+                urllib.request.urlopen(request, timeout=5).read()
+                break
+            except (urllib.error.URLError, OSError) as error:
+                reason = error
+            if process.poll() is not None or time.monotonic() > deadline:
+                tail = Path(log.name).read_text()[-3000:]
+                pytest.fail(f"the Ray head did not start ({reason}):\n{tail}")
+            time.sleep(1)
+        yield Head(url, env)
+    finally:
+        process.send_signal(signal.SIGTERM)  # `ray start --block` stops its node's processes
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=45)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)  # its process group, nothing else
+        _kill_leftovers(temp)
+        log.close()
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def _rayjobs(head: Head, *argv: str, env: dict | None = None, timeout: float = 120, cwd=ROOT):
+    return subprocess.run(
+        [sys.executable, "-m", "rayjobs.cli", *argv],
+        capture_output=True,
+        text=True,
+        env=env or head.env,
+        cwd=cwd,
+        timeout=timeout,
+    )
+
+
+def test_submit_demo_to_a_real_head_with_token_auth(head):
+    done = _rayjobs(
+        head,
+        "submit",
+        "configs/demo.yaml",
+        "train.max_steps=3",
+        "train.epochs=1",
+        "--address",
+        head.url,
+        "--json",
+        timeout=480,  # about 70 s on an idle 2-core machine; much more when it is shared
+    )
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
+    record = json.loads(done.stdout.splitlines()[-1])
+    job = record["submission_id"]
+    assert record["status"] == "SUCCEEDED"
+    summary = record["summary"]
+    assert summary["steps"] == 3 and summary["steps_per_rank"] == [3, 3]
+    assert summary["num_packs"] == 3 * 2 * 4  # steps × workers × batch_size
+    assert summary["packed"]["num_packs"] >= summary["num_packs"]
+    assert f"submitted job {job} to {head.url}" in done.stderr
+    assert f"{head.url}/#/jobs/{job}" in done.stderr
+    assert "packing efficiency" in done.stdout  # the job's own log, followed
+    # On the cluster `rayjobs run --json` printed the summary last, after Ray shut down.
+    logs = _rayjobs(head, "logs", job, "--address", head.url)
+    assert logs.returncode == 0, logs.stderr[-2000:]
+    last = [line for line in logs.stdout.splitlines() if line.strip()][-1]
+    assert json.loads(last)["steps"] == 3
+    status = _rayjobs(head, "status", job, "--address", head.url, "--json")
+    assert json.loads(status.stdout.splitlines()[-1])["status"] == "SUCCEEDED"
+
+
+def test_a_job_that_fails_on_the_cluster_exits_1_with_its_error(head, tmp_path):
+    # Valid here (the tokenizer file exists), broken there: loading it fails inside the job.
+    config = _project(tmp_path / "proj")
+    (tmp_path / "proj" / "tok" / "tokenizer.json").write_text('{"version": "1.0", "model": ')
+    wd = str(tmp_path / "proj")
+    done = _rayjobs(
+        head, "submit", str(config), "--working-dir", wd, "--address", head.url, "--json"
+    )
+    assert done.returncode == 1, done.stderr[-3000:] + done.stdout[-3000:]
+    record = json.loads(done.stdout.splitlines()[-1])
+    assert record["status"] == "FAILED" and record["summary"] is None
+    assert "EOF while parsing" in record["error"]  # the tokenizer's own error, last log line
+    assert f"FAILED: {record['error']}" in done.stderr
+    assert "exit code 1" in record["message"]
+    # stop on an ended job says so; a client without the token is turned away.
+    stop = _rayjobs(head, "stop", record["submission_id"], "--address", head.url)
+    assert stop.returncode == 0 and "had already ended: FAILED" in stop.stderr
+    no_token = head.env | {"RAY_AUTH_MODE": "disabled"}
+    status = _rayjobs(head, "status", record["submission_id"], "--address", head.url, env=no_token)
+    assert status.returncode == 1
+    assert "export RAY_AUTH_MODE=token" in status.stderr
