@@ -71,9 +71,9 @@ def _snapshot(rows=10, samples=9, split=1, dropped=1, skipped=1, tokens=100, pac
         (
             _snapshot(packed=(8, 100)),
             True,
-            "tokenized 9 samples / 100 tokens but the packs hold 8 / 100",
+            "tokenized 9 samples / 100 tokens but the packs hold (or trimmed) 8 / 100",
         ),
-        (_snapshot(packed=(9, 99)), True, "the packs hold 9 / 99"),
+        (_snapshot(packed=(9, 99)), True, "the packs hold (or trimmed) 9 / 99"),
         (_snapshot(packed=(8, 99)), False, None),  # planned: the plan repeats or subsamples
     ],
 )

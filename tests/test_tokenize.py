@@ -366,14 +366,14 @@ OVERFLOW_COUNTS = {
     "truncate": (
         "truncate",
         [([15496, 995, 0], [995, 0, X])],
-        TokenizeCounts(samples=1, tokens=3, trained_tokens=2, truncated_tokens=1),
+        TokenizeCounts(rows=1, samples=1, tokens=3, trained_tokens=2, truncated_tokens=1),
     ),
     "split": (
         "split",
         [([15496, 995, 0], [995, 0, X]), ([EOS], [X])],
-        TokenizeCounts(samples=2, tokens=4, trained_tokens=2, split_samples=1),
+        TokenizeCounts(rows=1, samples=2, tokens=4, trained_tokens=2, split_samples=1),
     ),
-    "drop": ("drop", [], TokenizeCounts(dropped_samples=1)),
+    "drop": ("drop", [], TokenizeCounts(rows=1, dropped_samples=1)),
 }
 
 
