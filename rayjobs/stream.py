@@ -23,13 +23,16 @@ bench measures this packer at the job's window against global best-fit decreasin
 bench measures the latency.
 
 Mixing. Each dataset is its own stream per epoch: every sample once (no weights), or, with weights,
-whole shuffled passes plus a random subsample so that its expected share of the epoch (tokens or
-samples, ``mix.by``) is its weight. Ray Data's ``Dataset.mix`` interleaves the datasets block by
-block in the ratio of their expected rows, so every part of an epoch holds every dataset. Shares
-are set from estimates (rows counted by a parse-only pass, mean lengths tokenized from a sample of
-each dataset); the realized mix of each epoch is counted exactly by the pack stage and reported.
-The planned path (``packing.mode: planned``, ``epochs.py``) hits shares exactly and repeats packs
-bit for bit per seed, at the price of tokenizing everything before the first pack.
+whole shuffled passes plus a random subsample, reading ``MIX_MARGIN`` (10%) more than its share of
+the epoch (tokens or samples, ``mix.by``); the packers then trim each dataset to its share through
+the ledger (``Ledger.admit``: first come, to the nearest sample, the same answer for a window Ray
+runs again), so realized shares hit the weights whatever the subsample's luck, and the trimmed
+samples are counted. Shares come from estimates (rows counted by a parse-only pass, mean lengths
+tokenized from a sample of each dataset). Ray Data's ``Dataset.mix`` interleaves the datasets block
+by block in the ratio of their expected rows, and raw blocks are cut to 1/``MIX_BLOCKS`` of a
+window first, so every window holds every dataset in about its ratio. The planned path
+(``packing.mode: planned``, ``epochs.py``) also repeats packs bit for bit per seed, at the price of
+tokenizing everything before the first pack.
 """
 
 from __future__ import annotations
