@@ -124,8 +124,6 @@ def batch_key(stage: str, *columns: Any) -> str:
     same batch again after a failure, different for any other batch."""
     import hashlib
 
-    import numpy as np
-
     digest = hashlib.blake2b(stage.encode(), digest_size=16)
     for column in columns:
         values = column.to_numpy(zero_copy_only=False) if hasattr(column, "to_numpy") else column

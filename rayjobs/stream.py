@@ -271,19 +271,35 @@ def tokenized(
         "overflow": config.packing.overflow,
         "ledger": ledger,
     }
-    if tasks:
-        return rows.map_batches(
-            _stage_task, batch_size=TOKENIZE_BATCH_ROWS, batch_format="pyarrow",
-            num_cpus=WARMUP_CPUS, fn_kwargs={"stage": Tokenize, "kwargs": kwargs},
-        )  # fmt: skip
     ceiling = config.ray.tokenize_concurrency or max(1, int(cluster_cpus()) // 2)
+    actors = 0 if tasks else ceiling
+    return _stage(rows, Tokenize, kwargs, TOKENIZE_BATCH_ROWS, config, num_cpus=1, actors=actors)
+
+
+def _stage(
+    rows: ray.data.Dataset,
+    stage: type,
+    kwargs: dict[str, Any],
+    batch_size: int,
+    config: Config,
+    num_cpus: float,
+    actors: int,
+) -> ray.data.Dataset:
+    """``rows.map_batches`` through a ``map_batches`` class: a pool of up to ``actors`` actors
+    of ``num_cpus`` each (starting at ``ray.min_actors``), or, with ``actors`` 0, tasks of
+    ``WARMUP_CPUS`` (``_stage_task``)."""
+    if not actors:
+        return rows.map_batches(
+            _stage_task, batch_size=batch_size, batch_format="pyarrow", num_cpus=WARMUP_CPUS,
+            fn_kwargs={"stage": stage, "kwargs": kwargs},
+        )  # fmt: skip
     return rows.map_batches(
-        Tokenize,
-        batch_size=TOKENIZE_BATCH_ROWS,
+        stage,
+        batch_size=batch_size,
         batch_format="pyarrow",
-        num_cpus=1,
+        num_cpus=num_cpus,
         compute=ray.data.ActorPoolStrategy(
-            min_size=min(config.ray.min_actors, ceiling), max_size=ceiling
+            min_size=min(config.ray.min_actors, actors), max_size=actors
         ),
         fn_constructor_kwargs=kwargs,
     )
@@ -428,22 +444,7 @@ def _packed(
         "ledger": ledger,
         "budget": config.mix.by if config.datasets[0].weight is not None else None,
     }
-    if actors:
-        packed = samples.map_batches(
-            PackStream,
-            batch_size=window,
-            batch_format="pyarrow",
-            num_cpus=0.5,
-            compute=ray.data.ActorPoolStrategy(
-                min_size=min(config.ray.min_actors, actors), max_size=actors
-            ),
-            fn_constructor_kwargs=kwargs,
-        )
-    else:
-        packed = samples.map_batches(
-            _stage_task, batch_size=window, batch_format="pyarrow", num_cpus=WARMUP_CPUS,
-            fn_kwargs={"stage": PackStream, "kwargs": kwargs},
-        )  # fmt: skip
+    packed = _stage(samples, PackStream, kwargs, window, config, num_cpus=0.5, actors=actors)
     return packed.repartition(target_num_rows_per_block=block_rows(config.packing.seq_len))
 
 
