@@ -2,6 +2,7 @@
 
 rayjobs run CONFIG [dotted.key=value ...] [--address ADDR] [--json]
 rayjobs export CONFIG [dotted.key=value ...] --out DIR [--epochs N] [--overwrite] [--address ADDR]
+rayjobs inspect CONFIG [dotted.key=value ...] [--limit N] [--json] [--plot OUT.png] [--address ADDR]
 rayjobs bench packing [--data NAME ...] [--data-dir DIR] [--seq-len N ...] [--window N]
                       [--window-tokens N] [--json OUT] [--no-pipeline]
 rayjobs bench pipeline [--scales N ...] [--window-tokens N] [--data-dir DIR] [--json OUT]
@@ -27,7 +28,11 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="build the packed pipeline and train on Ray")
     export = commands.add_parser("export", help="write the packed rows as Parquet + manifest.json")
-    for command in (run, export):
+    inspect = commands.add_parser(
+        "inspect",
+        help="data side only: per-dataset counts and lengths, packing, a decoded packed row",
+    )
+    for command in (run, export, inspect):
         command.add_argument("config", help="YAML config file (see configs/)")
         command.add_argument(
             "overrides",
@@ -49,6 +54,23 @@ def _parser() -> argparse.ArgumentParser:
         "--overwrite",
         action="store_true",
         help="empty --out first when it holds an earlier export (and nothing else)",
+    )
+    inspect.add_argument(
+        "--limit",
+        type=int,
+        metavar="N",
+        help="read only the first N rows of each dataset (in file order, bad rows included)",
+    )
+    inspect.add_argument(
+        "--json",
+        action="store_true",
+        help="print the report as one JSON object on the last line of stdout",
+    )
+    inspect.add_argument(
+        "--plot",
+        metavar="OUT.png",
+        help="write histograms of sample lengths (one panel per dataset) and pack fill "
+        "(needs matplotlib: pip install 'rayjobs[plot]')",
     )
     bench = commands.add_parser("bench", help="benchmarks")
     bench.add_argument(
@@ -225,6 +247,41 @@ def _bench_attention(args: argparse.Namespace) -> int:
     return 0
 
 
+def _inspect(args: argparse.Namespace, config: Any) -> int:
+    """``rayjobs inspect``: the report as text, then (``--json``) as one JSON object on the last
+    line of stdout, printed after Ray is shut down (as ``run --json``), so no Ray log line can
+    follow it."""
+    import ray
+
+    from rayjobs.inspect import format_report, inspect, require_matplotlib
+
+    if args.limit is not None and args.limit < 1:
+        print(
+            f"rayjobs: --limit must be a positive number of rows, got {args.limit}", file=sys.stderr
+        )
+        return 2
+    if args.plot:
+        from pathlib import Path
+
+        try:
+            require_matplotlib()
+        except ConfigError as error:
+            print(f"rayjobs: {error}", file=sys.stderr)
+            return 2
+        if not Path(args.plot).absolute().parent.is_dir():
+            print(f"rayjobs: --plot {args.plot}: no such folder", file=sys.stderr)
+            return 2
+    owns_ray = not ray.is_initialized()
+    report = inspect(config, limit=args.limit, plot_path=args.plot)
+    if owns_ray:  # Ray's last lines (raylet warnings, log dedup) come out before the report
+        ray.shutdown()
+    print(format_report(report))
+    if args.json:
+        print(json.dumps(report, default=str))
+    sys.stdout.flush()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
@@ -255,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rayjobs: {error}", file=sys.stderr)
         return 2
     try:
+        if args.command == "inspect":
+            return _inspect(args, config)
         if args.command == "export":
             from rayjobs.export import export
 
