@@ -6,6 +6,7 @@ rayjobs inspect CONFIG [dotted.key=value ...] [--limit N] [--json] [--plot OUT.p
 rayjobs bench packing [--data NAME ...] [--data-dir DIR] [--seq-len N ...] [--window N]
                       [--window-tokens N] [--json OUT] [--no-pipeline]
 rayjobs bench pipeline [--scales N ...] [--window-tokens N] [--data-dir DIR] [--json OUT]
+rayjobs bench read [--size-mb N] [--json OUT]
 rayjobs bench attention [--seq-len N ...] [--mean-length L] [--json OUT]     (CUDA GPU)
 rayjobs submit CONFIG [dotted.key=value ...] [--address URL] [--no-wait] [--json] (Ray Jobs API)
 rayjobs status JOB [--address URL] [--json]  |  logs JOB [--follow]  |  stop JOB   (submit.py)
@@ -75,10 +76,13 @@ def _parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmarks")
     bench.add_argument(
         "what",
-        choices=["packing", "pipeline", "attention"],
+        choices=["packing", "pipeline", "attention", "read"],
         help="packing: efficiency and speed on real data; pipeline: the streaming path end to "
         "end at growing data sizes; attention: the document mask on a CUDA GPU, FlexAttention "
-        "vs dense SDPA",
+        "vs dense SDPA; read: peak memory of one read task on a large JSONL file",
+    )
+    bench.add_argument(
+        "--size-mb", type=int, default=1024, help="read: the JSONL file's size (MiB)"
     )
     bench.add_argument(
         "--scales", type=int, nargs="+", default=[1, 30], help="pipeline: copies of the data"
@@ -195,6 +199,12 @@ def format_summary(summary: dict[str, Any]) -> str:
 def _bench(args: argparse.Namespace) -> int:
     if args.what == "attention":
         return _bench_attention(args)
+    if args.what == "read":
+        from rayjobs import bench_read
+
+        return bench_read.main(
+            ["--size-mb", str(args.size_mb)] + (["--json", args.json] if args.json else [])
+        )
     if args.what == "pipeline":
         from rayjobs import bench_pipeline
 

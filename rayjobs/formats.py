@@ -1,18 +1,19 @@
-"""File formats: one file's bytes → (row numbers, records as JSON object strings). No Ray.
+"""File formats: one file → (row numbers, records as JSON object strings), part by part. No Ray.
 
 Each format is a parser in the :data:`FORMATS` registry with the file extensions it claims;
 ``config`` infers a dataset's format from its files' extensions through it and validates
-``datasets[].format`` against it, and ``sources`` (the Ray side) calls :func:`parse_rows` once per
+``datasets[].format`` against it, and ``sources`` (the Ray side) calls :func:`read_rows` once per
 file. Row numbers are what an error message shows: the 0-based record index in a JSON list, Parquet
 or CSV file; the 1-based line number in JSONL and text files (a paragraph's first line).
 ``format: hf`` (Hugging Face datasets) is not a file format and is read by ``sources``.
 
 Bad rows. A parser never stops at a bad row: it returns it as a :class:`BadRow` (row, reason,
-detail) next to the good ones, and :func:`parse_rows` applies the dataset's ``on_bad_row``:
-``error`` raises :class:`SourceError` naming dataset, file, row and reason; ``skip`` hands the bad
-rows on, so that the read task emits them as rows with a ``_skip`` reason and the Tokenize actor,
-which reports to the run's ledger, counts them (read tasks have no ledger: every count has one
-home). The reasons a row can be skipped for are :data:`SKIP_REASONS`.
+detail) next to the good ones, and :func:`read_rows` (:func:`parse_rows` for bytes in memory)
+applies the dataset's ``on_bad_row``: ``error`` raises :class:`SourceError` naming dataset, file,
+row and reason; ``skip`` hands the bad rows on, so that the read task emits them as rows with a
+``_skip`` reason and the Tokenize actor, which reports to the run's ledger, counts them (read tasks
+have no ledger: every count has one home). The reasons a row can be skipped for are
+:data:`SKIP_REASONS`.
 
 Design note: what is a bad row, and why (what HF datasets / TRL / Axolotl users expect).
 
@@ -33,18 +34,52 @@ Design note: what is a bad row, and why (what HF datasets / TRL / Axolotl users 
   ``str(b"...")`` would train on the text ``b'...'``; bytes are either text in an unknown
   encoding or not text at all, which only the user knows. With ``utf8`` a value that does not
   decode is ``invalid_utf8``.
-- A JSON list file is parsed whole: if it is not valid JSON the file is an error under either
+- A JSON list file is one JSON value: if it is not valid JSON the file is an error under either
   policy (its rows cannot be told apart; JSONL can skip one line).
+
+Design note: bounded memory. A file is read a part at a time, never whole (:func:`read_rows`, the
+read task's path): a parser takes an open file and yields one :class:`Parsed` per part, in row
+order, so a read task holds a part (about :data:`CHUNK_BYTES` of file, what it parses to and its
+tables), not the file, whatever the file's size. Every parser gives the same rows, row numbers,
+records, skip reasons and messages however the file is cut (``tests/test_chunked_read.py`` reads
+each format in parts of a few bytes against whole files); :func:`parse_rows` is the same parsers
+over bytes already in memory, the parts merged.
+
+- JSONL and text files are read :data:`CHUNK_BYTES` at a time and cut after the last ``\\n``; the
+  rest of the line is carried into the next part, with its line number and byte offset, so a line
+  (or a text paragraph, whose state is carried too) may straddle any number of parts. A line
+  longer than :data:`CHUNK_BYTES` is held whole.
+- A JSON list is parsed element by element (the ``json`` module's own scanner, the one
+  ``json.loads`` uses, over a sliding window of the decoded text; see :func:`_json`), so its
+  records, and where a syntax error is reported (line and column), are those of ``json.loads`` on
+  the whole text. A top-level object (one record) is held whole, and so is the rest of a file
+  whose next element is not valid JSON (it may only be cut by the window) before its error.
+- Parquet files are read in record batches of about :data:`CHUNK_BYTES` (rows estimated from the
+  row groups' sizes, at most :data:`PARQUET_BATCH_ROWS`); this needs a seekable file
+  (``sources`` opens Parquet files for random access; a stream that cannot seek is read whole).
+- CSV files go through pyarrow's streaming CSV reader in blocks of :data:`CSV_BLOCK_BYTES`, the
+  block ``pyarrow.csv.read_csv`` uses by default and so the one whole-file reading used: a row must
+  fit in about a block (pyarrow's limit), as before. The header is read with Python's ``csv``
+  from the first part (as many parts as it spans).
+- Under ``on_bad_row: error`` the first bad row stops the read, as before. Where the whole file can
+  still be refused after a bad row (a JSON list's syntax, a CSV block or Parquet page pyarrow
+  cannot read: :attr:`Format.late_file_errors`) the rest of the file is read first (nothing more is
+  handed on), so that the error is the one whole-file parsing gave. Either way the rows of earlier
+  parts have been handed on by then (whole-file parsing handed on none): the read fails all the
+  same. So does a file error after some parts under ``skip`` (a JSON list torn at its end).
+- A text file with ``text_split: file`` is one record, so it is held whole.
 """
 
 from __future__ import annotations
 
+import codecs
 import csv
 import io
 import json
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 SKIP_REASONS = (
     "invalid_json",  # formats: a JSONL line that is not valid JSON
@@ -75,10 +110,33 @@ class BadRow:
     """What is wrong, for a person (the field where known); one line."""
 
 
+CHUNK_BYTES = 16 << 20
+"""Bytes of a file read and parsed at a time (JSON, JSONL and text files; Parquet batches are sized
+to about as many bytes): what bounds a read task's memory, whatever the file's size (module note).
+Tests lower it; :func:`read_rows` takes another per call."""
+
+CSV_BLOCK_BYTES = 1 << 20
+"""Block of pyarrow's streaming CSV reader: ``pyarrow.csv.ReadOptions``' default, the block the
+whole-file reader used, so the longest row accepted is unchanged (a row must fit in about a block).
+Tests lower it."""
+
+PARQUET_BATCH_ROWS = 16384
+"""Most rows of a Parquet record batch (batches are otherwise sized to :data:`CHUNK_BYTES`)."""
+
+
+class Readable(Protocol):
+    """A file open for reading: a ``pyarrow.NativeFile`` (what Ray's read tasks get) or a Python
+    binary file. Parquet needs it seekable (else it is read whole)."""
+
+    def read(self, size: int = -1, /) -> bytes: ...
+
+    def seekable(self) -> bool: ...
+
+
 @dataclass
 class Parsed:
-    """One file parsed: its good rows (numbers and records as JSON object strings) and its bad
-    rows."""
+    """One file, or one part of it, parsed: its good rows (numbers and records as JSON object
+    strings) and its bad rows."""
 
     rows: list[int] = field(default_factory=list)
     records: list[str] = field(default_factory=list)
@@ -86,6 +144,11 @@ class Parsed:
 
     def add_bad(self, row: int, reason: str, detail: str) -> None:
         self.bad.append(BadRow(row, reason, detail.replace("\n", "\\n")))
+
+    def extend(self, other: Parsed) -> None:
+        self.rows += other.rows
+        self.records += other.records
+        self.bad += other.bad
 
 
 @dataclass(frozen=True)
@@ -96,6 +159,11 @@ class FileOptions:
     binary: str = "error"
 
 
+Parser = Callable[[Readable, FileOptions, int], Iterator[Parsed]]
+"""(open file, options, chunk bytes) → the file's good and bad rows, one :class:`Parsed` per part,
+in row order; raises ValueError when the whole file is bad."""
+
+
 @dataclass(frozen=True)
 class Format:
     """A registered file format."""
@@ -103,8 +171,18 @@ class Format:
     name: str
     extensions: tuple[str, ...]
     """File suffixes (with the dot) that mean this format when ``format`` is not set."""
-    parse: Callable[[bytes, FileOptions], Parsed]
-    """(file bytes, options) → good and bad rows; raises ValueError when the whole file is bad."""
+    read: Parser
+    late_file_errors: bool = False
+    """Whether the whole file can still be refused (ValueError) after a part with a bad row."""
+
+    def parse(self, data: bytes, options: FileOptions) -> Parsed:
+        """(file bytes, options) → good and bad rows: every part merged."""
+        import pyarrow as pa
+
+        parsed = Parsed()
+        for part in self.read(pa.BufferReader(data), options, CHUNK_BYTES):
+            parsed.extend(part)
+        return parsed
 
 
 FORMATS: dict[str, Format] = {}
@@ -114,17 +192,18 @@ HF = "hf"
 """The ``format`` of a Hugging Face dataset (a Hub name or a ``save_to_disk`` folder)."""
 
 
-def register_format(name: str, extensions: tuple[str, ...] = ()):
-    """Decorator: register ``parse(data, options) -> Parsed`` as file format ``name``."""
+def register_format(name: str, extensions: tuple[str, ...] = (), *, late_file_errors: bool = False):
+    """Decorator: register ``read(file, options, chunk_bytes) -> Iterator[Parsed]`` (a
+    :data:`Parser`) as file format ``name``."""
 
-    def register(parse: Callable[[bytes, FileOptions], Parsed]):
+    def register(read: Parser):
         if name in FORMATS or name == HF:
             raise ValueError(f"file format {name!r} is already registered")
         claimed = {ext for fmt in FORMATS.values() for ext in fmt.extensions} & set(extensions)
         if claimed:
             raise ValueError(f"extensions {sorted(claimed)} already belong to another format")
-        FORMATS[name] = Format(name, tuple(extensions), parse)
-        return parse
+        FORMATS[name] = Format(name, tuple(extensions), read, late_file_errors)
+        return read
 
     return register
 
@@ -146,6 +225,46 @@ def bad_row_place(dataset: str, path: str, row: int, detail: str) -> str:
 def bad_row_error(place: str, reason: str, fix: str = "Fix the data") -> str:
     """The message of a bad row under ``on_bad_row: error``."""
     return f"{place} [{reason}]. {fix}, or set on_bad_row: skip to skip and count such rows."
+
+
+def read_rows(
+    file: Readable,
+    path: str,
+    *,
+    format: str,
+    dataset: str,
+    text_split: str = "paragraph",
+    binary: str = "error",
+    on_bad_row: str = "error",
+    chunk_bytes: int | None = None,
+) -> Iterator[Parsed]:
+    """One open file → its good rows and (under ``on_bad_row: skip``) bad rows, a part at a time
+    (about ``chunk_bytes``, default :data:`CHUNK_BYTES`, of file each): what a read task runs.
+
+    Raises:
+        SourceError: under ``on_bad_row: error``, for the file's first bad row, naming dataset,
+            file, row and reason; under either policy, for a file that cannot be parsed at all
+            (see module note for when rows were handed on before).
+    """
+    fmt = FORMATS[format]
+    options = FileOptions(text_split=text_split, binary=binary)
+    parts = _named(fmt.read(file, options, chunk_bytes or CHUNK_BYTES), dataset, path)
+    for part in parts:
+        if part.bad and on_bad_row == "error":
+            if fmt.late_file_errors:
+                for _ in parts:  # a file that cannot be parsed is reported as such, as before
+                    pass
+            apply_policy(part, dataset=dataset, path=path, on_bad_row=on_bad_row)
+        if part.rows or part.bad:
+            yield part
+
+
+def _named(parts: Iterator[Parsed], dataset: str, path: str) -> Iterator[Parsed]:
+    """``parts``, with a file's ValueError as a SourceError naming dataset and file."""
+    try:
+        yield from parts
+    except ValueError as error:
+        raise SourceError(f"dataset {dataset!r}, file {path}: {error}") from None
 
 
 def parse_rows(
@@ -205,13 +324,40 @@ def parse_file(
     return parsed.rows, parsed.records
 
 
-def _lines(data: bytes) -> Iterator[tuple[int, int, bytes]]:
-    """(1-based line number, byte offset in the file, line) for every line: split at ``\\n``
-    only, a trailing ``\\r`` dropped, a leading byte order mark skipped."""
-    offset = len(BOM) if data.startswith(BOM) else 0
-    for number, line in enumerate(data[offset:].split(b"\n"), start=1):
-        yield number, offset, line.removesuffix(b"\r")
-        offset += len(line) + 1
+def _chunks(file: Readable, chunk_bytes: int) -> Iterator[bytes]:
+    """``file`` read ``chunk_bytes`` at a time, to its end."""
+    while chunk := file.read(chunk_bytes):
+        yield chunk
+
+
+def _line_parts(file: Readable, chunk_bytes: int) -> Iterator[list[tuple[int, int, bytes]]]:
+    """Per chunk of ``file``, the lines it ends: (1-based line number, byte offset in the file,
+    line), split at ``\\n`` only, a trailing ``\\r`` dropped, a leading byte order mark skipped. A
+    line is carried into the next chunks until its ``\\n``; the last one (maybe empty) ends with
+    the file."""
+    number, offset = 1, 0  # of the next line
+    carried: list[bytes] = []  # the start of the next line
+
+    def numbered(lines: list[bytes]) -> list[tuple[int, int, bytes]]:
+        nonlocal number, offset
+        out = []
+        for line in lines:
+            if number == 1 and line.startswith(BOM):
+                line = line[len(BOM) :]
+                offset += len(BOM)
+            out.append((number, offset, line.removesuffix(b"\r")))
+            number += 1
+            offset += len(line) + 1
+        return out
+
+    for chunk in _chunks(file, chunk_bytes):
+        if b"\n" not in chunk:
+            carried.append(chunk)
+            continue
+        lines = (b"".join([*carried, chunk]) if carried else chunk).split(b"\n")
+        carried = [lines.pop()]  # after the last newline
+        yield numbered(lines)
+    yield numbered([b"".join(carried)])
 
 
 def _decode_line(line: bytes, offset: int) -> tuple[str | None, str]:
@@ -222,13 +368,25 @@ def _decode_line(line: bytes, offset: int) -> tuple[str | None, str]:
         return None, f"not valid UTF-8 (byte {offset + error.start} of the file)"
 
 
-@register_format("parquet", (".parquet",))
-def _parquet(data: bytes, options: FileOptions) -> Parsed:
+@register_format("parquet", (".parquet",), late_file_errors=True)
+def _parquet(file: Readable, options: FileOptions, chunk_bytes: int) -> Iterator[Parsed]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    table = pq.read_table(pa.BufferReader(data))
-    return table_records(table, list(range(table.num_rows)), options.binary)
+    if not file.seekable():  # Parquet's footer is at the end of the file
+        file = pa.BufferReader(file.read())
+    parquet = pq.ParquetFile(file)
+    check_binary(parquet.schema_arrow, options.binary)
+    meta = parquet.metadata
+    size = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+    # rows of about chunk_bytes, by the row groups' sizes; encoded sizes (a dictionary-encoded
+    # column is small) can be far below decoded ones, hence the cap
+    batch_rows = min(max(1, chunk_bytes * meta.num_rows // max(1, size)), PARQUET_BATCH_ROWS)
+    start = 0
+    for batch in parquet.iter_batches(batch_size=batch_rows, use_threads=False):
+        rows = list(range(start, start + batch.num_rows))
+        start += batch.num_rows
+        yield table_records(pa.Table.from_batches([batch]), rows, options.binary)
 
 
 def binary_columns(schema) -> list[str]:
@@ -245,6 +403,21 @@ def _holds_binary(arrow_type) -> bool:
     return any(_holds_binary(arrow_type.field(i).type) for i in range(arrow_type.num_fields))
 
 
+def check_binary(schema, binary: str) -> list[str]:
+    """The binary columns of an Arrow schema, to be decoded as UTF-8 (``binary: utf8``).
+
+    Raises:
+        ValueError: a binary column under ``binary: error``.
+    """
+    decode = binary_columns(schema)
+    if decode and binary != "utf8":
+        raise ValueError(
+            f"column(s) {decode} hold binary (bytes) values, not text; set the dataset's "
+            f"binary: utf8 to decode them as UTF-8 text, or store them as string columns"
+        )
+    return decode
+
+
 def table_records(table, rows: list[int], binary: str) -> Parsed:
     """An Arrow table's rows as records (Parquet files and Hugging Face datasets); ``rows`` are
     their row numbers. Binary columns are refused, or decoded as UTF-8 with ``binary: utf8`` (see
@@ -253,12 +426,7 @@ def table_records(table, rows: list[int], binary: str) -> Parsed:
     Raises:
         ValueError: a binary column under ``binary: error``.
     """
-    decode = binary_columns(table.schema)
-    if decode and binary != "utf8":
-        raise ValueError(
-            f"column(s) {decode} hold binary (bytes) values, not text; set the dataset's "
-            f"binary: utf8 to decode them as UTF-8 text, or store them as string columns"
-        )
+    decode = check_binary(table.schema, binary)
     parsed = Parsed()
     for row, record in zip(rows, table.to_pylist(), strict=True):
         try:
@@ -283,15 +451,14 @@ def _decoded(value: Any) -> Any:
     return value
 
 
-@register_format("csv", (".csv",))
-def _csv(data: bytes, options: FileOptions) -> Parsed:
+@register_format("csv", (".csv",), late_file_errors=True)
+def _csv(file: Readable, options: FileOptions, chunk_bytes: int) -> Iterator[Parsed]:
     import pyarrow as pa
     import pyarrow.csv as pacsv
 
-    data = data.removeprefix(BOM)
-    names = _csv_header(data)
+    head, names = _csv_head(file, chunk_bytes)
     if names is None:
-        return Parsed()
+        return
     ragged: dict[int, str] = {}
 
     def on_ragged(row) -> str:
@@ -303,9 +470,11 @@ def _csv(data: bytes, options: FileOptions) -> Parsed:
         )
         return "skip"
 
-    table = pacsv.read_csv(
-        pa.BufferReader(data),
-        read_options=pacsv.ReadOptions(use_threads=False, column_names=names, skip_rows=1),
+    reader = pacsv.open_csv(
+        pa.PythonFile(_Joined(head, file), mode="r"),
+        read_options=pacsv.ReadOptions(
+            use_threads=False, column_names=names, skip_rows=1, block_size=CSV_BLOCK_BYTES
+        ),
         parse_options=pacsv.ParseOptions(newlines_in_values=True, invalid_row_handler=on_ragged),
         convert_options=pacsv.ConvertOptions(
             column_types={name: pa.binary() for name in names},  # decoded below, cell by cell
@@ -314,73 +483,272 @@ def _csv(data: bytes, options: FileOptions) -> Parsed:
             null_values=[],
         ),
     )
-    parsed = Parsed()
     index = 0
-    columns = [table.column(name).to_pylist() for name in names]
-    for cells in zip(*columns, strict=True):
-        while index in ragged:
-            parsed.add_bad(index, "ragged_csv_row", ragged.pop(index))
+    for batch in reader:
+        parsed = Parsed()
+        columns = [batch.column(name).to_pylist() for name in names]
+        for cells in zip(*columns, strict=True):
+            while index in ragged:
+                parsed.add_bad(index, "ragged_csv_row", ragged.pop(index))
+                index += 1
+            record = {}
+            for name, cell in zip(names, cells, strict=True):
+                try:
+                    record[name] = cell.decode("utf-8")
+                except UnicodeDecodeError as error:
+                    problem = f"{error.reason} at byte {error.start} of the value"
+                    parsed.add_bad(index, "invalid_utf8", f"field {name!r}: not UTF-8 ({problem})")
+                    break
+            else:
+                parsed.rows.append(index)
+                parsed.records.append(json.dumps(record, ensure_ascii=False))
             index += 1
-        record = {}
-        for name, cell in zip(names, cells, strict=True):
-            try:
-                record[name] = cell.decode("utf-8")
-            except UnicodeDecodeError as error:
-                problem = f"{error.reason} at byte {error.start} of the value"
-                parsed.add_bad(index, "invalid_utf8", f"field {name!r}: not UTF-8 ({problem})")
-                break
-        else:
-            parsed.rows.append(index)
-            parsed.records.append(json.dumps(record, ensure_ascii=False))
-        index += 1
+        yield parsed
+    parsed = Parsed()
     for row, detail in sorted(ragged.items()):  # ragged rows after the last good one
         parsed.add_bad(row, "ragged_csv_row", detail)
-    return parsed
+    yield parsed
 
 
-def _csv_header(data: bytes) -> list[str] | None:
-    """The column names of a CSV file (None: no header, an empty file)."""
-    lines = (line.decode("utf-8", "surrogateescape") for line in io.BytesIO(data))
-    header = next(csv.reader(lines), None)
+def _csv_head(file: Readable, chunk_bytes: int) -> tuple[bytes, list[str] | None]:
+    """(the start of a CSV file read so far, less a byte order mark; its column names, None for an
+    empty file): chunks are read until the header record is whole."""
+    head, ended = b"", False
+    while True:
+        chunk = file.read(chunk_bytes)
+        ended = not chunk
+        head += chunk
+        if len(head) < len(BOM) and not ended:
+            continue
+        header, whole = _csv_header(head.removeprefix(BOM), ended)
+        if whole:
+            return head.removeprefix(BOM), header
+
+
+def _csv_header(data: bytes, ended: bool = True) -> tuple[list[str] | None, bool]:
+    """(the column names of a CSV file starting with ``data``, None: no header, an empty file;
+    whether ``data`` holds the whole header record: ``ended`` says it is the whole file)."""
+    lines = io.BytesIO(data)
+    last = b""
+    past_end = False
+
+    def decoded() -> Iterator[str]:
+        nonlocal last, past_end
+        for line in lines:
+            last = line
+            yield line.decode("utf-8", "surrogateescape")
+        past_end = True
+
+    header = next(csv.reader(decoded()), None)
+    if not ended and (past_end or not last.endswith(b"\n")):
+        return None, False  # the record may go on in the next chunk
     if header is None:
-        return None
+        return None, True
     try:
         "".join(header).encode("utf-8")
     except UnicodeEncodeError:
         raise ValueError("the header row is not valid UTF-8") from None
     if len(set(header)) != len(header):
         raise ValueError(f"the header row repeats a column name: {header}")
-    return header
+    return header, True
 
 
-@register_format("json", (".json",))
-def _json(data: bytes, options: FileOptions) -> Parsed:
-    # Undecodable bytes become lone surrogates, so the file still parses and the records holding
-    # them can be skipped one by one (bytes outside strings make the JSON invalid).
-    text = data.removeprefix(BOM).decode("utf-8", "surrogateescape")
-    try:
-        records = json.loads(text)
-    except json.JSONDecodeError as error:
-        hint = " (one object per line? set format: jsonl)" if "Extra data" in str(error) else ""
-        raise ValueError(
-            f"not valid JSON at line {error.lineno}, column {error.colno}: {error.msg}{hint}; "
-            f"a .json file is parsed whole, so on_bad_row cannot skip part of it"
-        ) from None
-    if isinstance(records, dict):
-        records = [records]
-    if not isinstance(records, list):
-        raise ValueError("a .json file must hold a list of records")
-    parsed = Parsed()
-    for row, record in enumerate(records):
-        dumped = json.dumps(record, ensure_ascii=False)
+class _Joined(io.RawIOBase):
+    """A file read as ``head`` followed by the rest of ``file``; reads return the bytes asked for
+    (less only at the end), as a whole-file buffer does, so pyarrow's blocks fall where they did."""
+
+    def __init__(self, head: bytes, file: Readable):
+        super().__init__()
+        self.head, self.file = head, file
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int = -1, /) -> bytes:
+        if size is None or size < 0:
+            data, self.head = self.head + self.file.read(), b""
+            return data
+        parts, self.head = [self.head[:size]], self.head[size:]
+        got = len(parts[0])
+        while got < size and (part := self.file.read(size - got)):
+            parts.append(part)
+            got += len(part)
+        return b"".join(parts)
+
+    def readinto(self, buffer) -> int:
+        data = self.read(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
+
+
+@register_format("json", (".json",), late_file_errors=True)
+def _json(file: Readable, options: FileOptions, chunk_bytes: int) -> Iterator[Parsed]:
+    """A JSON list element by element: ``json.loads``' own steps (the C scanner for each value, the
+    array and whitespace rules of ``json.decoder``) over a window of the decoded text, so records
+    and errors (message, line, column) are those of ``json.loads`` on the whole file. A value is
+    taken once the characters the scanner may look at after it are in the window (a number could
+    go on); a value that fails is tried again with more text, until the file has ended (the
+    failure may be the window's edge). A list's own errors (a missing or trailing comma) are put
+    into words by ``json.loads`` itself, on the few characters at fault. Undecodable bytes become
+    lone surrogates, so the file still parses and the records holding them can be skipped one by
+    one (bytes outside strings make the JSON invalid)."""
+    text = _JsonText(file, chunk_bytes)
+    scan = json.JSONDecoder().scan_once
+    parsed, row, state, single = Parsed(), 0, "start", ()
+    while True:
+        buf, at, more = text.buf, text.at, False
+        if state == "start":
+            if not buf and not text.ended:
+                more = True
+            elif text.base == 0 and at == 0 and buf.startswith("\ufeff"):
+                raise text.error("Unexpected UTF-8 BOM (decode using utf-8-sig)", 0)
+            else:
+                text.at = at = _WS(buf, at).end()
+                if at == len(buf) and not text.ended:
+                    more = True
+                elif buf.startswith("[", at):
+                    text.at, state = at + 1, "first"
+                else:
+                    state = "single"
+        elif state == "first":  # after "["
+            text.at = at = _WS(buf, at).end()
+            if at == len(buf) and not text.ended:
+                more = True
+            elif buf.startswith("]", at):
+                text.at, state = at + 1, "trailing"
+            else:
+                state = "element"
+        elif state == "comma":  # at a "," after an element
+            after = _WS(buf, at + 1).end()
+            if after == len(buf) and not text.ended:
+                more = True
+            elif buf.startswith("]", after):  # a trailing comma
+                raise text.list_error(at, after + 1)
+            else:
+                text.at, state = after, "element"
+        elif state in ("element", "single"):
+            scanned = text.scan(scan, at)
+            if scanned is None:
+                more = True
+            elif state == "single":
+                single, text.at, state = (scanned[0],), scanned[1], "trailing"
+            else:
+                value, end = scanned
+                after = _WS(buf, end).end()
+                if after == len(buf) and not text.ended:
+                    more = True
+                elif buf.startswith(("]", ","), after):
+                    _json_record(parsed, row, value)
+                    row += 1
+                    if buf[after] == "]":
+                        text.at, state = after + 1, "trailing"
+                    else:
+                        text.at, state = after, "comma"
+                else:
+                    raise text.list_error(end, after + 1)
+        elif state == "trailing":
+            text.at = at = _WS(buf, at).end()
+            if at < len(buf):
+                raise text.error("Extra data", at)
+            if text.ended:
+                break
+            more = True
+        if more:
+            if parsed.rows or parsed.bad:
+                yield parsed
+                parsed = Parsed()
+            text.more()
+    if single:
+        [records] = single
+        if isinstance(records, dict):
+            records = [records]
+        if not isinstance(records, list):
+            raise ValueError("a .json file must hold a list of records")
+        for row, record in enumerate(records):
+            _json_record(parsed, row, record)
+    yield parsed
+
+
+_WS = re.compile(r"[ \t\n\r]*").match
+"""Whitespace as ``json.decoder`` skips it."""
+
+
+class _JsonText:
+    """The window of a JSON file's decoded text that :func:`_json` parses: ``buf`` from character
+    ``base`` of the file; ``at``, where parsing stands in it (what is before is done)."""
+
+    def __init__(self, file: Readable, chunk_bytes: int):
+        self.file, self.chunk_bytes = file, chunk_bytes
+        self.decoder = codecs.getincrementaldecoder("utf-8")("surrogateescape")
+        self.buf, self.at, self.base, self.ended = "", 0, 0, False
+        self.lines, self.line_start = 0, -1  # newlines before base; the last one's position
+        self.started = False  # a leading byte order mark looked for
+
+    def more(self) -> None:
+        """Drop what is done, and decode more of the file (at least as much as is held, so that a
+        long value is not scanned once per chunk)."""
+        done = self.buf[: self.at]
+        if (newlines := done.count("\n")) > 0:
+            self.lines += newlines
+            self.line_start = self.base + done.rindex("\n")
+        self.base += self.at
+        self.buf, self.at = self.buf[self.at :], 0
+        data = self.file.read(max(self.chunk_bytes, len(self.buf)))
+        self.ended = not data
+        if not self.started:
+            while len(data) < len(BOM) and (piece := self.file.read(self.chunk_bytes)):
+                data += piece
+            data, self.started = data.removeprefix(BOM), True
+        self.buf += self.decoder.decode(data, final=self.ended)
+
+    def scan(self, scan, at: int) -> tuple[Any, int] | None:
+        """The value at ``at`` and where it ends, or None: more text is needed to tell."""
         try:
-            dumped.encode("utf-8")
-        except UnicodeEncodeError:
-            parsed.add_bad(row, "invalid_utf8", f"{_undecodable(record)}not valid UTF-8")
-            continue
-        parsed.rows.append(row)
-        parsed.records.append(dumped)
-    return parsed
+            value, end = scan(self.buf, at)
+        except StopIteration as stop:
+            if not self.ended:
+                return None
+            raise self.error("Expecting value", stop.value) from None
+        except json.JSONDecodeError as error:
+            if not self.ended:
+                return None
+            raise self.error(error.msg, error.pos) from None
+        if not self.ended and (
+            end == len(self.buf) or (type(value) in (int, float) and end + 3 > len(self.buf))
+        ):
+            return None  # "1e" at the window's edge may go on ("1e+5": the scanner looks 3 ahead)
+        return value, end
+
+    def list_error(self, start: int, stop: int) -> ValueError:
+        """The error of a list whose element ends at ``start`` and whose text goes on, wrongly, to
+        ``stop``: what ``json.loads`` says of it (its wording differs between Python versions)."""
+        try:
+            json.loads("[0" + self.buf[start:stop])
+        except json.JSONDecodeError as error:
+            return self.error(error.msg, start + error.pos - 2)
+        raise AssertionError(f"valid JSON list text: {self.buf[start:stop]!r}")
+
+    def error(self, message: str, at: int) -> ValueError:
+        """The file's error for ``json.loads``' ``message`` at ``at`` in the window."""
+        newline = self.buf.rfind("\n", 0, at)
+        line = self.lines + self.buf.count("\n", 0, at) + 1
+        column = at - newline if newline >= 0 else self.base + at - self.line_start
+        hint = " (one object per line? set format: jsonl)" if message == "Extra data" else ""
+        return ValueError(
+            f"not valid JSON at line {line}, column {column}: {message}{hint}; "
+            f"a .json file is parsed whole, so on_bad_row cannot skip part of it"
+        )
+
+
+def _json_record(parsed: Parsed, row: int, record: Any) -> None:
+    dumped = json.dumps(record, ensure_ascii=False)
+    try:
+        dumped.encode("utf-8")
+    except UnicodeEncodeError:
+        parsed.add_bad(row, "invalid_utf8", f"{_undecodable(record)}not valid UTF-8")
+        return
+    parsed.rows.append(row)
+    parsed.records.append(dumped)
 
 
 def _undecodable(record: Any) -> str:
@@ -395,33 +763,35 @@ def _undecodable(record: Any) -> str:
 
 
 @register_format("jsonl", (".jsonl",))
-def _jsonl(data: bytes, options: FileOptions) -> Parsed:
-    parsed = Parsed()
-    for number, offset, line in _lines(data):
-        if not line.strip():
-            continue
-        text, problem = _decode_line(line, offset)
-        if text is None:
-            parsed.add_bad(number, "invalid_utf8", f"line {number} is {problem}")
-            continue
-        try:
-            json.loads(text)
-        except json.JSONDecodeError as error:
-            parsed.add_bad(
-                number,
-                "invalid_json",
-                f"line {number} is not valid JSON: {error.msg} (column {error.colno})",
-            )
-            continue
-        parsed.rows.append(number)
-        parsed.records.append(text)
-    return parsed
+def _jsonl(file: Readable, options: FileOptions, chunk_bytes: int) -> Iterator[Parsed]:
+    for lines in _line_parts(file, chunk_bytes):
+        parsed = Parsed()
+        for number, offset, line in lines:
+            if not line.strip():
+                continue
+            text, problem = _decode_line(line, offset)
+            if text is None:
+                parsed.add_bad(number, "invalid_utf8", f"line {number} is {problem}")
+                continue
+            try:
+                json.loads(text)
+            except json.JSONDecodeError as error:
+                parsed.add_bad(
+                    number,
+                    "invalid_json",
+                    f"line {number} is not valid JSON: {error.msg} (column {error.colno})",
+                )
+                continue
+            parsed.rows.append(number)
+            parsed.records.append(text)
+        yield parsed
 
 
 @register_format("text", (".txt", ".text", ".md"))
-def _text(data: bytes, options: FileOptions) -> Parsed:
-    parsed = Parsed()
-    if options.text_split == "file":
+def _text(file: Readable, options: FileOptions, chunk_bytes: int) -> Iterator[Parsed]:
+    if options.text_split == "file":  # one record: the file is held whole
+        parsed = Parsed()
+        data = b"".join(_chunks(file, chunk_bytes))
         body = data.removeprefix(BOM)
         text, problem = _decode_line(body, len(data) - len(body))
         if text is None:
@@ -429,27 +799,35 @@ def _text(data: bytes, options: FileOptions) -> Parsed:
         else:
             parsed.rows.append(1)
             parsed.records.append(json.dumps({"text": text}, ensure_ascii=False))
-        return parsed
-    # (start line, lines, the first undecodable line's problem) of every document
-    documents: list[tuple[int, list[str], str]] = []
+        yield parsed
+        return
+    # the document being read (it may go on in the next chunk): start line, lines, the first
+    # undecodable line's problem
     current: list[str] = []
     start, problem = 1, ""
-    for number, offset, line in _lines(data):
-        text, line_problem = _decode_line(line, offset)
-        if text is not None and not text.strip():
-            if current:
+    for lines in _line_parts(file, chunk_bytes):
+        documents: list[tuple[int, list[str], str]] = []
+        for number, offset, line in lines:
+            text, line_problem = _decode_line(line, offset)
+            if text is not None and not text.strip():
+                if current:
+                    documents.append((start, current, problem))
+                    current, problem = [], ""
+                continue
+            if not current:
+                start = number
+            current.append(text or "")
+            problem = problem or (f"line {number} is {line_problem}" if text is None else "")
+            if options.text_split == "line":
                 documents.append((start, current, problem))
                 current, problem = [], ""
-            continue
-        if not current:
-            start = number
-        current.append(text or "")
-        problem = problem or (f"line {number} is {line_problem}" if text is None else "")
-        if options.text_split == "line":
-            documents.append((start, current, problem))
-            current, problem = [], ""
-    if current:
-        documents.append((start, current, problem))
+        yield _documents(documents)
+    yield _documents([(start, current, problem)] if current else [])
+
+
+def _documents(documents: list[tuple[int, list[str], str]]) -> Parsed:
+    """Text documents (start line, lines, the first undecodable line's problem) as rows."""
+    parsed = Parsed()
     for start, lines, problem in documents:
         if problem:
             parsed.add_bad(start, "invalid_utf8", problem)

@@ -11,13 +11,16 @@ dataset flow through a single Tokenize actor pool (one pool, not one per dataset
 budget of a small cluster predictable) and means files whose rows disagree on types (a field
 missing here, a nested list there) never fail at the Arrow layer. Files are read by
 ``RowFileDatasource``, a Ray ``FileBasedDatasource``: one read task per file, spread over the
-cluster like Ray's own readers. Hugging Face datasets (hub names or ``save_to_disk`` folders) are
+cluster like Ray's own readers. A read task streams its file in bounded parts
+(``formats.read_rows``, ``formats.CHUNK_BYTES`` at a time; Parquet files are opened for random
+access, to be read by record batch) and emits each part's rows as it goes, so its memory is that
+of a part, not of the file. Hugging Face datasets (hub names or ``save_to_disk`` folders) are
 read with ``datasets`` and handed over with ``ray.data.from_huggingface``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -29,9 +32,10 @@ from rayjobs.config import DatasetConfig
 from rayjobs.formats import (
     HF,
     Parsed,
+    Readable,
     SourceError,
     apply_policy,
-    parse_rows,
+    read_rows,
     table_records,
 )
 
@@ -61,19 +65,67 @@ def record_table(
 def parsed_tables(dataset: str, path: str, parsed: Parsed) -> Iterator[pa.Table]:
     """One parsed file as raw-row tables of at most ``_BLOCK_ROWS`` rows, good and bad rows in
     row order (bad ones with their ``_skip`` reason and, as ``_record``, what is wrong)."""
-    rows, records, skips = parsed.rows, parsed.records, [None] * len(parsed.rows)
-    if parsed.bad:
-        entries = sorted(
-            [*zip(rows, records, skips, strict=True)]
-            + [(bad.row, bad.detail, bad.reason) for bad in parsed.bad],
-            key=lambda entry: entry[0],
-        )
-        rows, records, skips = (list(column) for column in zip(*entries, strict=True))
-    for start in range(0, len(rows), _BLOCK_ROWS):
-        part = slice(start, start + _BLOCK_ROWS)
-        yield record_table(
-            dataset, [path] * len(rows[part]), rows[part], records[part], skips[part]
-        )
+    return _tables(dataset, path, [parsed])
+
+
+def _tables(dataset: str, path: str, parts: Iterable[Parsed]) -> Iterator[pa.Table]:
+    """The parts of one file, in row order, as raw-row tables of ``_BLOCK_ROWS`` rows (the last
+    one fewer), as if the file had been parsed whole: each part's good and bad rows in row order
+    (bad ones with their ``_skip`` reason and, as ``_record``, what is wrong)."""
+    rows: list[int] = []
+    records: list[str] = []
+    skips: list[str | None] = []
+    for parsed in parts:
+        if parsed.bad:
+            entries = sorted(
+                [*zip(parsed.rows, parsed.records, [None] * len(parsed.rows), strict=True)]
+                + [(bad.row, bad.detail, bad.reason) for bad in parsed.bad],
+                key=lambda entry: entry[0],
+            )
+            for row, record, skip in entries:
+                rows.append(row)
+                records.append(record)
+                skips.append(skip)
+        else:
+            rows += parsed.rows
+            records += parsed.records
+            skips += [None] * len(parsed.rows)
+        full = len(rows) - len(rows) % _BLOCK_ROWS
+        for start in range(0, full, _BLOCK_ROWS):
+            part = slice(start, start + _BLOCK_ROWS)
+            yield record_table(
+                dataset, [path] * _BLOCK_ROWS, rows[part], records[part], skips[part]
+            )
+        del rows[:full], records[:full], skips[:full]
+    if rows:
+        yield record_table(dataset, [path] * len(rows), rows, records, skips)
+
+
+def read_tables(
+    file: Readable,
+    path: str,
+    *,
+    format: str,
+    dataset: str,
+    text_split: str = "paragraph",
+    binary: str = "error",
+    on_bad_row: str = "error",
+    chunk_bytes: int | None = None,
+) -> Iterator[pa.Table]:
+    """One open file → raw-row tables, a part of the file at a time (``formats.read_rows``): what a
+    read task emits (in-process, without Ray). The tables are those of the whole file parsed at
+    once (``_BLOCK_ROWS`` rows each); a table is emitted as soon as its rows are parsed."""
+    parts = read_rows(
+        file,
+        path,
+        format=format,
+        dataset=dataset,
+        text_split=text_split,
+        binary=binary,
+        on_bad_row=on_bad_row,
+        chunk_bytes=chunk_bytes,
+    )
+    yield from _tables(dataset, path, parts)
 
 
 def file_tables(
@@ -87,8 +139,8 @@ def file_tables(
     on_bad_row: str = "error",
 ) -> Iterator[pa.Table]:
     """One file's bytes → raw-row tables (what a read task emits; in-process, without Ray)."""
-    parsed = parse_rows(
-        data,
+    yield from read_tables(
+        pa.BufferReader(data),
         path,
         format=format,
         dataset=dataset,
@@ -96,11 +148,12 @@ def file_tables(
         binary=binary,
         on_bad_row=on_bad_row,
     )
-    yield from parsed_tables(dataset, path, parsed)
 
 
 class RowFileDatasource(FileBasedDatasource):
-    """JSON / JSONL / CSV / Parquet / text files → rows with ``_path``, ``_row`` and ``_skip``."""
+    """JSON / JSONL / CSV / Parquet / text files → rows with ``_path``, ``_row`` and ``_skip``.
+    ``chunk_bytes``: how much of a file a read task parses at a time (default
+    ``formats.CHUNK_BYTES``)."""
 
     def __init__(
         self,
@@ -111,6 +164,7 @@ class RowFileDatasource(FileBasedDatasource):
         text_split: str,
         binary: str = "error",
         on_bad_row: str = "error",
+        chunk_bytes: int | None = None,
     ):
         super().__init__(paths)
         self.file_format = format
@@ -118,23 +172,35 @@ class RowFileDatasource(FileBasedDatasource):
         self.text_split = text_split
         self.binary = binary
         self.on_bad_row = on_bad_row
+        self.chunk_bytes = chunk_bytes
+
+    def _open_input_source(self, filesystem, path: str, **open_args) -> pa.NativeFile:
+        # Parquet's footer is at the end of the file: it is read by record batch from a seekable
+        # file (a compressed stream cannot seek, and is read whole).
+        if self.file_format == "parquet" and self.resolve_compression(path, open_args) is None:
+            return filesystem.open_input_file(path)
+        return super()._open_input_source(filesystem, path, **open_args)
 
     def _read_stream(self, f: pa.NativeFile, path: str) -> Iterator[pa.Table]:
-        yield from file_tables(
-            f.readall(),
+        yield from read_tables(
+            f,
             path,
             format=self.file_format,
             dataset=self.dataset,
             text_split=self.text_split,
             binary=self.binary,
             on_bad_row=self.on_bad_row,
+            chunk_bytes=self.chunk_bytes,
         )
 
 
-def read_dataset(spec: DatasetConfig, order_seed: int | None = None) -> ray.data.Dataset:
+def read_dataset(
+    spec: DatasetConfig, order_seed: int | None = None, *, chunk_bytes: int | None = None
+) -> ray.data.Dataset:
     """The raw rows of one dataset spec (files or a Hugging Face dataset). With ``order_seed``,
     its files are read in a random order: a shuffle of the read tasks, so, unlike an all-to-all
-    shuffle of blocks, nothing waits for the whole dataset to be read."""
+    shuffle of blocks, nothing waits for the whole dataset to be read. ``chunk_bytes``: see
+    ``RowFileDatasource`` (``rayjobs.bench_read`` compares sizes)."""
     if spec.format == HF:
         rows = _read_huggingface(spec)
         return rows if order_seed is None else rows.randomize_block_order(seed=order_seed)
@@ -148,6 +214,7 @@ def read_dataset(spec: DatasetConfig, order_seed: int | None = None) -> ray.data
         text_split=spec.text_split,
         binary=spec.binary,
         on_bad_row=spec.on_bad_row,
+        chunk_bytes=chunk_bytes,
     )
     return ray.data.read_datasource(datasource)
 
