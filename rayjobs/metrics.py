@@ -259,6 +259,41 @@ _TOKENIZE_COUNTERS = (
 )
 
 
+def export_interval() -> float:
+    """Seconds between two exports of this process's ``ray.util.metrics`` to its node's metrics
+    agent: Ray's ``metrics_report_interval_ms`` (10 s by default; ``RAY_metrics_report_interval_ms``
+    where the node was started), never under 1 s (Ray's floor)."""
+    try:
+        interval_ms = ray._config.metrics_report_interval_ms()
+    except Exception:  # noqa: BLE001 - a private accessor: fall back to Ray's default
+        interval_ms = 10_000
+    return max(int(interval_ms), 1000) / 1000
+
+
+def wait_for_export(last_record: float | None) -> float:
+    """Sleep until this process has exported what it recorded up to ``last_record`` (a
+    ``time.monotonic()``; None: nothing recorded, no wait): one export interval after it, plus a
+    margin. Ray exports periodically and has no public flush. A process that ends exports its
+    last values on the way out, but only if it gets that far: when a job's driver exits, Ray
+    kills the job's remaining workers, and an actor still exiting (a Ray Train worker that
+    ``fit`` has just killed) can lose what it recorded since its last export (seen once: the
+    last step's ``rayjobs_train_*``). Returns the seconds slept."""
+    if last_record is None:
+        return 0.0
+    interval = export_interval()
+    left = last_record + interval + max(1.0, 0.2 * interval) - time.monotonic()
+    if left > 0:
+        time.sleep(left)
+    return max(0.0, left)
+
+
+def _init_counter(counter: Any, tags: dict[str, str]) -> None:
+    """Export ``counter`` at 0 for ``tags`` (``Counter.inc`` refuses 0): a series that never
+    moves (no bad rows, no overflow) then exists in Prometheus, as 0, for the dashboard's panels
+    and ``increase()``."""
+    counter._record(0, tags=tags)
+
+
 def _series(names) -> dict[str, Any]:
     """``ray.util.metrics`` objects for some of ``METRICS`` (create them in the process that
     records)."""
@@ -322,6 +357,7 @@ class Ledger:
         self._mix = {
             name: self._series[f"rayjobs_mix_{name}"] for name in ("share", "samples", "tokens")
         }
+        self._last_record: float | None = None
 
     def set_budgets(self, budgets: dict[tuple[int, str], float]) -> None:
         """Each dataset's share of each epoch, ``{(epoch, dataset): units}`` in ``mix.by`` units
@@ -379,11 +415,15 @@ class Ledger:
         if not self._first(key):
             return None
         for dataset, counts in by_dataset.items():
+            first = dataset not in self.tokenize
             _merge(self.tokenize[dataset], counts)
             tags = {"run": self._run, "dataset": dataset}
             for name, counter in self._counters.items():
                 if getattr(counts, name):
                     counter.inc(getattr(counts, name), tags=tags)
+                elif first:
+                    _init_counter(counter, tags)
+        self._last_record = time.monotonic()
         return self._answer("add_tokenize")
 
     def add_pack(self, epoch: int, counts: PackCounts, key: str | None = None) -> str | None:
@@ -399,6 +439,7 @@ class Ledger:
         total_tokens = sum(c.num_tokens for c in self.pack.values())
         total_slots = sum(c.num_slots for c in self.pack.values())
         self._efficiency.set(packing_efficiency(total_tokens, total_slots), tags=tags)
+        self._last_record = time.monotonic()
         return self._answer("add_pack")
 
     def add_mix(self, mixes: list[dict[str, dict[str, float]]]) -> None:
@@ -408,6 +449,22 @@ class Ledger:
                 tags = {"run": self._run, "dataset": dataset, "epoch": str(epoch)}
                 for name, gauge in self._mix.items():
                     gauge.set(stats[name], tags=tags)
+        self._last_record = time.monotonic()
+
+    def flush(self) -> float:
+        """Export the run's final values before the job exits; the run calls it last. Ray
+        exports a gauge once per ``set`` and its agent drops the series two report intervals
+        later, so the final packing efficiency is set again here, next to the mix gauges just
+        set. Then wait until everything is exported (``wait_for_export``): the ledger dies with
+        the driver, and the wait also gives the train workers ``fit`` has just killed the time to
+        export their last steps on their way out. Returns the seconds waited."""
+        if self.pack:
+            total_tokens = sum(c.num_tokens for c in self.pack.values())
+            total_slots = sum(c.num_slots for c in self.pack.values())
+            efficiency = packing_efficiency(total_tokens, total_slots)
+            self._efficiency.set(efficiency, tags={"run": self._run})
+            self._last_record = time.monotonic()
+        return wait_for_export(self._last_record)
 
     def add_actor(self, kind: str, node_id: str) -> None:
         """An actor of ``kind`` (Tokenize, PackStream, ...) started on ``node_id``."""

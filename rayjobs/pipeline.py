@@ -174,6 +174,10 @@ def run(config: Config) -> dict[str, Any]:
     summary["checkpoint"] = result.checkpoint.path if result.checkpoint else None
     summary.update(job.accounting())
     ray.get(job.ledger.add_mix.remote([m["datasets"] for m in summary["mix"]]))  # final gauges
+    # Final values are exported before the job exits: the ledger dies with the driver, and the
+    # train workers fit() just killed may still be exiting. Waits one metrics report interval
+    # (Ray's 10 s by default) plus a margin after the last update (README, "Metrics").
+    ray.get(job.ledger.flush.remote())
     return summary
 
 

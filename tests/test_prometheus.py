@@ -1,0 +1,457 @@
+"""A real Prometheus scrapes a real Ray head while the demo runs (README, "Metrics").
+
+Prometheus is Debian's ``prometheus`` package: ``cluster/install-prometheus.sh`` installs it when it
+is not on PATH (``.ci/run`` calls it before the tests; the fixture here calls it too, and fails
+with its output when it cannot). The head is started the way ``cluster/start-head.sh`` starts one
+(loopback only, its own ports and temp dir, torn down by its own process ids, never ``ray stop``).
+Prometheus runs with ``cluster/prometheus.yml`` itself, only its service-discovery path pointed at
+this head's temp dir and its intervals at 1 s, so the shipped file-based discovery is what finds
+the head's metrics endpoint. ``rayjobs run configs/demo.yaml train.epochs=1 --address ... --json``
+(the demo's first rows, one torn line skipped) then runs as a user runs it. Once it has exited,
+Prometheus's HTTP API must hold every series of the README's metrics table, the run summary's
+counts exactly (efficiency and shares within 1e-6), and data for every Grafana panel's query:
+the run exported its final values before it exited (``Ledger.flush``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import ROOT
+from rayjobs.metrics import METRICS
+
+INSTALL = ROOT / "cluster" / "install-prometheus.sh"
+SHIPPED_CONFIG = ROOT / "cluster" / "prometheus.yml"
+DASHBOARD = ROOT / "cluster" / "grafana" / "rayjobs.json"
+DISCOVERY = "/tmp/ray/prom_metrics_service_discovery.json"
+"""The service-discovery file ``cluster/prometheus.yml`` reads (under the head's temp dir)."""
+REPORT_MS = 2000
+"""``RAY_metrics_report_interval_ms`` of the test's head: how often every Ray process ships its
+metrics to its node's agent (Ray's default is 10 s; shorter keeps the test short). The agent
+drops a gauge 2 intervals after its last ``set``: with 1 s scrapes, 4 s leaves room for a busy
+machine."""
+SUBSET_ROWS = (150, 75)
+"""Rows of the demo's two datasets the run reads (all 600 + 300: 28 steps instead of ~7)."""
+
+
+def _readme_metrics() -> dict[str, str]:
+    """The README's metrics table: ``{name: "counter" | "gauge"}``."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Metrics") : readme.index("## Benchmarks")]
+    table = {}
+    for line in section.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith("`rayjobs_"):
+            for name in re.findall(r"`(rayjobs_[a-z_]+)`", cells[0]):
+                table[name] = cells[1]
+    return table
+
+
+def _exported(name: str, kind: str) -> str:
+    """The Prometheus name of a ``ray.util.metrics`` series: Ray's ``ray_`` prefix, and counters
+    with ``_total``."""
+    return f"ray_{name}_total" if kind == "counter" else f"ray_{name}"
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    for sock in sockets:
+        sock.bind(("127.0.0.1", 0))
+    ports = [sock.getsockname()[1] for sock in sockets]
+    for sock in sockets:
+        sock.close()
+    return ports
+
+
+def _kill_leftovers(marker: str) -> None:
+    """SIGKILL every process whose command line names our temp dir; nothing else."""
+    import psutil
+
+    for process in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if process.pid != os.getpid() and marker in " ".join(process.info["cmdline"] or []):
+                process.kill()
+        except (psutil.Error, OSError):
+            pass
+
+
+def _get(url: str, timeout: float = 10) -> dict:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+def test_the_final_export_wait_is_one_report_interval_after_the_last_record():
+    import ray
+
+    from rayjobs.metrics import export_interval, wait_for_export
+
+    assert export_interval() == max(ray._config.metrics_report_interval_ms(), 1000) / 1000
+    assert wait_for_export(None) == 0  # nothing recorded: no wait
+    assert wait_for_export(time.monotonic() - export_interval() - 60) == 0  # exported long ago
+    started = time.monotonic()
+    # recorded "now" minus all but 0.2 s of the interval and margin: about 0.2 s left
+    left = wait_for_export(started - export_interval() - max(1.0, 0.2 * export_interval()) + 0.2)
+    assert 0 < left <= 0.2 and time.monotonic() - started >= left
+
+
+# -- Prometheus ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def prometheus_binary() -> str:
+    """``prometheus`` from PATH, installed by ``cluster/install-prometheus.sh`` when absent. Not
+    a skip: a machine that cannot get it fails here with the script's output."""
+    found = shutil.which("prometheus")
+    if found:
+        return found
+    try:
+        done = subprocess.run(
+            ["bash", str(INSTALL)], capture_output=True, text=True, timeout=900, check=False
+        )
+        output = f"exit {done.returncode}\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+    except subprocess.TimeoutExpired as error:
+        output = f"timed out after {error.timeout} s"
+    found = shutil.which("prometheus")
+    if not found:
+        pytest.fail(f"cluster/install-prometheus.sh could not install Prometheus: {output}")
+    return found
+
+
+def test_install_script_is_idempotent(prometheus_binary):
+    """With ``prometheus`` on PATH the script changes nothing and says so."""
+    done = subprocess.run(["bash", str(INSTALL)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert f"already installed: {prometheus_binary}" in done.stderr
+
+
+def test_promtool_accepts_the_shipped_config(prometheus_binary):
+    """Prometheus's own checker (``promtool``, shipped with it) on ``cluster/prometheus.yml``."""
+    promtool = Path(prometheus_binary).with_name("promtool")
+    promtool = str(promtool) if promtool.exists() else shutil.which("promtool")
+    assert promtool, f"no promtool next to {prometheus_binary} or on PATH"
+    done = subprocess.run(
+        [promtool, "check", "config", str(SHIPPED_CONFIG)], capture_output=True, text=True
+    )
+    assert done.returncode == 0 and "SUCCESS" in done.stdout, done.stdout + done.stderr
+
+
+def _test_config(temp: Path) -> dict:
+    """``cluster/prometheus.yml`` with its discovery file under ``temp`` and 1 s intervals."""
+    config = yaml.safe_load(SHIPPED_CONFIG.read_text())
+    [job] = config["scrape_configs"]
+    [discovery] = job["file_sd_configs"]
+    assert discovery["files"] == [DISCOVERY], "cluster/prometheus.yml changed: update this test"
+    discovery["files"] = [str(temp / Path(DISCOVERY).name)]
+    discovery["refresh_interval"] = "1s"
+    config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
+    return config
+
+
+# -- the head --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Head:
+    address: str
+    """GCS address (``--address`` of ``rayjobs run``)."""
+    metrics_port: int
+    temp: Path
+    env: dict[str, str]
+    """A driver's environment: single-machine mode, as the head."""
+
+
+@pytest.fixture(scope="module")
+def head():
+    """A real Ray head: loopback only (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, as
+    ``cluster/start-head.sh``), no token auth, its own free ports and short temp dir, and metrics
+    shipped to the agent every ``REPORT_MS``. ``ray start --block`` stops its node on SIGTERM;
+    anything left is killed by id (other Ray instances on the machine are left alone)."""
+    temp = Path(tempfile.mkdtemp(prefix="rjp", dir="/tmp"))
+    drop = ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env |= {
+        "RAY_AUTH_MODE": "disabled",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",  # SIGTERM stops it now, not after 30 s
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
+    names = [
+        "port",
+        "dashboard-port",
+        "ray-client-server-port",
+        "dashboard-agent-listen-port",
+        "dashboard-agent-grpc-port",
+        "runtime-env-agent-port",
+        "metrics-export-port",
+        "node-manager-port",
+        "object-manager-port",
+    ]
+    ports = dict(zip(names, _free_ports(len(names))))
+    ray_cli = Path(sys.executable).parent / "ray"
+    command = [
+        str(ray_cli if ray_cli.exists() else shutil.which("ray")),
+        "start",
+        "--head",
+        "--block",
+        "--node-ip-address=127.0.0.1",
+        "--dashboard-host=127.0.0.1",
+        "--include-dashboard=true",
+        "--num-cpus=4",
+        "--disable-usage-stats",
+        f"--temp-dir={temp}",
+        *(f"--{name}={port}" for name, port in ports.items()),
+    ]
+    log = open(temp / "ray-start.log", "w")  # noqa: SIM115 - closed at teardown
+    process = subprocess.Popen(
+        command,
+        env=env | {"RAY_metrics_report_interval_ms": str(REPORT_MS)},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    discovery = temp / Path(DISCOVERY).name
+    metrics_target = f"127.0.0.1:{ports['metrics-export-port']}"
+    try:
+        deadline = time.monotonic() + 120
+        reason = "no service-discovery file yet"
+        while True:  # up once the discovery file lists this node's metrics endpoint
+            with contextlib.suppress(OSError, ValueError):
+                targets = json.loads(discovery.read_text())[0]["targets"]
+                if metrics_target in targets:
+                    break
+                reason = f"discovery file lists {targets}"
+            if process.poll() is not None or time.monotonic() > deadline:
+                tail = Path(log.name).read_text()[-3000:]
+                pytest.fail(f"the Ray head did not start ({reason}):\n{tail}")
+            time.sleep(1)
+        yield Head(f"127.0.0.1:{ports['port']}", ports["metrics-export-port"], temp, env)
+    finally:
+        process.send_signal(signal.SIGTERM)  # `ray start --block` stops its node's processes
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=45)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)  # its process group, nothing else
+        _kill_leftovers(str(temp))
+        log.close()
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+@dataclass
+class Prometheus:
+    url: str
+    log: Path
+
+
+@pytest.fixture(scope="module")
+def prometheus(prometheus_binary, head):
+    """Prometheus on loopback, scraping the head through ``cluster/prometheus.yml``'s file-based
+    discovery; its storage in a temp dir; stopped by its process id."""
+    temp = Path(tempfile.mkdtemp(prefix="rjprom"))
+    config = temp / "prometheus.yml"
+    config.write_text(yaml.safe_dump(_test_config(head.temp)))
+    [port] = _free_ports(1)
+    log = temp / "prometheus.log"
+    command = [
+        prometheus_binary,
+        f"--config.file={config}",
+        f"--storage.tsdb.path={temp / 'data'}",
+        f"--web.listen-address=127.0.0.1:{port}",
+    ]
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        target = f"127.0.0.1:{head.metrics_port}"
+        while True:  # ready once the head's metrics endpoint was scraped successfully
+            with contextlib.suppress(urllib.error.URLError, OSError, ValueError):
+                active = _get(f"{url}/api/v1/targets")["data"]["activeTargets"]
+                if any(t["labels"]["instance"] == target and t["health"] == "up" for t in active):
+                    break
+            if process.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"Prometheus never scraped {target}:\n{log.read_text()[-3000:]}")
+            time.sleep(1)
+        yield Prometheus(url, log)
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+# -- the run ---------------------------------------------------------------------------------------
+
+
+def _query(prometheus: Prometheus, promql: str) -> list[dict]:
+    query = urllib.parse.urlencode({"query": promql})
+    answer = _get(f"{prometheus.url}/api/v1/query?{query}")
+    assert answer["status"] == "success", answer
+    return answer["data"]["result"]
+
+
+def _values(prometheus: Prometheus, name: str, kind: str, run: str) -> dict[tuple, float]:
+    """``{(label values other than run, in METRICS order): value}`` of one series at its last
+    scrape (a gauge's series ends when the run does: Ray drops it ~2 report intervals later and
+    Prometheus marks it stale, hence ``last_over_time``), summed over Ray's own labels
+    (``WorkerId``: counters are per process, e.g. per train worker)."""
+    keys = [key for key in METRICS[name][1] if key != "run"]
+    by = ", ".join(keys)
+    agg = "sum" if kind == "counter" else "max"
+    promql = f'{agg} by ({by}) (last_over_time({_exported(name, kind)}{{run="{run}"}}[15m]))'
+    return {
+        tuple(row["metric"].get(key, "") for key in keys): float(row["value"][1])
+        for row in _query(prometheus, promql)
+    }
+
+
+def _expected(summary: dict, seq_len: int) -> dict[str, dict[tuple, float]]:
+    """What Prometheus must hold for the run, from its summary (the ledger's exact counts)."""
+    packed = summary["packed"]
+    expected = {
+        "rayjobs_packs": {(): float(packed["num_packs"])},
+        "rayjobs_pack_tokens": {(): float(packed["num_tokens"])},
+        "rayjobs_pack_slots": {(): float(packed["num_packs"] * seq_len)},
+        "rayjobs_packing_efficiency": {(): packed["efficiency"]},
+        "rayjobs_train_steps": {(): float(summary["steps"])},
+        "rayjobs_train_tokens": {(): float(summary["tokens_trained"])},
+    }
+    for key in ("samples", "tokens", "trained_tokens", "truncated_tokens", "dropped_samples",
+                "split_samples", "skipped_rows"):  # fmt: skip
+        expected[f"rayjobs_{key}"] = {
+            (name,): float(counts[key]) for name, counts in summary["datasets"].items()
+        }
+    for key in ("share", "samples", "tokens"):
+        expected[f"rayjobs_mix_{key}"] = {
+            (name, str(epoch["epoch"])): float(stats[key])
+            for epoch in summary["mix"]
+            for name, stats in epoch["datasets"].items()
+        }
+    return expected
+
+
+def _mismatches(prometheus: Prometheus, summary: dict, seq_len: int, run: str) -> list[str]:
+    problems = []
+    table = _readme_metrics()
+    held = set(_get(f"{prometheus.url}/api/v1/label/__name__/values")["data"])
+    for name, kind in sorted(table.items()):
+        if _exported(name, kind) not in held:
+            problems.append(f"{_exported(name, kind)}: not in Prometheus")
+    for name, expected in _expected(summary, seq_len).items():
+        found = _values(prometheus, name, table[name], run)
+        if name == "rayjobs_packing_efficiency" or name == "rayjobs_mix_share":
+            same = found.keys() == expected.keys() and all(
+                math.isclose(found[k], expected[k], rel_tol=0, abs_tol=1e-6) for k in expected
+            )
+        else:
+            same = found == expected
+        if not same:
+            problems.append(f"{name}: Prometheus {found} != summary {expected}")
+    return problems
+
+
+def _demo_subset(folder: Path) -> list[str]:
+    """Overrides of ``configs/demo.yaml`` that read the first rows of its two datasets (the test
+    stays short) plus one torn JSONL line in the first, skipped (``rayjobs_skipped_rows`` moves)."""
+    demo = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
+    overrides = []
+    for index, spec in enumerate(demo["datasets"]):
+        lines = (ROOT / "configs" / spec["source"]).read_text().splitlines()[: SUBSET_ROWS[index]]
+        if index == 0:
+            lines.insert(len(lines) // 2, '{"instruction": "torn line')
+            overrides.append(f"datasets.{index}.on_bad_row=skip")
+        path = folder / Path(spec["source"]).name
+        path.write_text("\n".join(lines) + "\n")
+        overrides.append(f"datasets.{index}.source={path}")
+    return overrides
+
+
+def test_prometheus_holds_the_run_summary_and_every_dashboard_series(head, prometheus, tmp_path):
+    seq_len = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())["packing"]["seq_len"]
+    started = time.time()
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rayjobs.cli",
+            "run",
+            "configs/demo.yaml",
+            *_demo_subset(tmp_path),
+            "train.epochs=1",
+            f"train.storage_path={tmp_path / 'runs'}",
+            "--address",
+            head.address,
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        env=head.env,
+        cwd=ROOT,
+        timeout=600,
+    )
+    finished = time.time()
+    assert done.returncode == 0, done.stderr[-4000:] + done.stdout[-2000:]
+    summary = json.loads(done.stdout.splitlines()[-1])
+    print(f"rayjobs run: {finished - started:.1f} s, {summary['steps']} steps")
+    run = summary["run_name"]
+    assert not summary["stopped_early"] and summary["steps"] > 0
+    assert summary["datasets"]["stdlib_alpaca"]["skipped_by_reason"] == {"invalid_json": 1}
+
+    # The job has exited: what Prometheus holds now is what it exported before exiting. Wait
+    # for a few scrapes, never for more exports.
+    deadline = time.monotonic() + 15
+    while (problems := _mismatches(prometheus, summary, seq_len, run)) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(1)
+    assert not problems, "\n".join(problems)
+    [loss] = _values(prometheus, "rayjobs_train_loss", "gauge", run).values()
+    assert math.isfinite(loss) and loss > 0
+
+    # Every query of the Grafana dashboard names series Prometheus holds for this run, and
+    # returns data over the run.
+    dashboard = json.loads(DASHBOARD.read_text())
+    queries = [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]
+    queries += [v["definition"] for v in dashboard["templating"]["list"] if "definition" in v]
+    for expr in queries:
+        names = set(re.findall(r"\bray_rayjobs_[a-z_]+", expr))
+        assert names, expr
+        for name in names:
+            match = urllib.parse.urlencode(
+                {"match[]": f'{name}{{run="{run}"}}', "start": started - 60, "end": time.time()}
+            )
+            assert _get(f"{prometheus.url}/api/v1/series?{match}")["data"], (name, expr)
+        if expr.startswith("label_values("):
+            continue
+        window = urllib.parse.urlencode(
+            {
+                "query": expr.replace("$run", run),
+                "start": started,
+                "end": finished + 5,
+                "step": "1",
+            }
+        )
+        answer = _get(f"{prometheus.url}/api/v1/query_range?{window}")
+        assert answer["status"] == "success" and answer["data"]["result"], expr
