@@ -140,25 +140,18 @@ class AccountingError(RuntimeError):
     """The run's counts do not add up (a lost or double-counted batch): the run fails."""
 
 
-def check_accounting(snapshot: dict[str, Any], streamed: bool) -> list[str]:
+def check_accounting(snapshot: dict[str, Any], streamed: bool, complete: bool = True) -> list[str]:
     """The end-of-run check (every run): per dataset, rows read = samples − split pieces + dropped
     + skipped; and, when streamed (every tokenized sample packed once, every epoch tokenized
     anew), samples and tokens tokenized = documents and tokens in the packs + those trimmed to the
     dataset's share, over all epochs.
     (In planned mode the plan repeats or subsamples the tokenized samples per epoch, so only the
-    first holds.) Returns the problems, empty when the books balance."""
+    first holds.) ``complete``: False when training stopped before the stream ended
+    (``train.max_steps``): samples tokenized but still on their way to a packer when the pipeline
+    was shut down are then allowed, so the packs may hold fewer, never more
+    (``unpacked``). Returns the problems, empty when the books balance."""
     problems = []
-    packed_documents: dict[str, int] = defaultdict(int)
-    packed_tokens: dict[str, int] = defaultdict(int)
-    for counts in snapshot["pack"].values():
-        for key, total in (
-            ("documents_by_source", packed_documents),
-            ("trimmed_by_source", packed_documents),
-            ("tokens_by_source", packed_tokens),
-            ("trimmed_tokens_by_source", packed_tokens),
-        ):
-            for name, value in counts.get(key, {}).items():
-                total[name] += value
+    packed = packed_by_source(snapshot)
     for name, c in snapshot["tokenize"].items():
         rows = c["samples"] - c["split_samples"] + c["dropped_samples"] + c["skipped_rows"]
         if rows != c["rows"]:
@@ -166,18 +159,51 @@ def check_accounting(snapshot: dict[str, Any], streamed: bool) -> list[str]:
                 f"dataset {name!r}: {c['rows']} rows read but samples − split pieces + dropped + "
                 f"skipped = {rows}"
             )
-        if streamed and (c["samples"], c["tokens"]) != (
-            packed_documents[name],
-            packed_tokens[name],
-        ):
+        documents, tokens = packed.get(name, (0, 0))
+        if complete:
+            balanced = (documents, tokens) == (c["samples"], c["tokens"])
+        else:
+            balanced = documents <= c["samples"] and tokens <= c["tokens"]
+        if streamed and not balanced:
             problems.append(
                 f"dataset {name!r}: tokenized {c['samples']} samples / {c['tokens']} tokens but "
-                f"the packs hold (or trimmed) {packed_documents[name]} / {packed_tokens[name]}"
+                f"the packs hold (or trimmed) {documents} / {tokens}"
+                + ("" if complete else " (more than was tokenized)")
             )
     if streamed:
-        for name in set(packed_documents) - set(snapshot["tokenize"]):
+        for name in set(packed) - set(snapshot["tokenize"]):
             problems.append(f"dataset {name!r}: packed but never tokenized")
     return problems
+
+
+def packed_by_source(snapshot: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """Per dataset, (documents, tokens) that reached a packer over all epochs: packed, or trimmed
+    to the dataset's share."""
+    documents: dict[str, int] = defaultdict(int)
+    tokens: dict[str, int] = defaultdict(int)
+    for counts in snapshot["pack"].values():
+        for key, total in (
+            ("documents_by_source", documents),
+            ("trimmed_by_source", documents),
+            ("tokens_by_source", tokens),
+            ("trimmed_tokens_by_source", tokens),
+        ):
+            for name, value in counts.get(key, {}).items():
+                total[name] += value
+    return {name: (documents[name], tokens[name]) for name in documents.keys() | tokens.keys()}
+
+
+def unpacked(snapshot: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """Per dataset, samples and tokens tokenized but never packed nor trimmed: 0 in a complete
+    streamed run; after an early stop, what was in flight when the pipeline was shut down."""
+    packed = packed_by_source(snapshot)
+    return {
+        name: {
+            "samples": c["samples"] - packed.get(name, (0, 0))[0],
+            "tokens": c["tokens"] - packed.get(name, (0, 0))[1],
+        }
+        for name, c in snapshot["tokenize"].items()
+    }
 
 
 def packing_efficiency(num_tokens: int, num_slots: int) -> float:

@@ -26,7 +26,13 @@ import ray.data
 from rayjobs import stream
 from rayjobs.config import Config, ConfigError
 from rayjobs.epochs import Epochs
-from rayjobs.metrics import AccountingError, Ledger, check_accounting, packing_efficiency
+from rayjobs.metrics import (
+    AccountingError,
+    Ledger,
+    check_accounting,
+    packing_efficiency,
+    unpacked,
+)
 from rayjobs.mix import with_shares
 from rayjobs.sources import read_dataset
 from rayjobs.tokenize import Tokenizer
@@ -101,15 +107,22 @@ class Job:
             mixes.append(with_shares(mix, self.config.mix.by))
         return mixes
 
-    def accounting(self) -> dict[str, Any]:
+    def accounting(self, complete: bool = True) -> dict[str, Any]:
         """The data side's part of the run summary (README, "Run summary"): per-dataset
         tokenization counts with each dataset's mean share, the realized mix of every epoch, and
-        pack totals over all epochs."""
+        pack totals over all epochs. Raises ``AccountingError`` when the counts do not add up.
+        ``complete``: False when training stopped before the stream ended (``max_steps``); the
+        samples tokenized but not packed by then are each dataset's ``unpacked_*``."""
         snapshot = self.snapshot()
-        problems = check_accounting(snapshot, streamed=self.rows is not None)
+        streamed = self.rows is not None
+        problems = check_accounting(snapshot, streamed=streamed, complete=complete)
         if problems:
             raise AccountingError("the run's counts do not add up: " + "; ".join(problems))
         summary = accounting(snapshot)
+        if streamed:
+            for name, left in unpacked(snapshot).items():
+                summary["datasets"][name]["unpacked_samples"] = left["samples"]
+                summary["datasets"][name]["unpacked_tokens"] = left["tokens"]
         mixes = self.mixes(snapshot)
         for name, stats in summary["datasets"].items():
             stats["share"] = sum(mix[name]["share"] for mix in mixes) / max(1, len(mixes))
@@ -172,7 +185,7 @@ def run(config: Config) -> dict[str, Any]:
     summary = dict(result.metrics)
     summary["run_name"] = job.name
     summary["checkpoint"] = result.checkpoint.path if result.checkpoint else None
-    summary.update(job.accounting())
+    summary.update(job.accounting(complete=not summary["stopped_early"]))
     ray.get(job.ledger.add_mix.remote([m["datasets"] for m in summary["mix"]]))  # final gauges
     # Final values are exported before the job exits: the ledger dies with the driver, and the
     # train workers fit() just killed may still be exiting. Waits one metrics report interval

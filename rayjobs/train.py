@@ -240,6 +240,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     losses: list[float] = []
     checkpoints: list[dict[str, Any]] = []
     steps = rows = pack_tokens = trained_tokens = guard_dropped = 0
+    stopped_early = False  # max_steps reached: the stream may not have ended
     names = loop_config.get("datasets") or [f"train_epoch_{e}" for e in range(config.train.epochs)]
     for index, name in enumerate(names):  # one stream of every epoch, or one dataset per epoch
         shard = ray.train.get_dataset_shard(name)
@@ -276,9 +277,10 @@ def train_loop(loop_config: dict[str, Any]) -> None:
                 else:
                     ray.train.report(metrics)
             if config.train.max_steps is not None and steps >= config.train.max_steps:
+                stopped_early = True
                 break
         guard_dropped += guard.dropped
-        if config.train.max_steps is not None and steps >= config.train.max_steps:
+        if stopped_early:
             break
     totals = torch.tensor([rows, pack_tokens, trained_tokens, guard_dropped], device=device)
     rows, pack_tokens, trained_tokens, guard_dropped = (int(v) for v in _all_reduce(totals))
@@ -292,6 +294,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         "num_packs": rows,
         "packing_efficiency": pack_tokens / (rows * seq_len) if rows else 0.0,
         "guard_dropped_batches": guard_dropped,
+        "stopped_early": stopped_early,
         "attention": packed.attention,
         "model": config.train.model.kind,
         "checkpoints": checkpoints,

@@ -10,7 +10,7 @@ import re
 import pytest
 
 from conftest import ROOT
-from rayjobs.metrics import METRICS, check_accounting
+from rayjobs.metrics import METRICS, check_accounting, unpacked
 
 
 def _exported_name(name: str) -> str:
@@ -75,10 +75,18 @@ def _snapshot(rows=10, samples=9, split=1, dropped=1, skipped=1, tokens=100, pac
         ),
         (_snapshot(packed=(9, 99)), True, "the packs hold (or trimmed) 9 / 99"),
         (_snapshot(packed=(8, 99)), False, None),  # planned: the plan repeats or subsamples
+        # stopped early (max_steps): what was in flight may be missing from the packs, no more
+        (_snapshot(packed=(8, 99)), "early", None),
+        (_snapshot(packed=(9, 101)), "early", "the packs hold (or trimmed) 9 / 101 (more than"),
+        (_snapshot(packed=(10, 99)), "early", "the packs hold (or trimmed) 10 / 99 (more than"),
+        (_snapshot(rows=11, packed=(8, 99)), "early", "11 rows read but"),
     ],
 )
 def test_the_accounting_check(snapshot, streamed, problem):
-    problems = check_accounting(snapshot, streamed)
+    complete = streamed != "early"
+    problems = check_accounting(snapshot, streamed=bool(streamed), complete=complete)
+    if streamed == "early" and problem is None:
+        assert unpacked(snapshot) == {"a": {"samples": 1, "tokens": 1}}
     if problem is None:
         assert problems == []
     else:
