@@ -17,12 +17,14 @@ train side (GPU nodes; torch):
     masks.py       document_ids → dense mask (SDPA) and BlockMask (FlexAttention)
     collate.py     packed rows → tensors on the rank's device
     model.py       the demo decoder, Hugging Face causal LMs (PackedLM), the chunked loss
-    train.py       the TorchTrainer loop: equal batches per rank, guard, checkpoint
+    train.py       the TorchTrainer loop: equal batches per rank, guard, checkpoint; and
+                   ``train_batches``, the same batches for users' own loops (README)
 on top:
     config.py      YAML + dotted overrides → typed Config, validated against the registries
     pipeline.py    the job: ``start_job`` (data side, shared by run/export/bench) and ``run``
     metrics.py     the run's Ledger (exact counts) and its Prometheus series; stage timers
     export.py      ``rayjobs export``: packed rows as Parquet + manifest
+    inspect.py     ``rayjobs inspect``: the data side's figures, a decoded packed row, plots
     submit.py      ``rayjobs submit`` / status / logs / stop through Ray's Jobs API
     bench.py, bench_pipeline.py, bench_attention.py, cli.py
 """
@@ -41,6 +43,9 @@ _EXPORTS = {
     "Epochs": "rayjobs.epochs",
     "start_job": "rayjobs.pipeline",
     "run": "rayjobs.pipeline",
+    "Job": "rayjobs.pipeline",
+    "train_batches": "rayjobs.train",
+    "hf_attention_mask": "rayjobs.masks",
 }
 __all__ = sorted(_EXPORTS)
 

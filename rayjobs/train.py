@@ -29,13 +29,13 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from rayjobs import seeds
+from rayjobs import masks, seeds
 from rayjobs.collate import collate
 from rayjobs.config import Config, HFModelConfig
 from rayjobs.metrics import TrainMetrics
@@ -86,6 +86,42 @@ def rank_batches(
                 guard.dropped += batch is not None
             return
         yield batch
+
+
+def train_batches(
+    datasets: str | Sequence[str] = "train",
+    batch_size: int = 8,
+    *,
+    attn_implementation: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | None = None,
+    guard: _Guard | None = None,
+) -> Iterator[dict[str, torch.Tensor]]:
+    """The library API for a user's own ``train_loop_per_worker``: this rank's packed batches, on
+    this rank's device, with the same number of batches on every rank.
+
+    ``datasets``: the dataset names the ``TorchTrainer`` was given, read in order (``Job.
+    train_datasets()``: ``"train"`` in stream mode, one per epoch in planned mode). Each batch holds
+    ``input_ids``, ``labels`` (already shifted per document: compare logits at position t with
+    ``labels[t]``, ignore ``-100``), ``position_ids`` (restarting per document), ``document_ids``
+    and ``num_tokens`` as int64 tensors, and ``epoch`` in stream mode. With
+    ``attn_implementation`` (``sdpa``, ``eager`` or ``flex_attention``, as a Hugging Face model's
+    ``config._attn_implementation``) the batch also holds ``attention_mask``: the document-causal
+    mask in that backend's form, built on the device (``masks.hf_attention_mask``; ``dtype`` is the
+    eager path's score dtype). Pass it with ``position_ids`` to the model's forward.
+    """
+    import ray.train
+    import ray.train.torch
+
+    device = device if device is not None else ray.train.torch.get_device()
+    for name in [datasets] if isinstance(datasets, str) else datasets:
+        shard = ray.train.get_dataset_shard(name)
+        for batch in rank_batches(shard, batch_size, device, guard):
+            if attn_implementation is not None:
+                batch["attention_mask"] = masks.hf_attention_mask(
+                    batch["document_ids"], attn_implementation, dtype
+                )
+            yield batch
 
 
 def resolve_attention(attention: str, device: torch.device) -> str:
@@ -243,9 +279,8 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     stopped_early = False  # max_steps reached: the stream may not have ended
     names = loop_config.get("datasets") or [f"train_epoch_{e}" for e in range(config.train.epochs)]
     for index, name in enumerate(names):  # one stream of every epoch, or one dataset per epoch
-        shard = ray.train.get_dataset_shard(name)
         guard = _Guard()
-        for batch in rank_batches(shard, config.train.batch_size, device, guard):
+        for batch in train_batches(name, config.train.batch_size, device=device, guard=guard):
             local_sum, local_count = model(
                 batch["input_ids"], batch["position_ids"], batch["document_ids"], batch["labels"]
             )

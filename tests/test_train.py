@@ -10,7 +10,7 @@ import pytest
 import ray.data
 import torch
 
-from rayjobs.train import hf_attention, rank_batches, resolve_attention
+from rayjobs.train import hf_attention, resolve_attention, train_batches
 
 SEQ_LEN = 8
 
@@ -47,11 +47,9 @@ def _count_batches(loop_config: dict) -> None:
     rank, world_size = context.get_world_rank(), context.get_world_size()
     metrics = {}
     for case, (names, batch_size) in enumerate(loop_config["cases"]):
-        shard = ray.train.get_dataset_shard(names[rank])
         guard = _Guard()
-        rows = sum(
-            len(b["input_ids"]) for b in rank_batches(shard, batch_size, torch.device("cpu"), guard)
-        )
+        batches = train_batches(names[rank], batch_size, device=torch.device("cpu"), guard=guard)
+        rows = sum(len(b["input_ids"]) for b in batches)
         counts = [torch.zeros(2, dtype=torch.long) for _ in range(world_size)]
         dist.all_gather(counts, torch.tensor([rows, guard.dropped]))
         metrics[f"rows_{case}"] = [int(c[0]) for c in counts]
@@ -61,7 +59,7 @@ def _count_batches(loop_config: dict) -> None:
         ray.train.report(metrics, checkpoint=checkpoint)
 
 
-def _fit(datasets: dict, loop_config: dict, split: bool, world_size: int = 2):
+def _fit(datasets: dict, loop_config: dict, split: list[str], world_size: int = 2):
     from ray.train import DataConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -70,7 +68,7 @@ def _fit(datasets: dict, loop_config: dict, split: bool, world_size: int = 2):
         train_loop_config=loop_config,
         datasets=datasets,
         scaling_config=ScalingConfig(num_workers=world_size, resources_per_worker={"CPU": 0.5}),
-        dataset_config=DataConfig(datasets_to_split="all" if split else []),
+        dataset_config=DataConfig(datasets_to_split=split),
     )
     return trainer.fit().metrics
 
@@ -83,27 +81,28 @@ EXPECTED_BATCHES = {2: [12, 10, 0], 3: [8, 6, 0], 4: [6, 5, 0]}
 
 
 @pytest.mark.parametrize("world_size", sorted(EXPECTED_BATCHES))
-def test_equal_batches_per_rank(ray_local, world_size):
-    """Uneven rows and blocks, fractional CPUs: every rank gets the same number of batches."""
+def test_equal_batches_per_rank_and_the_guard(ray_local, world_size):
+    """Uneven rows and blocks, fractional CPUs: every rank gets the same number of batches.
+    With 2 ranks the same run also checks the guard: unsplit datasets of different sizes (rank 0
+    has 5 batches of 2, rank 1 has 7) stop both ranks after 5, rank 1's extra batch counted."""
     assert all(rows % world_size or rows % blocks for rows, blocks, _ in CASES), "guard: uneven"
     datasets = {
         f"case_{i}": _packed_rows(rows, blocks) for i, (rows, blocks, _) in enumerate(CASES)
     }
     cases = [([f"case_{i}"] * world_size, size) for i, (_, _, size) in enumerate(CASES)]
-    metrics = _fit(datasets, {"cases": cases}, split=True, world_size=world_size)
+    split = list(datasets)
+    if world_size == 2:
+        datasets |= {"short": _packed_rows(10, 3), "long": _packed_rows(14, 3)}
+        cases.append((["short", "long"], 2))
+    metrics = _fit(datasets, {"cases": cases}, split=split, world_size=world_size)
     for case, ((_, _, batch_size), batches) in enumerate(
         zip(CASES, EXPECTED_BATCHES[world_size], strict=True)
     ):
         assert metrics[f"rows_{case}"] == [batches * batch_size] * world_size, case
         assert metrics[f"dropped_{case}"] == [0] * world_size
-
-
-def test_guard_stops_every_rank_when_one_runs_out(ray_local):
-    # Unsplit datasets of different sizes: rank 0 has 5 batches of 2, rank 1 has 7.
-    datasets = {"short": _packed_rows(10, 3), "long": _packed_rows(14, 3)}
-    metrics = _fit(datasets, {"cases": [(["short", "long"], 2)]}, split=False)
-    assert metrics["rows_0"] == [10, 10]
-    assert metrics["dropped_0"] == [0, 1]
+    if world_size == 2:
+        assert metrics[f"rows_{len(CASES)}"] == [10, 10]
+        assert metrics[f"dropped_{len(CASES)}"] == [0, 1]
 
 
 @pytest.mark.parametrize(
