@@ -42,6 +42,8 @@ class FakeLedger:
     def __init__(self):
         self.calls: list[tuple] = []
         self.add_tokenize = self.add_pack = _FakeRemote(self.calls)
+        self.actors: list[tuple] = []  # report_actor's calls, when a (shared) Ray is running
+        self.add_actor = _FakeRemote(self.actors)
 
 
 @pytest.fixture
@@ -55,19 +57,35 @@ def fake_ledger(monkeypatch) -> FakeLedger:
 
 @pytest.fixture(scope="module")
 def ray_local():
-    """A module-scoped local Ray. 4 logical CPUs on this 2-core machine: the job's resource plan
-    (read tasks + a 1-CPU Tokenize actor + 0.5-CPU plan-join and assembly actors + two 0.5-CPU
-    trainers) does not fit in 2 and would hang (README, "Design: CPU resources"); logical CPUs only
-    schedule."""
+    """A local Ray for the module, shared with the modules before and after it: started on first
+    use and left running (a start costs ~7 s here; ``_stop_ray_at_exit`` stops it), so only a
+    module that needs a cluster of its own (``shutdown_shared_ray``) makes the next one start
+    anew. 4 logical CPUs on this 2-core machine: the job's resource plan (read tasks + a 1-CPU
+    Tokenize actor + 0.5-CPU packing actors + two 0.5-CPU trainers) does not fit in 2 and would
+    hang (README, "Design: CPU resources"); logical CPUs only schedule."""
     import ray
 
-    # Workers import this checkout's rayjobs (whatever is pip-installed) and functions defined
-    # in test modules (train loops).
-    ray.init(
-        num_cpus=4,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}},
-    )
-    yield ray
-    ray.shutdown()
+    if not ray.is_initialized():
+        # Workers import this checkout's rayjobs (whatever is pip-installed) and functions
+        # defined in test modules (train loops).
+        ray.init(
+            num_cpus=4,
+            include_dashboard=False,
+            log_to_driver=False,
+            runtime_env={"env_vars": {"PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}},
+        )
+    return ray
+
+
+def shutdown_shared_ray() -> None:
+    """Stop the shared local Ray (a module about to start a cluster of its own calls this)."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_ray_at_exit():
+    yield
+    shutdown_shared_ray()
