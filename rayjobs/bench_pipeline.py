@@ -188,7 +188,8 @@ def bench_pipeline(
             if reference is None:
                 reference = reference_tokens_per_s(config)
             measured = run_scale(config, scale)
-            tokenize_cpus = config.ray.tokenize_concurrency or max(1, int(cluster_cpus()) // 2)
+            cpus = int(cluster_cpus(config))
+            tokenize_cpus = config.ray.tokenize_concurrency or max(1, cpus // 2)
             rows.append(PipelineRow(scale, reference_tokens_per_s=reference,
                                     tokenize_cpus=tokenize_cpus, **measured))  # fmt: skip
     return rows

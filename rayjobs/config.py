@@ -213,6 +213,12 @@ class TrainConfig(_Strict):
     cpus_per_worker: float = Field(default=0.5, gt=0)
     """Logical CPUs each train worker reserves; keep it fractional on small CPU clusters so the
     data operators are not starved (see README, Resources)."""
+    resources_per_worker: dict[str, float] = Field(default_factory=dict)
+    """Custom Ray resources each train worker also reserves, e.g. ``{trainer: 1}`` where only
+    trainer nodes declare ``trainer`` (CPU and GPU come from ``cpus_per_worker`` / ``use_gpu``)."""
+    label_selector: dict[str, str] = Field(default_factory=dict)
+    """Ray node labels every train worker requires, e.g. ``{rayjobs.io/role: train}``; empty:
+    any node with the worker's resources (with ``use_gpu``, a GPU node)."""
     batch_size: int = Field(default=4, gt=0)
     """Packed rows per step per worker."""
     epochs: int = Field(default=1, gt=0)
@@ -233,6 +239,20 @@ class TrainConfig(_Strict):
     """Also save a checkpoint every this many steps (the summary lists them)."""
     model: ModelConfig | HFModelConfig = Field(default_factory=ModelConfig)
     """``kind: demo`` (default) or ``kind: hf``; see ``ModelConfig`` and ``HFModelConfig``."""
+
+    @field_validator("resources_per_worker")
+    @classmethod
+    def _custom_resources_only(cls, value: dict[str, float]) -> dict[str, float]:
+        reserved = sorted({"CPU", "GPU", "memory"} & set(value))
+        if reserved:
+            raise ValueError(
+                f"{', '.join(reserved)}: set CPUs with cpus_per_worker and GPUs with use_gpu; "
+                "resources_per_worker is for custom resources"
+            )
+        negative = sorted(name for name, amount in value.items() if amount <= 0)
+        if negative:
+            raise ValueError(f"{', '.join(negative)}: amounts must be positive")
+        return value
 
     @field_validator("model", mode="wrap")
     @classmethod
@@ -271,6 +291,10 @@ class RayConfig(_Strict):
     """Actors each data pool (Tokenize, packers) starts with, before it grows."""
     pack_concurrency: int | None = Field(default=None, gt=0)
     """stream: maximum packer actors; default a quarter of the cluster's CPUs (at least 1)."""
+    data_label_selector: dict[str, str] = Field(default_factory=dict)
+    """Ray node labels every data task and actor (read, tokenize, pack) requires, e.g.
+    ``{rayjobs.io/role: data}`` (Ray's label selector syntax: ``"!gpu"``, ``"in(a,b)"``); empty:
+    anywhere with free CPUs."""
 
 
 class Config(_Strict):

@@ -176,7 +176,11 @@ def run(config: Config) -> dict[str, Any]:
         scaling_config=ScalingConfig(
             num_workers=config.train.num_workers,
             use_gpu=config.train.use_gpu,
-            resources_per_worker={"CPU": config.train.cpus_per_worker},
+            resources_per_worker={
+                **config.train.resources_per_worker,
+                "CPU": config.train.cpus_per_worker,
+            },
+            label_selector=config.train.label_selector or None,
         ),
         datasets=datasets,
         run_config=RunConfig(name=job.name, storage_path=_storage(config.train.storage_path)),

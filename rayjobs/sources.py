@@ -195,12 +195,18 @@ class RowFileDatasource(FileBasedDatasource):
 
 
 def read_dataset(
-    spec: DatasetConfig, order_seed: int | None = None, *, chunk_bytes: int | None = None
+    spec: DatasetConfig,
+    order_seed: int | None = None,
+    *,
+    chunk_bytes: int | None = None,
+    label_selector: dict[str, str] | None = None,
 ) -> ray.data.Dataset:
     """The raw rows of one dataset spec (files or a Hugging Face dataset). With ``order_seed``,
     its files are read in a random order: a shuffle of the read tasks, so, unlike an all-to-all
     shuffle of blocks, nothing waits for the whole dataset to be read. ``chunk_bytes``: see
-    ``RowFileDatasource`` (``rayjobs.bench_read`` compares sizes)."""
+    ``RowFileDatasource`` (``rayjobs.bench_read`` compares sizes). ``label_selector``: the node
+    labels the read tasks require (``ray.data_label_selector``; a Hugging Face dataset is handed
+    over by ``ray.data.from_huggingface``, which takes none)."""
     if spec.format == HF:
         rows = _read_huggingface(spec)
         return rows if order_seed is None else rows.randomize_block_order(seed=order_seed)
@@ -216,7 +222,7 @@ def read_dataset(
         on_bad_row=spec.on_bad_row,
         chunk_bytes=chunk_bytes,
     )
-    return ray.data.read_datasource(datasource)
+    return ray.data.read_datasource(datasource, label_selector=label_selector or None)
 
 
 def _read_huggingface(spec: DatasetConfig) -> ray.data.Dataset:

@@ -37,6 +37,7 @@ tokenizing everything before the first pack.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,7 +108,7 @@ def estimate(config: Config, count_rows: bool) -> dict[str, Estimate]:
                 f"dataset {spec.name!r}: no samples in its first {SAMPLE_ROWS} rows after "
                 "templating (see on_bad_row and the overflow policy); it cannot be streamed"
             )
-        count = read_dataset(spec).count() if count_rows else None
+        count = read_dataset(spec, **on_data_nodes(config)).count() if count_rows else None
         estimates[spec.name] = Estimate(float(lengths.mean()), count, density)
     return estimates
 
@@ -178,25 +179,52 @@ class Head:
     rows: int
 
 
-def _read(spec: DatasetConfig, read: Pass, head: Head | None, lane: str) -> ray.data.Dataset:
+def _read(
+    spec: DatasetConfig, read: Pass, head: Head | None, lane: str, where: dict[str, Any]
+) -> ray.data.Dataset:
     """One pass over a dataset as raw rows: ``lane`` ``main`` leaves out the warm-up ``head``
-    (if any), ``head`` is only those rows."""
+    (if any), ``head`` is only those rows. ``where``: ``on_data_nodes``."""
     if spec.format == HF:
-        rows = read_dataset(spec, order_seed=read.order_seed)
+        rows = read_dataset(spec, order_seed=read.order_seed, **where)
     elif lane == "head":
-        rows = read_dataset(spec.model_copy(update={"files": (head.path,)})).map_batches(
-            _below, batch_format="pyarrow", fn_kwargs={"row": head.below_row}
+        rows = read_dataset(spec.model_copy(update={"files": (head.path,)}), **where).map_batches(
+            _below, batch_format="pyarrow", fn_kwargs={"row": head.below_row}, **where
         )
     else:
-        rows = read_dataset(spec.model_copy(update={"files": read.files}))
+        rows = read_dataset(spec.model_copy(update={"files": read.files}), **where)
         if head is not None:
             rows = rows.map_batches(
                 _not_head, batch_format="pyarrow",
-                fn_kwargs={"path": head.path, "row": head.below_row},
+                fn_kwargs={"path": head.path, "row": head.below_row}, **where,
             )  # fmt: skip
-    if read.sample is not None:
-        rows = rows.random_sample(read.sample, seed=read.sample_seed)
+    if read.sample is not None:  # (Dataset.random_sample takes no label selector)
+        rows = rows.map_batches(
+            _subsample, batch_format="pyarrow",
+            fn_kwargs={"fraction": read.sample, "seed": read.sample_seed}, **where,
+        )  # fmt: skip
     return rows
+
+
+def _subsample(batch: pa.Table, fraction: float, seed: int) -> pa.Table:
+    """Each row kept with probability ``fraction``, decided by a hash of (seed, file, row): the
+    same rows for the same seed, whatever the blocks and their order."""
+    paths = batch.column("_path").to_numpy(zero_copy_only=False)
+    rows = batch.column("_row").to_numpy().astype(np.uint64)
+    keys = np.empty(len(rows), dtype=np.uint64)
+    for path in np.unique(paths):
+        digest = hashlib.blake2b(f"{seed}:{path}".encode(), digest_size=8).digest()
+        mine = paths == path
+        keys[mine] = rows[mine] + np.uint64(int.from_bytes(digest, "little"))
+    return batch.filter(pa.array(_uniform(keys) < fraction))
+
+
+def _uniform(keys: np.ndarray) -> np.ndarray:
+    """splitmix64 of uint64 ``keys`` → floats uniform in [0, 1)."""
+    z = keys + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = z ^ (z >> np.uint64(31))
+    return (z >> np.uint64(11)).astype(np.float64) * 2.0**-53
 
 
 def _below(batch: pa.Table, row: int) -> pa.Table:
@@ -209,23 +237,29 @@ def _not_head(batch: pa.Table, path: str, row: int) -> pa.Table:
 
 
 def _epoch_stream(
-    spec: DatasetConfig, reads: list[Pass], epoch: int, head: Head | None = None
+    spec: DatasetConfig,
+    reads: list[Pass],
+    epoch: int,
+    where: dict[str, Any],
+    head: Head | None = None,
 ) -> ray.data.Dataset:
     """One dataset's rows for one epoch: its passes (each reading the files in a fresh random
     order: no all-to-all shuffle, which would wait for the whole dataset), less the warm-up
     ``head``, every row tagged with the epoch; the packer's window shuffles the samples."""
     parts = [
-        _tagged(_read(spec, read, head if copy == 0 else None, "main"), epoch, copy)
+        _tagged(_read(spec, read, head if copy == 0 else None, "main", where), epoch, copy, where)
         for copy, read in enumerate(reads)
     ]
     return parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
 
 
-def _tagged(rows: ray.data.Dataset, epoch: int, copy: int) -> ray.data.Dataset:
+def _tagged(
+    rows: ray.data.Dataset, epoch: int, copy: int, where: dict[str, Any]
+) -> ray.data.Dataset:
     """Rows tagged with their epoch and pass: the epoch groups them in the packer, and both
     tell a batch read twice in one epoch from a batch Ray runs again (``metrics.batch_key``)."""
     return rows.map_batches(
-        _tag_epoch, batch_format="pyarrow", fn_kwargs={"epoch": epoch, "copy": copy}
+        _tag_epoch, batch_format="pyarrow", fn_kwargs={"epoch": epoch, "copy": copy}, **where
     )
 
 
@@ -253,9 +287,41 @@ def epoch_fractions(config: Config, estimates: dict[str, Estimate]) -> list[floa
     return list(shares * total / sizes)
 
 
-def cluster_cpus() -> float:
-    """Logical CPUs of the running Ray cluster (the actor pools' default ceilings follow it)."""
-    return float(ray.cluster_resources().get("CPU", 1.0))
+def on_data_nodes(config: Config) -> dict[str, Any]:
+    """Ray Data remote arguments that keep a data task or actor on the nodes
+    ``ray.data_label_selector`` names (nothing when it is empty). Every data operator takes the
+    same ones: operators whose arguments differ are not fused."""
+    selector = config.ray.data_label_selector
+    return {"label_selector": dict(selector)} if selector else {}
+
+
+def cluster_cpus(config: Config | None = None) -> float:
+    """Logical CPUs of the running Ray cluster's alive nodes that the data may use (those
+    ``ray.data_label_selector`` matches): the actor pools' default ceilings follow it."""
+    selector = config.ray.data_label_selector if config is not None else {}
+    if not selector:
+        return float(ray.cluster_resources().get("CPU", 1.0))
+    cpus = sum(
+        node["Resources"].get("CPU", 0.0)
+        for node in ray.nodes()
+        if node.get("Alive") and labels_match(node.get("Labels") or {}, selector)
+    )
+    return float(cpus) or 1.0
+
+
+def labels_match(labels: dict[str, str], selector: dict[str, str]) -> bool:
+    """Whether a node's ``labels`` satisfy a Ray label ``selector``: ``value``, ``!value``,
+    ``in(a,b)``, ``!in(a,b)`` per key."""
+    for key, wanted in selector.items():
+        negate = wanted.startswith("!")
+        wanted = wanted.removeprefix("!")
+        if wanted.startswith("in(") and wanted.endswith(")"):
+            values = {v.strip() for v in wanted[3:-1].split(",")}
+        else:
+            values = {wanted}
+        if (labels.get(key) in values) == negate:
+            return False
+    return True
 
 
 def tokenized(
@@ -271,7 +337,7 @@ def tokenized(
         "overflow": config.packing.overflow,
         "ledger": ledger,
     }
-    ceiling = config.ray.tokenize_concurrency or max(1, int(cluster_cpus()) // 2)
+    ceiling = config.ray.tokenize_concurrency or max(1, int(cluster_cpus(config)) // 2)
     actors = 0 if tasks else ceiling
     return _stage(rows, Tokenize, kwargs, TOKENIZE_BATCH_ROWS, config, num_cpus=1, actors=actors)
 
@@ -288,10 +354,11 @@ def _stage(
     """``rows.map_batches`` through a ``map_batches`` class: a pool of up to ``actors`` actors
     of ``num_cpus`` each (starting at ``ray.min_actors``), or, with ``actors`` 0, tasks of
     ``WARMUP_CPUS`` (``_stage_task``)."""
+    where = on_data_nodes(config)
     if not actors:
         return rows.map_batches(
             _stage_task, batch_size=batch_size, batch_format="pyarrow", num_cpus=WARMUP_CPUS,
-            fn_kwargs={"stage": stage, "kwargs": kwargs},
+            fn_kwargs={"stage": stage, "kwargs": kwargs}, **where,
         )  # fmt: skip
     return rows.map_batches(
         stage,
@@ -302,6 +369,7 @@ def _stage(
             min_size=min(config.ray.min_actors, actors), max_size=actors
         ),
         fn_constructor_kwargs=kwargs,
+        **where,
     )
 
 
@@ -381,11 +449,12 @@ def packed_rows(config: Config, pad_id: int, ledger: Any = None) -> ray.data.Dat
     if weighted and ledger is not None:
         ray.get(ledger.set_budgets.remote(budgets(config, estimates, fractions)))
     heads = warmup_heads(config, estimates, fractions, [r[0][0] for r in reads])
+    where = on_data_nodes(config)
     streams, expected = [], []
     for index, spec in enumerate(config.datasets):
         epochs = [
             _epoch_stream(
-                spec, reads[index][epoch], epoch, heads.get(spec.name) if not epoch else None
+                spec, reads[index][epoch], epoch, where, heads.get(spec.name) if not epoch else None
             )
             for epoch in range(config.train.epochs)
         ]
@@ -400,7 +469,7 @@ def packed_rows(config: Config, pad_id: int, ledger: Any = None) -> ray.data.Dat
         block = max(MIN_MIX_BLOCK_ROWS, window // MIX_BLOCKS)
         streams = [s.repartition(target_num_rows_per_block=block) for s in streams]
         rows = streams[0].mix(*streams[1:], weights=list(np.array(expected) / sum(expected)))
-    packers = config.ray.pack_concurrency or max(1, int(cluster_cpus()) // 4)
+    packers = config.ray.pack_concurrency or max(1, int(cluster_cpus(config)) // 4)
     packed = _packed(
         tokenized(rows, config, ledger), config, pad_id, ledger,
         window, packers,
@@ -408,7 +477,10 @@ def packed_rows(config: Config, pad_id: int, ledger: Any = None) -> ray.data.Dat
     if not heads:
         return packed
     specs = {spec.name: (spec, reads[i][0][0]) for i, spec in enumerate(config.datasets)}
-    parts = [_tagged(_read(*specs[name], head, "head"), 0, 0) for name, head in heads.items()]
+    parts = [
+        _tagged(_read(*specs[name], head, "head", where), 0, 0, where)
+        for name, head in heads.items()
+    ]
     warm = parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
     window = window_rows(config.packing.warmup_tokens // WARMUP_CALLS, mean_tokens)
     warm = _packed(tokenized(warm, config, ledger, tasks=True), config, pad_id, ledger, window, 0)

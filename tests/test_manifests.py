@@ -28,6 +28,7 @@ import yaml
 from conftest import ROOT
 from rayjobs.cli import _parser
 from rayjobs.config import ConfigError, load_config
+from rayjobs.stream import labels_match
 
 CLUSTER = ROOT / "cluster"
 RAYCLUSTER = CLUSTER / "kuberay" / "raycluster.yaml"
@@ -312,6 +313,21 @@ def entrypoint_problems(entrypoint: str, spec: dict) -> list[str]:
         problems.append("train.use_gpu is off: the trainers would not use gpu-workers")
     elif config.train.num_workers > gpus:
         problems.append(f"{config.train.num_workers} trainers, {gpus} GPUs in gpu-workers")
+    for key, selector, home in (
+        ("ray.data_label_selector", config.ray.data_label_selector, "cpu-workers"),
+        ("train.label_selector", config.train.label_selector, "gpu-workers"),
+    ):
+        if not selector:
+            if key.startswith("ray."):
+                problems.append(f"{key} is empty: data tasks may land on gpu-workers")
+            continue
+        matched = sorted(
+            name
+            for name, group in _groups(spec).items()
+            if labels_match(group.get("labels") or {}, selector)
+        )
+        if matched != [home]:
+            problems.append(f"{key} {selector} matches worker groups {matched}, not [{home!r}]")
     mounts = _claims(gpu_group).values()
     if not any(Path(config.train.storage_path).is_relative_to(m) for m in mounts):
         problems.append(
@@ -329,7 +345,7 @@ def test_rayjob_entrypoint_is_a_real_command_on_a_config_that_validates():
 
 GOOD = (
     "rayjobs run configs/alpaca_chat_gpt2.yaml train.use_gpu=true "
-    "train.storage_path=/mnt/rayjobs/runs"
+    "'ray.data_label_selector={rayjobs.io/role: data}' train.storage_path=/mnt/rayjobs/runs"
 )
 
 
@@ -349,6 +365,23 @@ GOOD = (
             ("cpu-training", GOOD.replace("gpu=true", "gpu=false"), "train.use_gpu is off"),
             ("too-many-trainers", GOOD + " train.num_workers=3", "3 trainers, 2 GPUs"),
             ("local-checkpoints", GOOD.replace("/mnt/rayjobs/runs", "runs"), "train.storage_path"),
+            (
+                "data-anywhere",
+                GOOD.replace("'ray.data_label_selector={rayjobs.io/role: data}' ", ""),
+                "ray.data_label_selector is empty",
+            ),
+            (
+                "data-on-gpus",
+                GOOD.replace("role: data", "role: train"),
+                "ray.data_label_selector {'rayjobs.io/role': 'train'} matches worker groups "
+                "['gpu-workers']",
+            ),
+            (
+                "trainers-on-cpus",
+                GOOD + " 'train.label_selector={rayjobs.io/role: data}'",
+                "train.label_selector {'rayjobs.io/role': 'data'} matches worker groups "
+                "['cpu-workers']",
+            ),
         ]
     ],
 )

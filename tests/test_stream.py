@@ -196,3 +196,21 @@ def test_estimate_counts_rows_and_mean_length(ray_local):
         "roleplay": 300,
     }
     assert dataclasses.asdict(estimates["alpaca"])["mean_tokens"] > 50
+
+
+def test_subsample_keeps_the_same_rows_whatever_the_blocks():
+    """A pass's subsample (``Pass.sample``) decides by (seed, file, row): the rows kept from a
+    block are the rows kept from the whole, the fraction is met, and another seed keeps others."""
+    table = pa.table({"_path": ["a.jsonl"] * 50_000 + ["b.jsonl"] * 50_000,
+                      "_row": list(range(50_000)) * 2})  # fmt: skip
+    kept = stream._subsample(table, 0.3, seed=7)
+    assert kept.num_rows / table.num_rows == pytest.approx(0.3, abs=0.01)
+
+    def keys(t):
+        return set(zip(t["_path"].to_pylist(), t["_row"].to_pylist(), strict=True))
+
+    blocks = [stream._subsample(table.slice(start, 7_001), 0.3, seed=7)
+              for start in range(0, table.num_rows, 7_001)]  # fmt: skip
+    assert set().union(*map(keys, blocks)) == keys(kept)
+    other = keys(stream._subsample(table, 0.3, seed=8))
+    assert 0.27 < len(other & keys(kept)) / len(other) < 0.33  # independent: P(kept) = 0.3
