@@ -70,7 +70,8 @@ rayjobs head is up (everything on ${HOST}):
   Token auth      ${AUTH_MODE}
 
 Run a job (from the repository root):
-  ray job submit --address http://${HOST}:${DASHBOARD_PORT} --working-dir . -- rayjobs run configs/demo.yaml --json
+  rayjobs submit configs/demo.yaml --address http://${HOST}:${DASHBOARD_PORT}
+  (Ray's CLI works too: ray job submit --address http://${HOST}:${DASHBOARD_PORT} --working-dir . -- rayjobs run configs/demo.yaml --json)
   or, with the driver in this shell (single-machine mode, as the head):
   RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 rayjobs run configs/demo.yaml --address ${HOST}:${PORT}
 INFO

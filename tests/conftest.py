@@ -89,3 +89,13 @@ def shutdown_shared_ray() -> None:
 def _stop_ray_at_exit():
     yield
     shutdown_shared_ray()
+
+
+@pytest.fixture(scope="session")
+def ray_head():
+    """A real Ray head in a subprocess (``ray_head.start_head``: loopback, token auth, its own
+    ports and temp dir), shared by the modules that talk to a cluster as users do."""
+    from ray_head import start_head
+
+    with start_head() as head:
+        yield head

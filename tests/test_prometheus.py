@@ -1,16 +1,17 @@
-"""A real Prometheus scrapes a real Ray head while the demo runs (README, "Metrics").
+"""A real Prometheus scrapes a real Ray head while the demo runs (README, "Metrics"), and
+``rayjobs submit`` runs that demo on the head (README, "Run on a cluster"): one job for both.
 
 Prometheus is Debian's ``prometheus`` package: ``cluster/install-prometheus.sh`` installs it when it
 is not on PATH (``.ci/run`` calls it before the tests; the fixture here calls it too, and fails
-with its output when it cannot). The head is started the way ``cluster/start-head.sh`` starts one
-(loopback only, its own ports and temp dir, torn down by its own process ids, never ``ray stop``).
-Prometheus runs with ``cluster/prometheus.yml`` itself, only its service-discovery path pointed at
-this head's temp dir and its intervals at 1 s, so the shipped file-based discovery is what finds
-the head's metrics endpoint. ``rayjobs run configs/demo.yaml train.epochs=1 --address ... --json``
-(the demo's first rows, one torn line skipped) then runs as a user runs it. Once it has exited,
-Prometheus's HTTP API must hold every series of the README's metrics table, the run summary's
-counts exactly (efficiency and shares within 1e-6), and data for every Grafana panel's query:
-the run exported its final values before it exited (``Ledger.flush``).
+with its output when it cannot). The head is the session's (``conftest.ray_head``), started the
+way ``cluster/start-head.sh`` starts one, with token auth on. Prometheus runs with
+``cluster/prometheus.yml`` itself, only its service-discovery path pointed at the head's temp dir
+and its intervals at 1 s, so the shipped file-based discovery is what finds the head's metrics
+endpoint. ``rayjobs submit`` then ships a project holding ``configs/demo.yaml`` (one epoch) with
+the demo's first rows, one torn line skipped, and follows the job as a user would. Once it has
+exited, Prometheus's HTTP API must hold every series of the README's metrics table, the run
+summary's counts exactly (efficiency and shares within 1e-6), and data for every Grafana panel's
+query: the run exported its final values before it exited (``Ledger.flush``).
 """
 
 from __future__ import annotations
@@ -18,11 +19,8 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +35,7 @@ import pytest
 import yaml
 
 from conftest import ROOT
+from ray_head import Head, free_ports
 from rayjobs.metrics import METRICS
 
 INSTALL = ROOT / "cluster" / "install-prometheus.sh"
@@ -44,13 +43,8 @@ SHIPPED_CONFIG = ROOT / "cluster" / "prometheus.yml"
 DASHBOARD = ROOT / "cluster" / "grafana" / "rayjobs.json"
 DISCOVERY = "/tmp/ray/prom_metrics_service_discovery.json"
 """The service-discovery file ``cluster/prometheus.yml`` reads (under the head's temp dir)."""
-REPORT_MS = 2000
-"""``RAY_metrics_report_interval_ms`` of the test's head: how often every Ray process ships its
-metrics to its node's agent (Ray's default is 10 s; shorter keeps the test short). The agent
-drops a gauge 2 intervals after its last ``set``: with 1 s scrapes, 4 s leaves room for a busy
-machine."""
 SUBSET_ROWS = (150, 75)
-"""Rows of the demo's two datasets the run reads (all 600 + 300: 28 steps instead of ~7)."""
+"""Rows of the demo's two datasets the job reads (all 600 + 300: 28 steps instead of ~7)."""
 
 
 def _readme_metrics() -> dict[str, str]:
@@ -70,28 +64,6 @@ def _exported(name: str, kind: str) -> str:
     """The Prometheus name of a ``ray.util.metrics`` series: Ray's ``ray_`` prefix, and counters
     with ``_total``."""
     return f"ray_{name}_total" if kind == "counter" else f"ray_{name}"
-
-
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for sock in sockets:
-        sock.bind(("127.0.0.1", 0))
-    ports = [sock.getsockname()[1] for sock in sockets]
-    for sock in sockets:
-        sock.close()
-    return ports
-
-
-def _kill_leftovers(marker: str) -> None:
-    """SIGKILL every process whose command line names our temp dir; nothing else."""
-    import psutil
-
-    for process in psutil.process_iter(["pid", "cmdline"]):
-        try:
-            if process.pid != os.getpid() and marker in " ".join(process.info["cmdline"] or []):
-                process.kill()
-        except (psutil.Error, OSError):
-            pass
 
 
 def _get(url: str, timeout: float = 10) -> dict:
@@ -166,96 +138,6 @@ def _test_config(temp: Path) -> dict:
     return config
 
 
-# -- the head --------------------------------------------------------------------------------------
-
-
-@dataclass
-class Head:
-    address: str
-    """GCS address (``--address`` of ``rayjobs run``)."""
-    metrics_port: int
-    temp: Path
-    env: dict[str, str]
-    """A driver's environment: single-machine mode, as the head."""
-
-
-@pytest.fixture(scope="module")
-def head():
-    """A real Ray head: loopback only (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, as
-    ``cluster/start-head.sh``), no token auth, its own free ports and short temp dir, and metrics
-    shipped to the agent every ``REPORT_MS``. ``ray start --block`` stops its node on SIGTERM;
-    anything left is killed by id (other Ray instances on the machine are left alone)."""
-    temp = Path(tempfile.mkdtemp(prefix="rjp", dir="/tmp"))
-    drop = ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
-    env = {k: v for k, v in os.environ.items() if k not in drop}
-    env |= {
-        "RAY_AUTH_MODE": "disabled",
-        "RAY_USAGE_STATS_ENABLED": "0",
-        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-        "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",  # SIGTERM stops it now, not after 30 s
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-    }
-    names = [
-        "port",
-        "dashboard-port",
-        "ray-client-server-port",
-        "dashboard-agent-listen-port",
-        "dashboard-agent-grpc-port",
-        "runtime-env-agent-port",
-        "metrics-export-port",
-        "node-manager-port",
-        "object-manager-port",
-    ]
-    ports = dict(zip(names, _free_ports(len(names))))
-    ray_cli = Path(sys.executable).parent / "ray"
-    command = [
-        str(ray_cli if ray_cli.exists() else shutil.which("ray")),
-        "start",
-        "--head",
-        "--block",
-        "--node-ip-address=127.0.0.1",
-        "--dashboard-host=127.0.0.1",
-        "--include-dashboard=true",
-        "--num-cpus=4",
-        "--disable-usage-stats",
-        f"--temp-dir={temp}",
-        *(f"--{name}={port}" for name, port in ports.items()),
-    ]
-    log = open(temp / "ray-start.log", "w")  # noqa: SIM115 - closed at teardown
-    process = subprocess.Popen(
-        command,
-        env=env | {"RAY_metrics_report_interval_ms": str(REPORT_MS)},
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    discovery = temp / Path(DISCOVERY).name
-    metrics_target = f"127.0.0.1:{ports['metrics-export-port']}"
-    try:
-        deadline = time.monotonic() + 120
-        reason = "no service-discovery file yet"
-        while True:  # up once the discovery file lists this node's metrics endpoint
-            with contextlib.suppress(OSError, ValueError):
-                targets = json.loads(discovery.read_text())[0]["targets"]
-                if metrics_target in targets:
-                    break
-                reason = f"discovery file lists {targets}"
-            if process.poll() is not None or time.monotonic() > deadline:
-                tail = Path(log.name).read_text()[-3000:]
-                pytest.fail(f"the Ray head did not start ({reason}):\n{tail}")
-            time.sleep(1)
-        yield Head(f"127.0.0.1:{ports['port']}", ports["metrics-export-port"], temp, env)
-    finally:
-        process.send_signal(signal.SIGTERM)  # `ray start --block` stops its node's processes
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(timeout=45)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)  # its process group, nothing else
-        _kill_leftovers(str(temp))
-        log.close()
-        shutil.rmtree(temp, ignore_errors=True)
-
-
 @dataclass
 class Prometheus:
     url: str
@@ -263,13 +145,13 @@ class Prometheus:
 
 
 @pytest.fixture(scope="module")
-def prometheus(prometheus_binary, head):
+def prometheus(prometheus_binary, ray_head):
     """Prometheus on loopback, scraping the head through ``cluster/prometheus.yml``'s file-based
     discovery; its storage in a temp dir; stopped by its process id."""
     temp = Path(tempfile.mkdtemp(prefix="rjprom"))
     config = temp / "prometheus.yml"
-    config.write_text(yaml.safe_dump(_test_config(head.temp)))
-    [port] = _free_ports(1)
+    config.write_text(yaml.safe_dump(_test_config(ray_head.temp)))
+    [port] = free_ports(1)
     log = temp / "prometheus.log"
     command = [
         prometheus_binary,
@@ -282,7 +164,7 @@ def prometheus(prometheus_binary, head):
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
-        target = f"127.0.0.1:{head.metrics_port}"
+        target = f"127.0.0.1:{ray_head.metrics_port}"
         while True:  # ready once the head's metrics endpoint was scraped successfully
             with contextlib.suppress(urllib.error.URLError, OSError, ValueError):
                 active = _get(f"{url}/api/v1/targets")["data"]["activeTargets"]
@@ -372,49 +254,78 @@ def _mismatches(prometheus: Prometheus, summary: dict, seq_len: int, run: str) -
     return problems
 
 
-def _demo_subset(folder: Path) -> list[str]:
-    """Overrides of ``configs/demo.yaml`` that read the first rows of its two datasets (the test
-    stays short) plus one torn JSONL line in the first, skipped (``rayjobs_skipped_rows`` moves)."""
+def _demo_project(folder: Path) -> Path:
+    """A project folder holding ``configs/demo.yaml`` and the first rows of its two datasets (the
+    test stays short) plus one torn JSONL line in the first, skipped (``rayjobs_skipped_rows``
+    moves), and the demo tokenizer: what ``rayjobs submit --working-dir`` ships."""
     demo = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
-    overrides = []
     for index, spec in enumerate(demo["datasets"]):
         lines = (ROOT / "configs" / spec["source"]).read_text().splitlines()[: SUBSET_ROWS[index]]
         if index == 0:
             lines.insert(len(lines) // 2, '{"instruction": "torn line')
-            overrides.append(f"datasets.{index}.on_bad_row=skip")
-        path = folder / Path(spec["source"]).name
+            spec["on_bad_row"] = "skip"
+        path = folder / spec["source"]
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("\n".join(lines) + "\n")
-        overrides.append(f"datasets.{index}.source={path}")
-    return overrides
+    shutil.copy(ROOT / "configs" / demo["tokenizer"]["path"], folder / demo["tokenizer"]["path"])
+    demo["train"] |= {"epochs": 1, "storage_path": str(folder.parent / "runs")}
+    config = folder / "demo.yaml"
+    config.write_text(yaml.safe_dump(demo, sort_keys=False))
+    return config
 
 
-def test_prometheus_holds_the_run_summary_and_every_dashboard_series(head, prometheus, tmp_path):
-    seq_len = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())["packing"]["seq_len"]
-    started = time.time()
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rayjobs.cli",
-            "run",
-            "configs/demo.yaml",
-            *_demo_subset(tmp_path),
-            "train.epochs=1",
-            f"train.storage_path={tmp_path / 'runs'}",
-            "--address",
-            head.address,
-            "--json",
-        ],
+def _rayjobs(head: Head, *argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "rayjobs.cli", *argv],
         capture_output=True,
         text=True,
         env=head.env,
         cwd=ROOT,
+        timeout=timeout,
+    )
+
+
+def test_submit_and_prometheus_hold_the_run_summary_and_every_dashboard_series(
+    ray_head, prometheus, tmp_path
+):
+    """Acceptance 1 and 3 of the cluster issue, on one job: ``rayjobs submit`` runs the demo on a
+    real head with token auth (SUCCEEDED, exit 0, the summary in the job's log), and once the job
+    has exited Prometheus holds every README series, the summary's counts and every dashboard
+    panel's data for the run."""
+    seq_len = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())["packing"]["seq_len"]
+    config = _demo_project(tmp_path / "proj")
+    started = time.time()
+    done = _rayjobs(
+        ray_head,
+        "submit",
+        str(config),
+        "--working-dir",
+        str(config.parent),
+        "--address",
+        ray_head.url,
+        "--json",
         timeout=600,
     )
     finished = time.time()
     assert done.returncode == 0, done.stderr[-4000:] + done.stdout[-2000:]
-    summary = json.loads(done.stdout.splitlines()[-1])
-    print(f"rayjobs run: {finished - started:.1f} s, {summary['steps']} steps")
+    record = json.loads(done.stdout.splitlines()[-1])
+    job = record["submission_id"]
+    assert record["status"] == "SUCCEEDED"
+    assert f"submitted job {job} to {ray_head.url}" in done.stderr
+    assert f"{ray_head.url}/#/jobs/{job}" in done.stderr
+    assert "packing efficiency" in done.stdout  # the job's own log, followed
+    summary = record["summary"]
+    assert summary["steps"] > 0 and len(set(summary["steps_per_rank"])) == 1, summary
+    assert not summary["stopped_early"]
+    assert summary["datasets"]["stdlib_alpaca"]["skipped_by_reason"] == {"invalid_json": 1}
+    # On the cluster `rayjobs run --json` printed the summary last, after Ray shut down.
+    logs = _rayjobs(ray_head, "logs", job, "--address", ray_head.url)
+    assert logs.returncode == 0, logs.stderr[-2000:]
+    last = [line for line in logs.stdout.splitlines() if line.strip()][-1]
+    assert json.loads(last)["steps"] == summary["steps"]
+    status = _rayjobs(ray_head, "status", job, "--address", ray_head.url, "--json")
+    assert json.loads(status.stdout.splitlines()[-1])["status"] == "SUCCEEDED"
+
     run = summary["run_name"]
     assert not summary["stopped_early"] and summary["steps"] > 0
     assert summary["datasets"]["stdlib_alpaca"]["skipped_by_reason"] == {"invalid_json": 1}

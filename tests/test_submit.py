@@ -4,29 +4,20 @@
 Without Ray running: address resolution, the runtime_env and entrypoint built for a config (the
 entrypoint goes back through the real argument parser and config loader), the refusals of inputs
 the job could not find on the cluster, the file list checked against the zip Ray builds, and the
-follow / exit-code logic against a stand-in Jobs client. With Ray: one module-scoped head started
-in a subprocess (loopback only, token auth on, its own ports and temp dir, torn down by its own
-process ids, never `ray stop`), a demo job that succeeds and one that fails inside the cluster.
+follow / exit-code logic against a stand-in Jobs client. With Ray: the session's real head
+(``conftest.ray_head``: loopback only, token auth on, its own ports and temp dir), a job that fails
+inside the cluster; the demo job that succeeds there is submitted by test_prometheus.py, which
+also checks its metrics in Prometheus (one job for both: a job here costs ~100 s).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import secrets
 import shlex
 import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
-import time
-import urllib.error
-import urllib.request
 import zipfile
-from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -34,6 +25,7 @@ import pytest
 import yaml
 
 from conftest import ROOT
+from ray_head import Head
 from rayjobs import submit
 from rayjobs.cli import _parser, main
 from rayjobs.config import load_config
@@ -359,117 +351,7 @@ def test_run_json_summary_is_the_last_line_whatever_ray_prints_on_shutdown(monke
     assert lines[0] == "(raylet) WARNING: a late raylet warning" and not state["up"]
 
 
-# -- a real head ---------------------------------------------------------------------------------
-
-
-@dataclass
-class Head:
-    url: str
-    env: dict[str, str]
-    """Environment of a client with the head's token auth."""
-
-
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for sock in sockets:
-        sock.bind(("127.0.0.1", 0))
-    ports = [sock.getsockname()[1] for sock in sockets]
-    for sock in sockets:
-        sock.close()
-    return ports
-
-
-def _kill_leftovers(marker: str) -> None:
-    """SIGKILL every process of this head: its command line or working directory names our temp
-    dir (job drivers run in their own session, inside it). Nothing else is touched."""
-    import psutil
-
-    for process in psutil.process_iter(["pid", "cmdline", "cwd"]):
-        try:
-            cmdline = " ".join(process.info["cmdline"] or [])
-            if process.pid != os.getpid() and (
-                marker in cmdline or (process.info["cwd"] or "").startswith(marker)
-            ):
-                process.kill()
-        except (psutil.Error, OSError):
-            pass
-
-
-@pytest.fixture(scope="module")
-def head():
-    """A real Ray head for this module: loopback only (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, as
-    cluster/start-head.sh), token auth on with a token of its own, every port free and its own
-    short temp dir (Ray's socket paths must stay short), so other Ray instances on the machine are
-    left alone. `ray start --block` stops its node on SIGTERM; anything left is killed by id."""
-    temp = tempfile.mkdtemp(prefix="rj", dir="/tmp")
-    token = Path(temp) / "auth_token"
-    token.write_text(secrets.token_hex(32))
-    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
-    drop = ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_TOKEN")
-    env = {k: v for k, v in os.environ.items() if k not in drop} | auth
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # `python`
-    env["RAY_USAGE_STATS_ENABLED"] = "0"
-    env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = "0"  # SIGTERM stops it now, not after 30 s
-    names = [
-        "port",
-        "dashboard-port",
-        "ray-client-server-port",
-        "dashboard-agent-listen-port",
-        "dashboard-agent-grpc-port",
-        "runtime-env-agent-port",
-        "metrics-export-port",
-        "node-manager-port",
-        "object-manager-port",
-    ]
-    ports = dict(zip(names, _free_ports(len(names))))
-    ray_cli = Path(sys.executable).parent / "ray"
-    command = [
-        str(ray_cli if ray_cli.exists() else shutil.which("ray")),
-        "start",
-        "--head",
-        "--block",
-        "--node-ip-address=127.0.0.1",
-        "--dashboard-host=127.0.0.1",
-        "--include-dashboard=true",
-        "--num-cpus=4",
-        "--disable-usage-stats",
-        f"--temp-dir={temp}",
-        *(f"--{name}={port}" for name, port in ports.items()),
-    ]
-    log = open(Path(temp) / "ray-start.log", "w")  # noqa: SIM115 - closed at teardown
-    process = subprocess.Popen(
-        command,
-        env=env | {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"},
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{ports['dashboard-port']}"
-    try:
-        deadline = time.monotonic() + 120
-        request = urllib.request.Request(
-            f"{url}/api/version", headers={"Authorization": f"Bearer {token.read_text()}"}
-        )
-        while True:
-            try:
-                urllib.request.urlopen(request, timeout=5).read()
-                break
-            except (urllib.error.URLError, OSError) as error:
-                reason = error
-            if process.poll() is not None or time.monotonic() > deadline:
-                tail = Path(log.name).read_text()[-3000:]
-                pytest.fail(f"the Ray head did not start ({reason}):\n{tail}")
-            time.sleep(1)
-        yield Head(url, env)
-    finally:
-        process.send_signal(signal.SIGTERM)  # `ray start --block` stops its node's processes
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(timeout=45)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)  # its process group, nothing else
-        _kill_leftovers(temp)
-        log.close()
-        shutil.rmtree(temp, ignore_errors=True)
+# -- a real head (conftest.ray_head) ---------------------------------------------------------
 
 
 def _rayjobs(head: Head, *argv: str, env: dict | None = None, timeout: float = 120, cwd=ROOT):
@@ -483,39 +365,8 @@ def _rayjobs(head: Head, *argv: str, env: dict | None = None, timeout: float = 1
     )
 
 
-def test_submit_demo_to_a_real_head_with_token_auth(head):
-    done = _rayjobs(
-        head,
-        "submit",
-        "configs/demo.yaml",
-        "train.max_steps=3",
-        "train.epochs=1",
-        "--address",
-        head.url,
-        "--json",
-        timeout=480,  # about 70 s on an idle 2-core machine; much more when it is shared
-    )
-    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
-    record = json.loads(done.stdout.splitlines()[-1])
-    job = record["submission_id"]
-    assert record["status"] == "SUCCEEDED"
-    summary = record["summary"]
-    assert summary["steps"] == 3 and summary["steps_per_rank"] == [3, 3]
-    assert summary["num_packs"] == 3 * 2 * 4  # steps × workers × batch_size
-    assert summary["packed"]["num_packs"] >= summary["num_packs"]
-    assert f"submitted job {job} to {head.url}" in done.stderr
-    assert f"{head.url}/#/jobs/{job}" in done.stderr
-    assert "packing efficiency" in done.stdout  # the job's own log, followed
-    # On the cluster `rayjobs run --json` printed the summary last, after Ray shut down.
-    logs = _rayjobs(head, "logs", job, "--address", head.url)
-    assert logs.returncode == 0, logs.stderr[-2000:]
-    last = [line for line in logs.stdout.splitlines() if line.strip()][-1]
-    assert json.loads(last)["steps"] == 3
-    status = _rayjobs(head, "status", job, "--address", head.url, "--json")
-    assert json.loads(status.stdout.splitlines()[-1])["status"] == "SUCCEEDED"
-
-
-def test_a_job_that_fails_on_the_cluster_exits_1_with_its_error(head, tmp_path):
+def test_a_job_that_fails_on_the_cluster_exits_1_with_its_error(ray_head, tmp_path):
+    head = ray_head
     # Valid here (the tokenizer file exists), broken there: loading it fails inside the job.
     config = _project(tmp_path / "proj")
     (tmp_path / "proj" / "tok" / "tokenizer.json").write_text('{"version": "1.0", "model": ')
