@@ -506,16 +506,10 @@ def _cut(fmt: str, path: str, first_left_out: int, keep: int, out: BinaryIO) -> 
 
 def _limit_hf(spec: DatasetConfig, limit: int, folder: Path) -> DatasetConfig:
     """A Hugging Face dataset's first ``limit`` records, saved to ``folder`` (read as the job
-    reads the dataset: ``load_from_disk`` for a folder, else ``load_dataset``)."""
-    import datasets
+    reads the dataset: ``sources.load_huggingface``)."""
+    from rayjobs.sources import load_huggingface
 
-    source = str(spec.source)
-    if Path(source).is_dir():
-        loaded = datasets.load_from_disk(source)
-        if isinstance(loaded, datasets.DatasetDict):
-            loaded = loaded[spec.split]
-    else:
-        loaded = datasets.load_dataset(source, split=spec.split)
+    loaded = load_huggingface(spec)
     loaded.select(range(min(limit, len(loaded)))).save_to_disk(str(folder))
     return spec.model_copy(update={"source": str(folder)})
 

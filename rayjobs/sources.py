@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -225,7 +226,9 @@ def read_dataset(
     return ray.data.read_datasource(datasource, label_selector=label_selector or None)
 
 
-def _read_huggingface(spec: DatasetConfig) -> ray.data.Dataset:
+def load_huggingface(spec: DatasetConfig) -> Any:
+    """A Hugging Face dataset's ``split``: a ``save_to_disk`` folder (``load_from_disk``), else
+    what ``load_dataset`` takes (a Hub name, found in the local cache when offline)."""
     import datasets
 
     source = str(spec.source)
@@ -233,8 +236,13 @@ def _read_huggingface(spec: DatasetConfig) -> ray.data.Dataset:
         loaded = datasets.load_from_disk(source)
         if isinstance(loaded, datasets.DatasetDict):
             loaded = loaded[spec.split]
-    else:
-        loaded = datasets.load_dataset(source, split=spec.split)
+        return loaded
+    return datasets.load_dataset(source, split=spec.split)
+
+
+def _read_huggingface(spec: DatasetConfig) -> ray.data.Dataset:
+    source = str(spec.source)
+    loaded = load_huggingface(spec)
     loaded = loaded.add_column("_row", list(range(len(loaded))))
     label = f"{source}[{spec.split}]"
 
