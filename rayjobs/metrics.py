@@ -225,6 +225,7 @@ def _merge(total: Any, part: Any) -> None:
 
 METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     # name (exported as ray_<name>, counters with a _total suffix): (kind, tag keys, description)
+    "rayjobs_rows": ("counter", ("run", "dataset"), "Raw rows read, bad ones included"),
     "rayjobs_samples": ("counter", ("run", "dataset"), "Tokenized samples"),
     "rayjobs_tokens": ("counter", ("run", "dataset"), "Tokenized tokens"),
     "rayjobs_trained_tokens": ("counter", ("run", "dataset"), "Tokens with a label"),
@@ -270,11 +271,17 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
         ("run",),
         "Last step's loss, mean over the global batch's labelled tokens",
     ),
+    "rayjobs_train_tokens_per_s": (
+        "gauge",
+        ("run", "rank"),
+        "This rank's labelled tokens per second over its last step (data wait included)",
+    ),
 }
 """Every series the job exports (the README's metrics table and cluster/grafana are checked against
 it)."""
 
 _TOKENIZE_COUNTERS = (
+    "rows",
     "samples",
     "tokens",
     "trained_tokens",
@@ -333,15 +340,26 @@ def _series(names) -> dict[str, Any]:
 
 
 class TrainMetrics:
-    """The training series, recorded by every train worker (steps and loss by rank 0 only)."""
+    """The training series, recorded by every train worker (steps and loss by rank 0 only;
+    tokens per second by every rank, tagged with it)."""
 
     def __init__(self, run_name: str, rank: int):
         self.tags, self.rank = {"run": run_name}, rank
-        self._steps, self._tokens, self._loss = _series(
-            ["rayjobs_train_steps", "rayjobs_train_tokens", "rayjobs_train_loss"]
+        self._rank_tags = {"run": run_name, "rank": str(rank)}
+        self._steps, self._tokens, self._loss, self._speed = _series(
+            [
+                "rayjobs_train_steps",
+                "rayjobs_train_tokens",
+                "rayjobs_train_loss",
+                "rayjobs_train_tokens_per_s",
+            ]
         ).values()
+        self._last = time.monotonic()
 
     def step(self, loss: float, local_tokens: int) -> None:
+        now = time.monotonic()
+        self._speed.set(local_tokens / max(now - self._last, 1e-9), tags=self._rank_tags)
+        self._last = now
         if local_tokens:
             self._tokens.inc(local_tokens, tags=self.tags)
         if self.rank == 0:

@@ -220,8 +220,8 @@ def _expected(summary: dict, seq_len: int) -> dict[str, dict[tuple, float]]:
         "rayjobs_train_steps": {(): float(summary["steps"])},
         "rayjobs_train_tokens": {(): float(summary["tokens_trained"])},
     }
-    for key in ("samples", "tokens", "trained_tokens", "truncated_tokens", "dropped_samples",
-                "split_samples", "skipped_rows"):  # fmt: skip
+    for key in ("rows", "samples", "tokens", "trained_tokens", "truncated_tokens",
+                "dropped_samples", "split_samples", "skipped_rows"):  # fmt: skip
         expected[f"rayjobs_{key}"] = {
             (name,): float(counts[key]) for name, counts in summary["datasets"].items()
         }
@@ -340,6 +340,9 @@ def test_submit_and_prometheus_hold_the_run_summary_and_every_dashboard_series(
     assert not problems, "\n".join(problems)
     [loss] = _values(prometheus, "rayjobs_train_loss", "gauge", run).values()
     assert math.isfinite(loss) and loss > 0
+    speed = _values(prometheus, "rayjobs_train_tokens_per_s", "gauge", run)
+    assert set(speed) == {(str(rank),) for rank in range(len(summary["steps_per_rank"]))}, speed
+    assert all(value > 0 for value in speed.values()), speed
 
     # Every query of the Grafana dashboard names series Prometheus holds for this run, and
     # returns data over the run.
