@@ -4,7 +4,15 @@
 A packed row (``rayjobs.rows``) holds several documents, recorded as ``document_ids``. The rule:
 query q attends key kv iff both are in the same document and q >= kv. Padding is a document like
 any other, so every query row attends at least to itself (no NaN rows); its labels are -100, so it
-never reaches the loss. Both forms below follow that one rule:
+never reaches the loss.
+
+Preference rows (``rayjobs.dpo``) add one thing: a response document also sees its prompt, which
+is a *different* document (chosen and rejected share one prompt, but must not see each other). So
+every function here takes an optional ``parent_ids`` [B,S], the one other document a query's
+document may attend to, and the rule becomes: q attends kv iff q >= kv and
+(``document_ids[q] == document_ids[kv]`` or ``parent_ids[q] == document_ids[kv]``). With
+``parent_ids=None`` (or ``parent_ids == document_ids``) that is exactly the rule above, so SFT and
+DPO rows share one definition. Every form below follows it:
 
 - ``document_causal_mask``: dense [B,S,S] boolean mask for SDPA (the CPU path; FlexAttention has no
   backward on CPU in torch 2.13).
@@ -36,31 +44,61 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def document_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
-    """Dense bool [B,S,S]: ``mask[b, q, kv]`` is True iff q and kv share a document and q >= kv."""
+def _check_parent_ids(document_ids: torch.Tensor, parent_ids: torch.Tensor | None) -> None:
+    if parent_ids is not None and parent_ids.shape != document_ids.shape:
+        raise ValueError(
+            f"parent_ids has shape {tuple(parent_ids.shape)} but document_ids "
+            f"{tuple(document_ids.shape)}; give one parent document id per token."
+        )
+
+
+def document_causal_mask(
+    document_ids: torch.Tensor, parent_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Dense bool [B,S,S]: ``mask[b, q, kv]`` is True iff q >= kv and kv is in q's document (or,
+    when ``parent_ids`` [B,S] is given, in q's parent document; see the module note)."""
+    _check_parent_ids(document_ids, parent_ids)
     seq_len = document_ids.shape[1]
-    same_document = document_ids[:, :, None] == document_ids[:, None, :]
+    allowed = document_ids[:, :, None] == document_ids[:, None, :]
+    if parent_ids is not None:
+        allowed |= parent_ids[:, :, None] == document_ids[:, None, :]
     causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=document_ids.device).tril()
-    return same_document & causal
+    return allowed & causal
 
 
-def additive_mask(document_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def additive_mask(
+    document_ids: torch.Tensor, dtype: torch.dtype, parent_ids: torch.Tensor | None = None
+) -> torch.Tensor:
     """Float [B,1,S,S] of ``dtype``: 0 where ``document_causal_mask`` allows attention, the dtype's
     most negative finite value elsewhere (finite, so a softmax over a row never sees inf - inf)."""
-    allowed = document_causal_mask(document_ids)[:, None]
+    allowed = document_causal_mask(document_ids, parent_ids)[:, None]
     mask = torch.zeros(allowed.shape, dtype=dtype, device=document_ids.device)
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
-def document_mask_mod(document_ids: torch.Tensor) -> MaskMod:
-    """FlexAttention ``mask_mod`` for the document-causal rule over ``document_ids`` [B,S]."""
+def document_mask_mod(
+    document_ids: torch.Tensor, parent_ids: torch.Tensor | None = None
+) -> MaskMod:
+    """FlexAttention ``mask_mod`` for the document-causal rule over ``document_ids`` [B,S] (and
+    ``parent_ids`` [B,S] when given)."""
+    _check_parent_ids(document_ids, parent_ids)
+    if parent_ids is None:
 
-    def mask_mod(
+        def mask_mod(
+            b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+        ) -> torch.Tensor:
+            return (document_ids[b, q_idx] == document_ids[b, kv_idx]) & (q_idx >= kv_idx)
+
+        return mask_mod
+
+    def preference_mask_mod(
         b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
     ) -> torch.Tensor:
-        return (document_ids[b, q_idx] == document_ids[b, kv_idx]) & (q_idx >= kv_idx)
+        kv_document = document_ids[b, kv_idx]
+        visible = (document_ids[b, q_idx] == kv_document) | (parent_ids[b, q_idx] == kv_document)
+        return visible & (q_idx >= kv_idx)
 
-    return mask_mod
+    return preference_mask_mod
 
 
 @functools.cache
@@ -69,9 +107,11 @@ def _compiled_create_block_mask() -> Callable[..., BlockMask]:
     return torch.compile(create_block_mask)
 
 
-def block_mask(document_ids: torch.Tensor, block_size: int = 128) -> BlockMask:
-    """FlexAttention BlockMask for ``document_ids`` [B,S], on ``document_ids.device``, one mask per
-    row.
+def block_mask(
+    document_ids: torch.Tensor, block_size: int = 128, parent_ids: torch.Tensor | None = None
+) -> BlockMask:
+    """FlexAttention BlockMask for ``document_ids`` [B,S] (and ``parent_ids`` [B,S] when given),
+    on ``document_ids.device``, one mask per row.
 
     Call it on the rank, in the step: the result holds a closure over ``document_ids``.
     """
@@ -80,7 +120,7 @@ def block_mask(document_ids: torch.Tensor, block_size: int = 128) -> BlockMask:
         create_block_mask if document_ids.device.type == "cpu" else _compiled_create_block_mask()
     )
     return build(
-        document_mask_mod(document_ids),
+        document_mask_mod(document_ids, parent_ids),
         B=batch_size,
         H=None,
         Q_LEN=seq_len,
@@ -95,17 +135,21 @@ HF_ATTENTION = ("sdpa", "eager", "flex_attention")
 
 
 def hf_attention_mask(
-    document_ids: torch.Tensor, implementation: str, dtype: torch.dtype = torch.float32
+    document_ids: torch.Tensor,
+    implementation: str,
+    dtype: torch.dtype = torch.float32,
+    parent_ids: torch.Tensor | None = None,
 ) -> torch.Tensor | BlockMask:
     """The document-causal mask as a Hugging Face model's ``attention_mask`` for ``implementation``
     (its ``config._attn_implementation``): a bool [B,1,S,S] for ``sdpa``, an additive [B,1,S,S] of
-    ``dtype`` (the attention scores' dtype) for ``eager``, a BlockMask for ``flex_attention``."""
+    ``dtype`` (the attention scores' dtype) for ``eager``, a BlockMask for ``flex_attention``;
+    ``parent_ids`` as in the module note."""
     if implementation == "sdpa":
-        return document_causal_mask(document_ids)[:, None]
+        return document_causal_mask(document_ids, parent_ids)[:, None]
     if implementation == "eager":
-        return additive_mask(document_ids, dtype)
+        return additive_mask(document_ids, dtype, parent_ids)
     if implementation == "flex_attention":
-        return block_mask(document_ids)
+        return block_mask(document_ids, parent_ids=parent_ids)
     raise ValueError(
         f"attention implementation {implementation!r} has no document mask here; "
         f"use one of {', '.join(HF_ATTENTION)}"

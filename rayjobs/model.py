@@ -5,6 +5,9 @@ document-causal mask from ``rayjobs.masks`` (built once per forward, shared by a
 angles come from ``position_ids``, which restart at 0 in every document. ``attention="sdpa"`` uses
 PyTorch SDPA with the dense mask and works everywhere (FlexAttention has no backward on CPU in
 torch 2.13); ``attention="flex"`` uses FlexAttention with a BlockMask, compiled on CUDA.
+Preference (DPO) rows (``rayjobs.dpo``) also pass ``parent_ids``, so a response sees its prompt
+document besides its own (``masks``' note); every forward takes it as an optional argument,
+``None`` for SFT rows.
 
 Pre-norm blocks: RMSNorm → attention → residual, RMSNorm → SwiGLU MLP → residual; the lm head is
 tied to the token embedding.
@@ -74,13 +77,16 @@ def _compiled_flex_attention() -> Callable[..., torch.Tensor]:
     return torch.compile(flex_attention)
 
 
-def _attend_fn(attention: str, document_ids: torch.Tensor) -> Attend:
-    """The attention kernel for one forward, with its mask built once from ``document_ids``."""
+def _attend_fn(
+    attention: str, document_ids: torch.Tensor, parent_ids: torch.Tensor | None = None
+) -> Attend:
+    """The attention kernel for one forward, with its mask built once from ``document_ids`` (and
+    ``parent_ids``, for preference rows)."""
     if attention == "sdpa":
-        mask = masks.document_causal_mask(document_ids)[:, None]
+        mask = masks.document_causal_mask(document_ids, parent_ids)[:, None]
         return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     if attention == "flex":
-        block_mask = masks.block_mask(document_ids)
+        block_mask = masks.block_mask(document_ids, parent_ids=parent_ids)
         flex = flex_attention if document_ids.device.type == "cpu" else _compiled_flex_attention()
         return lambda q, k, v: flex(q, k, v, block_mask=block_mask)
     raise ValueError(f"attention must be 'sdpa' or 'flex', got {attention!r}.")
@@ -166,14 +172,18 @@ class Decoder(nn.Module):
         position_ids: torch.Tensor,
         document_ids: torch.Tensor,
         attention: str = "sdpa",
+        parent_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [B,S,vocab_size] for ``input_ids``, ``position_ids`` and ``document_ids`` (each
         [B,S]).
 
         ``attention`` is ``"sdpa"`` (dense mask; any device, trains on CPU) or ``"flex"``
-        (FlexAttention BlockMask; compiled on CUDA, forward only on CPU).
+        (FlexAttention BlockMask; compiled on CUDA, forward only on CPU). ``parent_ids`` [B,S]:
+        the document each token may also attend to (preference rows, ``rayjobs.dpo``).
         """
-        return self.lm_head(self.hidden_states(input_ids, position_ids, document_ids, attention))
+        return self.lm_head(
+            self.hidden_states(input_ids, position_ids, document_ids, attention, parent_ids)
+        )
 
     def hidden_states(
         self,
@@ -181,9 +191,10 @@ class Decoder(nn.Module):
         position_ids: torch.Tensor,
         document_ids: torch.Tensor,
         attention: str = "sdpa",
+        parent_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The normed final hidden states [B,S,dim], the input of ``lm_head``."""
-        attend = _attend_fn(attention, document_ids)
+        attend = _attend_fn(attention, document_ids, parent_ids)
         cos, sin = _rope(position_ids, self.config.head_dim, self.config.rope_theta)
         x = self.embedding(input_ids)
         for block in self.blocks:
@@ -314,16 +325,25 @@ class PackedLM(nn.Module):
         return self.model.config._attn_implementation if self.is_hf else self._attention
 
     def hidden_states(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, document_ids: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        document_ids: torch.Tensor,
+        parent_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Final hidden states [B,S,dim] of packed rows, documents masked from each other."""
+        """Final hidden states [B,S,dim] of packed rows, documents masked from each other (a
+        document still sees its ``parent_ids`` document, for preference rows)."""
         if not self.is_hf:
-            return self.model.hidden_states(input_ids, position_ids, document_ids, self.attention)
+            return self.model.hidden_states(
+                input_ids, position_ids, document_ids, self.attention, parent_ids
+            )
         dtype = self.model.get_input_embeddings().weight.dtype
         output = self.model.get_decoder()(
             input_ids=input_ids,
             position_ids=position_ids,
-            attention_mask=masks.hf_attention_mask(document_ids, self.attention, dtype),
+            attention_mask=masks.hf_attention_mask(
+                document_ids, self.attention, dtype, parent_ids=parent_ids
+            ),
             use_cache=False,
         )
         return output.last_hidden_state
@@ -342,10 +362,14 @@ class PackedLM(nn.Module):
         return logits
 
     def logits(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, document_ids: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        document_ids: torch.Tensor,
+        parent_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Full logits [B,S,vocab] (evaluation and tests; training uses ``forward``)."""
-        return self.head(self.hidden_states(input_ids, position_ids, document_ids))
+        return self.head(self.hidden_states(input_ids, position_ids, document_ids, parent_ids))
 
     def forward(
         self,
