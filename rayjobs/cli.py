@@ -49,6 +49,14 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print the summary as one JSON object on the last line of stdout",
     )
+    run.add_argument(
+        "--resume",
+        nargs="?",
+        const="latest",
+        metavar="RUN",
+        help="continue run RUN (a folder under train.storage_path; default: the latest) from its "
+        "last periodic checkpoint (train.checkpoint_every)",
+    )
     export.add_argument("--out", required=True, help="output directory")
     export.add_argument("--epochs", type=int, help="epochs to export (default: train.epochs)")
     export.add_argument(
@@ -192,7 +200,12 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"truncated_tokens {stats['truncated_tokens']} dropped_samples "
             f"{stats['dropped_samples']} skipped_rows {stats['skipped_rows']}"
         )
-    lines.append(f"checkpoint {summary['checkpoint']}")
+    for resume in summary.get("resumes", []):
+        lines.append(
+            f"resumed from step {resume['step']} (skipped {resume['rows_skipped_per_rank']} "
+            "rows per rank of the stream it re-read)"
+        )
+    lines.append(f"run {summary['run_name']}  checkpoint {summary['checkpoint']}")
     return "\n".join(lines)
 
 
@@ -339,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         from rayjobs.pipeline import run
 
         owns_ray = not ray.is_initialized()
-        summary = run(config)
+        summary = run(config, resume=args.resume)
         if owns_ray:  # Ray's last lines (raylet warnings, log dedup) come out before the summary
             ray.shutdown()
     except Exception as error:  # noqa: BLE001 - user errors are reported without a traceback

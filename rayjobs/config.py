@@ -225,7 +225,31 @@ class TrainConfig(_Strict):
     max_steps: int | None = Field(default=None, gt=0)
     """Stop after this many steps (per worker, all workers stop together)."""
     lr: float = Field(default=1e-3, gt=0)
+    """Peak learning rate (AdamW)."""
     weight_decay: float = Field(default=0.0, ge=0)
+    grad_accum_steps: int = Field(default=1, gt=0)
+    """Micro-batches of ``batch_size`` rows per optimizer step on each worker; one step's loss is
+    the mean over every labelled token of its micro-batches on every worker."""
+    max_grad_norm: float | None = Field(default=1.0, gt=0)
+    """Clip the global gradient norm to this before each optimizer step; null: no clipping."""
+    lr_schedule: Literal["auto", "constant", "cosine", "linear"] = "auto"
+    """After ``warmup_steps`` of linear warm-up: hold ``lr`` (constant) or decay it to
+    ``min_lr_ratio`` × ``lr`` at ``max_steps`` (cosine, linear). auto: cosine when ``max_steps``
+    is set, else constant (a streamed run's length is not known before its data is read)."""
+    warmup_steps: int = Field(default=0, ge=0)
+    """Optimizer steps of linear warm-up from 0 to ``lr``."""
+    min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """bf16: the forward runs under bf16 autocast (weights, gradients and optimizer state stay
+    fp32, the loss is computed in fp32); auto: bf16 on GPUs that support it, fp32 on CPU."""
+    parallelism: Literal["ddp", "fsdp"] = "ddp"
+    """ddp: every worker holds the whole model (Ray Train's ``prepare_model``); fsdp: FSDP2
+    (``fully_shard`` per transformer block, then the whole model) shards parameters, gradients
+    and optimizer state over the workers, for models that do not fit one GPU."""
+    max_failures: int = Field(default=0, ge=-1)
+    """Worker-group failures (a dead worker or node) to recover from by restarting the workers
+    from the latest checkpoint (``checkpoint_every``); -1: no limit (Ray Train's
+    ``FailureConfig``)."""
     attention: Literal["auto", "sdpa", "flex"] = "auto"
     """auto: FlexAttention on CUDA, SDPA with the dense document mask on CPU."""
     report_every: int = Field(default=10, gt=0)
@@ -239,6 +263,26 @@ class TrainConfig(_Strict):
     """Also save a checkpoint every this many steps (the summary lists them)."""
     model: ModelConfig | HFModelConfig = Field(default_factory=ModelConfig)
     """``kind: demo`` (default) or ``kind: hf``; see ``ModelConfig`` and ``HFModelConfig``."""
+
+    @model_validator(mode="after")
+    def _schedule_horizon(self) -> TrainConfig:
+        if self.lr_schedule in ("cosine", "linear") and self.max_steps is None:
+            raise ValueError(
+                f"lr_schedule: {self.lr_schedule} decays to max_steps; set train.max_steps "
+                "(a streamed run's length is not known before its data is read) or use constant"
+            )
+        if self.max_steps is not None and self.warmup_steps > self.max_steps:
+            raise ValueError(
+                f"warmup_steps ({self.warmup_steps}) exceeds max_steps ({self.max_steps})"
+            )
+        return self
+
+    @property
+    def schedule(self) -> str:
+        """The LR schedule ``lr_schedule`` resolves to."""
+        if self.lr_schedule != "auto":
+            return self.lr_schedule
+        return "cosine" if self.max_steps is not None else "constant"
 
     @field_validator("resources_per_worker")
     @classmethod

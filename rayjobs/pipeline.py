@@ -140,14 +140,16 @@ def start_job(
     prefix: str = "rayjobs",
     fail_after: dict[str, int] | None = None,
     dedupe: bool = True,
+    name: str | None = None,
 ) -> Job:
     """Set up a run's data side: load the tokenizer (a bad one fails before Ray starts), connect to
     or start Ray, create the run's ``Ledger`` and the packed rows (lazy in stream mode; planned
     mode tokenizes once here). ``run``, ``export`` and the benches all start here.
+    ``name``: the run's name (default ``<prefix>-<8 hex digits>``; a resumed run keeps its own).
     ``fail_after`` and ``dedupe`` are the ledger's fault injection, for tests."""
     tokenizer = load_tokenizer(config)
     init_ray(config)
-    name = f"{prefix}-{uuid.uuid4().hex[:8]}"
+    name = name or f"{prefix}-{uuid.uuid4().hex[:8]}"
     ledger = Ledger.remote(name, fail_after, dedupe)
     if config.packing.mode == "planned":
         epochs = Epochs(config, tokenize(config, ledger), tokenizer.pad_id, ledger)
@@ -156,14 +158,49 @@ def start_job(
     return Job(config, name, tokenizer, ledger, rows=rows)
 
 
-def run(config: Config) -> dict[str, Any]:
-    """Run the whole job and return the summary (see README, "Run summary")."""
-    from ray.train import RunConfig, ScalingConfig
+RUN_SNAPSHOT = "checkpoint_manager_snapshot.json"
+"""The file Ray Train keeps in a run's storage folder listing its checkpoints: a run that has one
+can be resumed (Ray Train v2 resumes a run started again under the same name)."""
+
+
+def resume_name(config: Config, resume: str) -> str:
+    """The run ``--resume`` names: ``resume`` itself, or with ``latest`` the most recently
+    changed run under ``train.storage_path`` that has checkpoints. Raises ``ConfigError`` when a
+    local storage folder holds no such run."""
+    storage = _storage(config.train.storage_path)
+    if "://" in storage:
+        if resume == "latest":
+            raise ConfigError("--resume: name the run (latest needs a local train.storage_path)")
+        return resume
+    if resume != "latest":
+        if not os.path.exists(os.path.join(storage, resume, RUN_SNAPSHOT)):
+            raise ConfigError(f"--resume: no run {resume!r} with checkpoints under {storage}")
+        return resume
+    runs = [
+        entry
+        for entry in (os.scandir(storage) if os.path.isdir(storage) else ())
+        if os.path.exists(os.path.join(entry.path, RUN_SNAPSHOT))
+    ]
+    if not runs:
+        raise ConfigError(f"--resume latest: no run with checkpoints under {storage}")
+    return max(runs, key=lambda e: os.path.getmtime(os.path.join(e.path, RUN_SNAPSHOT))).name
+
+
+def run(
+    config: Config, resume: str | None = None, hooks: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Run the whole job and return the summary (see README, "Run summary").
+
+    ``resume``: a run name under ``train.storage_path`` (or ``latest``): the run continues from
+    its latest periodic checkpoint (``train.checkpoint_every``) under the same name. ``hooks``:
+    fault injection and tracing for tests (``train._fault``, ``train._trace``)."""
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     from rayjobs.train import train_loop
 
-    job = start_job(config)
+    name = resume_name(config, resume) if resume else None
+    job = start_job(config, name=name)
     datasets = job.train_datasets()
     trainer = TorchTrainer(
         train_loop,
@@ -172,6 +209,7 @@ def run(config: Config) -> dict[str, Any]:
             "vocab_size": job.tokenizer.vocab_size,
             "run_name": job.name,
             "datasets": list(datasets),
+            **(hooks or {}),
         },
         scaling_config=ScalingConfig(
             num_workers=config.train.num_workers,
@@ -183,7 +221,11 @@ def run(config: Config) -> dict[str, Any]:
             label_selector=config.train.label_selector or None,
         ),
         datasets=datasets,
-        run_config=RunConfig(name=job.name, storage_path=_storage(config.train.storage_path)),
+        run_config=RunConfig(
+            name=job.name,
+            storage_path=_storage(config.train.storage_path),
+            failure_config=FailureConfig(max_failures=config.train.max_failures),
+        ),
     )
     result = trainer.fit()
     summary = dict(result.metrics)

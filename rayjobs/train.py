@@ -26,10 +26,18 @@ Design note.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import hashlib
+import itertools
 import json
+import math
 import os
+import signal
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,9 +45,10 @@ import torch.distributed as dist
 
 from rayjobs import masks, seeds
 from rayjobs.collate import collate
-from rayjobs.config import Config, HFModelConfig
+from rayjobs.config import Config, HFModelConfig, TrainConfig
 from rayjobs.metrics import TrainMetrics
 from rayjobs.model import Decoder, DecoderConfig, PackedLM, build_hf_model
+from rayjobs.rows import IGNORE_INDEX
 from rayjobs.tokenize import Tokenizer
 
 
@@ -66,7 +75,10 @@ class _Guard:
 
 
 def rank_batches(
-    shard: Any, batch_size: int, device: torch.device, guard: _Guard | None = None
+    shard: Any,
+    batch_size: int,
+    device: torch.device,
+    guard: _Guard | None = None,
 ) -> Iterator[dict[str, torch.Tensor]]:
     """This rank's batches of one epoch, stopping on every rank as soon as any rank runs out.
 
@@ -195,25 +207,48 @@ def build_model(
     return packed
 
 
-def save_model(model: PackedLM, tokenizer: Tokenizer, directory: str) -> None:
+def save_model(
+    model: PackedLM,
+    tokenizer: Tokenizer,
+    directory: str,
+    state_dict: dict[str, torch.Tensor] | None = None,
+    write: bool = True,
+) -> None:
     """Write ``model`` into ``directory``: an HF model with ``save_pretrained``, the tokenizer
     next to it and ``probe.pt`` (``input_ids`` [1,16] and the model's fp32 ``logits`` on them,
-    through the training path); the demo decoder as ``model.pt``."""
+    through the training path); the demo decoder as ``model.pt``.
+
+    ``state_dict``: the ``PackedLM``'s full state dict when its parameters are sharded (FSDP2);
+    every rank then calls this (the probe's forward gathers the shards) and only the one with
+    ``write`` writes files."""
+    from torch.distributed.fsdp import FSDPModule
+
+    inner = None
+    if state_dict is not None:  # PackedLM keys → the inner model's
+        inner = {k.removeprefix("model."): v for k, v in state_dict.items()}
     if not model.is_hf:
-        torch.save(model.model.state_dict(), os.path.join(directory, "model.pt"))
+        if write:
+            torch.save(inner or model.model.state_dict(), os.path.join(directory, "model.pt"))
         return
-    model.model.save_pretrained(directory)
-    save_tokenizer(tokenizer, directory)
+    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
     embeddings = model.model.get_input_embeddings()
     device = embeddings.weight.device
     input_ids = (torch.arange(16, device=device)[None] * 7919) % tokenizer.vocab_size
     was_training = model.training
     model.eval()
+    for module in sharded:
+        module.unshard()
     with torch.no_grad():
         logits = model.logits(
             input_ids, torch.arange(16, device=device)[None], torch.zeros_like(input_ids)
         )
+    for module in sharded:
+        module.reshard()
     model.train(was_training)
+    if not write:
+        return
+    model.model.save_pretrained(directory, state_dict=inner)
+    save_tokenizer(tokenizer, directory)
     torch.save(
         {"input_ids": input_ids.cpu(), "logits": logits.float().cpu()},
         os.path.join(directory, "probe.pt"),
@@ -251,78 +286,387 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
+def lr_lambda(schedule: str, warmup_steps: int, max_steps: int | None, min_ratio: float):
+    """The LR multiplier after ``step`` optimizer steps: linear warm-up to 1 over
+    ``warmup_steps``, then constant, or a cosine / linear decay to ``min_ratio`` at
+    ``max_steps``."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+        decay = 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1 - progress
+        return min_ratio + (1 - min_ratio) * decay
+
+    return factor
+
+
+def use_bf16(precision: str, device: torch.device) -> bool:
+    """Whether the forward runs under bf16 autocast (``train.precision``)."""
+    if precision == "auto":
+        return device.type == "cuda" and torch.cuda.is_bf16_supported()
+    return precision == "bf16"
+
+
+def transformer_blocks(packed: PackedLM) -> list[torch.nn.Module]:
+    """The repeated blocks FSDP2 shards one by one: the demo decoder's ``blocks``; for a Hugging
+    Face model, its modules of the classes it lists in ``_no_split_modules`` (its decoder layers,
+    the same units accelerate's FSDP auto-wrap uses)."""
+    if not packed.is_hf:
+        return list(packed.model.blocks)
+    names = set(getattr(packed.model, "_no_split_modules", None) or ())
+    blocks = [m for m in packed.model.modules() if type(m).__name__ in names]
+    if not blocks:
+        raise ValueError(
+            f"train.parallelism: fsdp: {type(packed.model).__name__} names no decoder layer "
+            "class in _no_split_modules; use ddp"
+        )
+    return blocks
+
+
+def parallelize(packed: PackedLM, parallelism: str) -> torch.nn.Module:
+    """The module the optimizer and the step use: DDP through Ray Train's ``prepare_model``, or
+    FSDP2: ``fully_shard`` on every transformer block (``transformer_blocks``), then on the
+    whole ``PackedLM`` (embeddings, final norm and head in the root group). Without a process
+    group (``num_workers: 0``) the module itself."""
+    if parallelism == "ddp" or not dist.is_initialized():
+        import ray.train.torch
+
+        return ray.train.torch.prepare_model(packed)
+    from torch.distributed.fsdp import fully_shard
+
+    for block in transformer_blocks(packed):
+        fully_shard(block)
+    fully_shard(packed)
+    return packed
+
+
+@dataclasses.dataclass
+class TrainState:
+    """What a restarted worker needs besides model, optimizer and schedule: where it stopped in
+    the data, and the run's totals so far (global, as rank 0 saved them)."""
+
+    steps: int = 0
+    dataset_index: int = 0
+    """The dataset (``loop_config["datasets"]``) being consumed."""
+    rows_consumed: int = 0
+    """Rows of that dataset each rank consumed (trained, or dropped by the guard)."""
+    rows: int = 0
+    pack_tokens: int = 0
+    trained_tokens: int = 0
+    guard_dropped: int = 0
+    losses: list[float] = dataclasses.field(default_factory=list)
+    checkpoints: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    resumes: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    """One entry per restart from a checkpoint: its step and the rows each rank skipped."""
+
+
+TRAIN_STATE = "train_state.pt"
+"""The file of a periodic checkpoint that holds what resuming needs: the model's and the
+optimizer's full state dicts, the LR schedule's state and the ``TrainState``."""
+
+
+def _full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, fsdp: bool):
+    """Full (unsharded) model and optimizer state dicts, valid on rank 0 (a collective under
+    FSDP: every rank calls it)."""
+    if not fsdp:
+        unwrapped = model.module if hasattr(model, "module") else model
+        return unwrapped.state_dict(), optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    return get_state_dict(
+        model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+
+
+def _load_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, blob: dict[str, Any], fsdp: bool
+) -> None:
+    if not fsdp:
+        unwrapped = model.module if hasattr(model, "module") else model
+        unwrapped.load_state_dict(blob["model"])
+        optimizer.load_state_dict(blob["optimizer"])
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=blob["model"],
+        optim_state_dict=blob["optimizer"],
+        options=StateDictOptions(full_state_dict=True),
+    )
+
+
+def _restore(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    fsdp: bool,
+) -> TrainState:
+    """The ``TrainState`` of the latest checkpoint Ray Train holds for this run (after a worker
+    failure, or for a run resumed by name), with model, optimizer and schedule loaded; a fresh
+    state when there is none."""
+    import ray.train
+
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        return TrainState()
+    with checkpoint.as_directory() as directory:
+        path = os.path.join(directory, TRAIN_STATE)
+        if not os.path.exists(path):
+            raise ValueError(
+                f"checkpoint {checkpoint.path} holds no {TRAIN_STATE}: it is a finished run's "
+                "final checkpoint, there is nothing to resume"
+            )
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+    _load_state(model, optimizer, blob, fsdp)
+    scheduler.load_state_dict(blob["scheduler"])
+    state = TrainState(**blob["state"])
+    if ray.train.get_context().get_world_rank() != 0:  # totals are global: counted once
+        state.rows = state.pack_tokens = state.trained_tokens = state.guard_dropped = 0
+    state.resumes.append({"step": state.steps, "rows_skipped_per_rank": state.rows_consumed})
+    return state
+
+
+def _save_checkpoint(
+    packed: PackedLM,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    state: TrainState,
+    tokenizer: Tokenizer,
+    fsdp: bool,
+    device: torch.device,
+    metrics: dict[str, Any],
+) -> None:
+    """Report a periodic checkpoint (every rank calls it): the model as ``save_model`` writes it
+    plus ``TRAIN_STATE`` with the global totals."""
+    import ray.train
+
+    name = f"checkpoint_step_{state.steps:06d}"
+    state.checkpoints.append({"step": state.steps, "path": _checkpoint_path(name)})
+    totals = _all_reduce(
+        torch.tensor(
+            [state.rows, state.pack_tokens, state.trained_tokens, state.guard_dropped],
+            device=device,
+        )
+    )
+    saved = dataclasses.replace(state, losses=list(state.losses))
+    saved.rows, saved.pack_tokens, saved.trained_tokens, saved.guard_dropped = (
+        int(v) for v in totals
+    )
+    model_state, optimizer_state = _full_state(model, optimizer, fsdp)
+    rank = ray.train.get_context().get_world_rank()
+    with tempfile.TemporaryDirectory() as directory:
+        save_model(packed, tokenizer, directory, model_state if fsdp else None, rank == 0)
+        checkpoint = None
+        if rank == 0:
+            blob = {
+                "model": model_state,
+                "optimizer": optimizer_state,
+                "scheduler": scheduler.state_dict(),
+                "state": dataclasses.asdict(saved),
+            }
+            torch.save(blob, os.path.join(directory, TRAIN_STATE))
+            checkpoint = ray.train.Checkpoint.from_directory(directory)
+        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name)
+
+
+def _groups(batches: Iterator[dict[str, torch.Tensor]], size: int):
+    """Consecutive lists of up to ``size`` batches (the last may be shorter: the same length on
+    every rank, since ``rank_batches`` yields the same number of batches everywhere)."""
+    while group := list(itertools.islice(batches, size)):
+        yield group
+
+
+def _fault(loop_config: dict[str, Any], rank: int, state: TrainState) -> None:
+    """Test hook (``loop_config["faults"]``: rank, step, marker file each): SIGKILL this worker
+    after that step, once per marker: a worker dying the way a lost node's do. It first waits
+    until Ray Train has committed the run's latest checkpoint (listed it in the run's snapshot),
+    so which checkpoint a restart finds does not depend on timing."""
+    import ray.train
+
+    for fault in loop_config.get("faults", ()):
+        if fault["rank"] != rank or fault["step"] != state.steps:
+            continue
+        if os.path.exists(fault["marker"]):
+            continue
+        if state.checkpoints:
+            name = os.path.basename(state.checkpoints[-1]["path"])
+            snapshot = ray.train.get_context().get_storage().checkpoint_manager_snapshot_path
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                if os.path.exists(snapshot) and name in Path(snapshot).read_text():
+                    break
+                time.sleep(0.1)
+        with open(fault["marker"], "w") as f:
+            f.write(str(state.steps))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _trace(
+    loop_config: dict[str, Any], rank: int, state: TrainState, batch: dict, what: str
+) -> None:
+    """Test hook (``loop_config["trace"]``: a folder): append ``what attempt step fingerprint``
+    for every row this rank trains on or skips when resuming, and ``loss attempt step value``
+    after each step (``batch`` None), to measure what a restart re-sees, skips and continues."""
+    folder = loop_config.get("trace")
+    if not folder:
+        return
+    attempt = len(state.resumes)
+    with open(os.path.join(folder, f"rank{rank}.txt"), "a") as f:
+        if batch is None:
+            f.write(f"loss {attempt} {state.steps} {state.losses[-1]!r}\n")
+            return
+        for row in batch["input_ids"].cpu().numpy():
+            digest = hashlib.blake2b(row.tobytes(), digest_size=8).hexdigest()
+            f.write(f"{what} {attempt} {state.steps + 1} {digest}\n")
+
+
+def train_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    group: list[dict[str, torch.Tensor]],
+    *,
+    fsdp: bool,
+    bf16: bool,
+    spec: TrainConfig,
+) -> tuple[float, int, float | None]:
+    """One optimizer step over ``group`` (``grad_accum_steps`` micro-batches, the same count on
+    every rank): returns the step's loss (mean over every labelled token of the group on every
+    rank), this rank's labelled tokens, and the gradient norm before clipping (None without
+    ``max_grad_norm``).
+
+    The loss of each micro-batch is its summed cross entropy over the group's *global* labelled
+    token count (one all-reduce before the first backward), times the world size because DDP
+    and FSDP average gradients over ranks: so every token weighs the same whatever its pack,
+    micro-batch and rank, and accumulating k micro-batches gives the gradient of one batch k
+    times larger. Gradients are synchronized on the last micro-batch only (``no_sync``, FSDP2's
+    ``set_requires_gradient_sync``)."""
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    device = group[0]["input_ids"].device
+    counts = [int((b["labels"] != IGNORE_INDEX).sum()) for b in group]
+    global_count = max(1, int(_all_reduce(torch.tensor(sum(counts), device=device))))
+    step_sum = torch.zeros((), device=device)
+    for i, batch in enumerate(group):
+        last = i == len(group) - 1
+        sync = contextlib.nullcontext()
+        if fsdp:
+            model.set_requires_gradient_sync(last)
+        elif not last and hasattr(model, "no_sync"):
+            sync = model.no_sync()
+        with sync:
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                local_sum, _ = model(
+                    batch["input_ids"],
+                    batch["position_ids"],
+                    batch["document_ids"],
+                    batch["labels"],
+                )
+            (local_sum.float() / global_count * world_size).backward()
+        step_sum += local_sum.detach().float()
+    grad_norm = None
+    if spec.max_grad_norm is not None:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), spec.max_grad_norm)
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(_all_reduce(step_sum) / global_count), sum(counts), grad_norm
+
+
 def train_loop(loop_config: dict[str, Any]) -> None:
     """The per-worker loop (``train_loop_per_worker`` of the TorchTrainer)."""
     import ray.train
     import ray.train.torch
 
     config = Config.model_validate(loop_config["config"])
+    spec = config.train
     context = ray.train.get_context()
     world_size, rank = context.get_world_size(), context.get_world_rank()
     device = ray.train.torch.get_device()
-    attention = resolve_attention(config.train.attention, device)
+    attention = resolve_attention(spec.attention, device)
     # Ray leaves OMP_NUM_THREADS unset for fractional-CPU actors, so torch would start one thread
     # per core in every worker: on a 2-core machine two workers ran 10x slower from
     # oversubscription.
-    torch.set_num_threads(max(1, int(config.train.cpus_per_worker)))
+    torch.set_num_threads(max(1, int(spec.cpus_per_worker)))
     tokenizer = Tokenizer(config.tokenizer)
     packed = build_model(config, tokenizer, device, attention)
-    model = ray.train.torch.prepare_model(packed)
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=config.train.lr, weight_decay=config.train.weight_decay
+    fsdp = spec.parallelism == "fsdp" and dist.is_initialized()
+    model = parallelize(packed, spec.parallelism)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_lambda(spec.schedule, spec.warmup_steps, spec.max_steps, spec.min_lr_ratio)
     )
+    state = _restore(model, optimizer, scheduler, fsdp)
+    bf16 = use_bf16(spec.precision, device)
     seq_len = config.packing.seq_len
     series = TrainMetrics(loop_config.get("run_name", "rayjobs"), rank)
-    losses: list[float] = []
-    checkpoints: list[dict[str, Any]] = []
-    steps = rows = pack_tokens = trained_tokens = guard_dropped = 0
     stopped_early = False  # max_steps reached: the stream may not have ended
-    names = loop_config.get("datasets") or [f"train_epoch_{e}" for e in range(config.train.epochs)]
+    names = loop_config.get("datasets") or [f"train_epoch_{e}" for e in range(spec.epochs)]
     for index, name in enumerate(names):  # one stream of every epoch, or one dataset per epoch
+        if index < state.dataset_index:
+            continue  # consumed before the checkpoint this run resumed from
+        skip = state.rows_consumed if index == state.dataset_index else 0
+        state.dataset_index, state.rows_consumed = index, skip
         guard = _Guard()
-        for batch in train_batches(name, config.train.batch_size, device=device, guard=guard):
-            local_sum, local_count = model(
-                batch["input_ids"], batch["position_ids"], batch["document_ids"], batch["labels"]
+        batches = train_batches(name, spec.batch_size, device=device, guard=guard)
+        # Resuming inside this dataset: its stream is read again from the start (Ray Data keeps no
+        # iterator state), and each rank passes over the rows it had consumed by the checkpoint.
+        for batch in itertools.islice(batches, skip // spec.batch_size):
+            _trace(loop_config, rank, state, batch, "skip")
+        for group in _groups(batches, spec.grad_accum_steps):
+            for batch in group:
+                _trace(loop_config, rank, state, batch, "train")
+            step_loss, trained, grad_norm = train_step(
+                model, optimizer, scheduler, group, fsdp=fsdp, bf16=bf16, spec=spec
             )
-            global_count = _all_reduce(local_count.detach().clone()).clamp(min=1)
-            loss = local_sum / global_count * world_size
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            step_loss = float(_all_reduce(local_sum.detach().clone()) / global_count)
-            losses.append(step_loss)
-            series.step(step_loss, int(local_count))
-            steps += 1
-            rows += len(batch["input_ids"])
-            pack_tokens += int(batch["num_tokens"].sum())
-            trained_tokens += int(local_count)
-            every = config.train.checkpoint_every
-            if steps % config.train.report_every == 0 or (every and steps % every == 0):
-                epoch = int(batch["epoch"].max()) if "epoch" in batch else index
-                metrics = {"step": steps, "epoch": epoch, "loss": step_loss}
-                if every and steps % every == 0:
-                    name = f"checkpoint_step_{steps:06d}"
-                    checkpoints.append({"step": steps, "path": _checkpoint_path(name)})
-                    with tempfile.TemporaryDirectory() as directory:
-                        checkpoint = None
-                        if rank == 0:
-                            save_model(packed, tokenizer, directory)
-                            checkpoint = ray.train.Checkpoint.from_directory(directory)
-                        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name)
+            state.losses.append(step_loss)
+            state.steps += 1
+            state.rows += sum(len(b["input_ids"]) for b in group)
+            state.pack_tokens += sum(int(b["num_tokens"].sum()) for b in group)
+            state.rows_consumed += len(group) * spec.batch_size
+            state.trained_tokens += trained
+            series.step(step_loss, trained)
+            _trace(loop_config, rank, state, None, "loss")
+            every = spec.checkpoint_every
+            due = bool(every and state.steps % every == 0)
+            if state.steps % spec.report_every == 0 or due:
+                epoch = int(group[-1]["epoch"].max()) if "epoch" in group[-1] else index
+                metrics = {
+                    "step": state.steps,
+                    "epoch": epoch,
+                    "loss": step_loss,
+                    "lr": scheduler.get_last_lr()[0],
+                }
+                if grad_norm is not None:
+                    metrics["grad_norm"] = grad_norm
+                if due:
+                    _save_checkpoint(
+                        packed, model, optimizer, scheduler, state, tokenizer, fsdp, device, metrics
+                    )
                 else:
                     ray.train.report(metrics)
-            if config.train.max_steps is not None and steps >= config.train.max_steps:
+            _fault(loop_config, rank, state)
+            if spec.max_steps is not None and state.steps >= spec.max_steps:
                 stopped_early = True
                 break
-        guard_dropped += guard.dropped
+        state.guard_dropped += guard.dropped
         if stopped_early:
             break
-    totals = torch.tensor([rows, pack_tokens, trained_tokens, guard_dropped], device=device)
+    totals = torch.tensor(
+        [state.rows, state.pack_tokens, state.trained_tokens, state.guard_dropped], device=device
+    )
     rows, pack_tokens, trained_tokens, guard_dropped = (int(v) for v in _all_reduce(totals))
+    losses = state.losses
     tenth = max(1, len(losses) // 10)
     summary = {
-        "steps": steps,
-        "steps_per_rank": _all_gather_int(steps, device),
+        "steps": state.steps,
+        "steps_per_rank": _all_gather_int(state.steps, device),
         "loss_first": _mean(losses[:tenth]),
         "loss_last": _mean(losses[-tenth:]),
         "tokens_trained": trained_tokens,
@@ -331,14 +675,19 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         "guard_dropped_batches": guard_dropped,
         "stopped_early": stopped_early,
         "attention": packed.attention,
-        "model": config.train.model.kind,
-        "checkpoints": checkpoints,
+        "model": spec.model.kind,
+        "precision": "bf16" if bf16 else "fp32",
+        "parallelism": spec.parallelism if dist.is_initialized() else "none",
+        "lr_schedule": spec.schedule,
+        "checkpoints": state.checkpoints,
+        "resumes": state.resumes,
         "world_size": world_size,
     }
+    model_state = _full_state(model, optimizer, fsdp)[0] if fsdp else None
     with tempfile.TemporaryDirectory() as directory:
+        save_model(packed, tokenizer, directory, model_state, write=rank == 0)
         checkpoint = None
         if rank == 0:
-            save_model(packed, tokenizer, directory)
             with open(os.path.join(directory, "summary.json"), "w") as f:
                 json.dump(summary, f)
             checkpoint = ray.train.Checkpoint.from_directory(directory)

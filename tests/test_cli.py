@@ -55,8 +55,8 @@ def test_overrides_may_follow_options(tmp_path, monkeypatch):
 
     seen = {}
 
-    def fake_run(config):
-        seen["config"] = config
+    def fake_run(config, resume=None):
+        seen["config"], seen["resume"] = config, resume
         raise SystemExit(0)
 
     monkeypatch.setattr(rayjobs.pipeline, "run", fake_run)
@@ -75,3 +75,10 @@ def test_overrides_may_follow_options(tmp_path, monkeypatch):
         )
     config = seen["config"]
     assert (config.packing.seq_len, config.train.epochs, config.ray.address) == (256, 1, "auto")
+    assert seen["resume"] is None
+    # --resume: the latest run under train.storage_path, or the run it names
+    for flags, expected in ((["--resume"], "latest"), (["--resume", "rayjobs-1a2b3c4d"], None)):
+        expected = expected or flags[-1]
+        with pytest.raises(SystemExit):
+            main(["run", str(ROOT / "configs" / "demo.yaml"), *flags])
+        assert seen["resume"] == expected

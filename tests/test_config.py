@@ -118,6 +118,18 @@ BAD_CONFIGS = {
         ["datasets.first is not an index"],
     ),
     "override_invalid_value_into_list": ({}, ["datasets.0.weight=0"], ["datasets.0.weight"]),
+    "decay_schedule_without_max_steps": (
+        {"train": {"lr_schedule": "cosine"}},
+        [],
+        ["train: Value error, lr_schedule: cosine decays to max_steps; set train.max_steps"],
+    ),
+    "warmup_longer_than_the_run": (
+        {"train": {"max_steps": 10, "warmup_steps": 20}},
+        [],
+        ["warmup_steps (20) exceeds max_steps (10)"],
+    ),
+    "unknown_parallelism": ({"train": {"parallelism": "tp"}}, [], ["train.parallelism", "'tp'"]),
+    "unknown_precision": ({"train": {"precision": "fp16"}}, [], ["train.precision", "'fp16'"]),
 }
 
 

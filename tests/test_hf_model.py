@@ -208,7 +208,7 @@ def _demo() -> PackedLM:
 
 @pytest.mark.parametrize("which", ["demo", "llama"])
 def test_chunked_loss_equals_full_loss(hf_models, which):
-    """Loss within 1e-6 and gradients within 1e-5 of the full-logits loss, with chunks that do
+    """Loss and gradients within 1e-5 of the full-logits loss (acceptance 5), with chunks that do
     not divide the labelled positions (a short last chunk)."""
     model = _demo() if which == "demo" else _with_attention(hf_models, "llama", "sdpa")
     batch = _batch(vocab_size=300)
@@ -226,7 +226,9 @@ def test_chunked_loss_equals_full_loss(hf_models, which):
     model.loss_chunk_tokens = 64
     (full, full_count, full_grads), (chunked, chunked_count, chunked_grads) = results.values()
     assert full_count == chunked_count == labelled
-    assert abs(full - chunked) <= 1e-6, (full, chunked)
+    # A loss near 11 has an fp32 spacing of 9.5e-7: summing per chunk moves the last bits (a
+    # 2-ulp difference on one CPU, none on another), hence not 1e-6.
+    assert abs(full - chunked) <= 1e-5, (full, chunked)
     assert full_grads.keys() == chunked_grads.keys()
     for name in full_grads:
         torch.testing.assert_close(chunked_grads[name], full_grads[name], atol=1e-5, rtol=0)
@@ -299,11 +301,15 @@ def test_chunked_loss_halves_peak_memory():
 # ---------------------------------------------------------------- a real run, its checkpoints
 
 
-def test_tiny_llama_run_saves_checkpoints_that_from_pretrained_loads(ray_local, tmp_path):
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
+def test_tiny_llama_run_saves_checkpoints_that_from_pretrained_loads(
+    ray_local, tmp_path, parallelism
+):
     """Acceptance 2 and 4: configs/tiny_llama.yaml trains with 2 workers (equal steps, loss
     falls), checkpoints every 4 steps (listed in the summary), and its final checkpoint loads with
     ``from_pretrained`` and gives the trained model's logits (``probe.pt``, computed in the run
-    through the training path) on the probe input; the step-4 checkpoint does not (guard)."""
+    through the training path) on the probe input; the step-4 checkpoint does not (guard). With
+    DDP and with FSDP2 (sharded parameters gathered for every checkpoint)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rayjobs.pipeline import run
@@ -314,8 +320,10 @@ def test_tiny_llama_run_saves_checkpoints_that_from_pretrained_loads(ray_local, 
         "train.checkpoint_every=4",
         "train.report_every=4",
         f"train.storage_path={tmp_path}",
+        f"train.parallelism={parallelism}",
     ]
     summary = run(load_config(ROOT / "configs" / "tiny_llama.yaml", overrides))
+    assert summary["parallelism"] == parallelism
     assert summary["steps"] == 8 and summary["steps_per_rank"] == [8, 8]
     assert summary["guard_dropped_batches"] == 0
     assert (summary["model"], summary["attention"]) == ("hf", "sdpa")

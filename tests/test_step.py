@@ -1,0 +1,201 @@
+"""The optimizer step (``train.train_step``), without Ray: gradient accumulation gives the
+gradient of one larger batch, clipping bounds the update, bf16 autocast runs on CPU, the LR
+schedule's literal values, and FSDP2 over two gloo processes takes the same step as one process
+on the whole batch (demo decoder and a tiny Llama)."""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from rayjobs.collate import collate
+from rayjobs.config import TrainConfig
+from rayjobs.model import Decoder, DecoderConfig, PackedLM, build_hf_model
+from rayjobs.rows import IGNORE_INDEX
+from rayjobs.train import _full_state, lr_lambda, parallelize, train_step, transformer_blocks
+
+VOCAB = 97
+SEQ = 32
+LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+}
+
+
+def _rows(num_rows: int, seed: int) -> dict[str, np.ndarray]:
+    """Packed rows of 2-3 documents with their labels shifted inside each document; the
+    documents' lengths (so the labelled-token counts) differ from row to row."""
+    rng = np.random.default_rng(seed)
+    columns = {"input_ids": [], "labels": [], "position_ids": [], "document_ids": []}
+    for _ in range(num_rows):
+        cuts = np.sort(rng.choice(np.arange(4, SEQ - 4), size=rng.integers(1, 3), replace=False))
+        lengths = np.diff(np.concatenate([[0], cuts, [SEQ]]))
+        ids = rng.integers(0, VOCAB, SEQ)
+        labels = np.full(SEQ, IGNORE_INDEX)
+        positions, documents, start = [], [], 0
+        for d, n in enumerate(lengths):
+            labels[start : start + n - 1] = ids[start + 1 : start + n]
+            positions += list(range(n))
+            documents += [d] * n
+            start += n
+        labels[: rng.integers(0, 6)] = IGNORE_INDEX  # an untrained prompt
+        for name, value in zip(columns, (ids, labels, positions, documents), strict=True):
+            columns[name].append(np.asarray(value, dtype=np.int32))
+    out = {name: np.stack(values) for name, values in columns.items()}
+    out["num_tokens"] = np.full(num_rows, SEQ, dtype=np.int32)
+    return out
+
+
+def _batch(rows: dict[str, np.ndarray], start: int, stop: int) -> dict[str, torch.Tensor]:
+    return collate({k: v[start:stop] for k, v in rows.items()})
+
+
+def _model(kind: str = "demo") -> PackedLM:
+    torch.manual_seed(0)
+    if kind == "demo":
+        return PackedLM(Decoder(DecoderConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=2)))
+    model = build_hf_model(
+        vocab_size=VOCAB, seq_len=SEQ, overrides=LLAMA, attn_implementation="sdpa"
+    )
+    return PackedLM(model, loss_chunk_tokens=16)
+
+
+def _step(model, group, optimizer=None, **train):
+    optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    spec = TrainConfig(**train)
+    return train_step(model, optimizer, scheduler, group, fsdp=False, bf16=False, spec=spec)
+
+
+def test_accumulating_micro_batches_takes_the_step_of_one_larger_batch():
+    rows = _rows(4, seed=1)
+    counts = [(rows["labels"][i : i + 2] != IGNORE_INDEX).sum() for i in (0, 2)]
+    assert counts[0] != counts[1]  # guard: a per-micro-batch mean would weigh tokens unequally
+    whole, accumulated = _model(), _model()
+    loss_whole, tokens_whole, norm_whole = _step(whole, [_batch(rows, 0, 4)])
+    loss_acc, tokens_acc, norm_acc = _step(
+        accumulated, [_batch(rows, 0, 2), _batch(rows, 2, 4)], grad_accum_steps=2
+    )
+    assert tokens_whole == tokens_acc == sum(counts)
+    assert loss_acc == pytest.approx(loss_whole, abs=1e-6)
+    assert norm_acc == pytest.approx(norm_whole, rel=1e-5)
+    for (name, a), b in zip(whole.named_parameters(), accumulated.parameters(), strict=True):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_clipping_bounds_the_gradient_norm_of_the_update():
+    rows = _rows(2, seed=2)
+    model = _model()
+    before = [p.detach().clone() for p in model.parameters()]
+    lr = 0.1
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    _, _, norm = _step(model, [_batch(rows, 0, 2)], optimizer, max_grad_norm=0.01)
+    assert norm > 0.1  # guard: clipping was needed
+    update = torch.sqrt(
+        sum(((b - p.detach()) ** 2).sum() for b, p in zip(before, model.parameters(), strict=True))
+    )
+    assert float(update) / lr == pytest.approx(0.01, rel=1e-4)
+
+
+def test_bf16_autocast_runs_on_cpu_and_stays_close_to_fp32():
+    rows = _rows(2, seed=3)
+    group = [_batch(rows, 0, 2)]
+    spec = TrainConfig()
+    results = {}
+    for bf16 in (False, True):
+        model = _model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+        results[bf16] = train_step(
+            model, optimizer, scheduler, group, fsdp=False, bf16=bf16, spec=spec
+        )[0]
+        assert all(p.dtype == torch.float32 for p in model.parameters())  # master weights
+    assert results[True] != results[False]  # guard: autocast changed the arithmetic
+    assert results[True] == pytest.approx(results[False], abs=0.05)
+
+
+# (schedule, warmup, max_steps, min ratio) → the LR factor after steps 0, 1, 2, 6 and 10
+SCHEDULES = [
+    ("cosine", 2, 10, 0.1, [0.5, 1.0, 1.0, 0.55, 0.1]),
+    ("linear", 2, 10, 0.0, [0.5, 1.0, 1.0, 0.5, 0.0]),
+    ("constant", 2, None, 0.0, [0.5, 1.0, 1.0, 1.0, 1.0]),
+    ("cosine", 0, 10, 0.0, [1.0, 0.5 * (1 + math.cos(math.pi / 10)), None, None, 0.0]),
+]
+
+
+@pytest.mark.parametrize(("schedule", "warmup", "max_steps", "floor", "expected"), SCHEDULES)
+def test_lr_schedule(schedule, warmup, max_steps, floor, expected):
+    factor = lr_lambda(schedule, warmup, max_steps, floor)
+    for step, value in zip((0, 1, 2, 6, 10), expected, strict=True):
+        if value is not None:
+            assert factor(step) == pytest.approx(value, abs=1e-12), step
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _fsdp_worker(rank: int, port: int, kind: str, rows: dict, out: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    packed = _model(kind)
+    full = sum(p.numel() for p in packed.parameters())
+    model = parallelize(packed, "fsdp")
+    local = sum(p.to_local().numel() for p in model.parameters())
+    # SGD: an update linear in the gradient (AdamW's first step, g / |g|, magnifies rounding
+    # differences of near-zero gradients into whole learning rates).
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    spec = TrainConfig(grad_accum_steps=2)
+    half = len(rows["input_ids"]) // 2
+    mine = {k: v[rank * half : (rank + 1) * half] for k, v in rows.items()}
+    group = [_batch(mine, 0, half // 2), _batch(mine, half // 2, half)]
+    loss, _, norm = train_step(model, optimizer, scheduler, group, fsdp=True, bf16=False, spec=spec)
+    state, optimizer_state = _full_state(model, optimizer, fsdp=True)
+    if rank == 0:
+        momentum = {k: v["momentum_buffer"] for k, v in optimizer_state["state"].items()}
+        result = {"state": state, "momentum": momentum, "loss": loss, "norm": norm}
+        torch.save({**result, "full": full, "local": local}, out)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("kind", ["demo", "llama"])
+def test_fsdp_over_two_processes_takes_the_single_process_step(kind, tmp_path):
+    rows = _rows(8, seed=4)
+    out = str(tmp_path / "fsdp.pt")
+    mp.spawn(_fsdp_worker, args=(_free_port(), kind, rows, out), nprocs=2)
+    result = torch.load(out, weights_only=True)
+    assert result["local"] < 0.75 * result["full"]  # guard: the parameters were sharded
+    reference = _model(kind)
+    assert len(transformer_blocks(reference)) == 2
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    loss, _, norm = _step(reference, [_batch(rows, 0, 8)], optimizer)
+    assert result["loss"] == pytest.approx(loss, abs=1e-5)
+    assert result["norm"] == pytest.approx(norm, rel=1e-4)
+    state = reference.state_dict()
+    assert set(result["state"]) == set(state)
+    for name, value in state.items():
+        torch.testing.assert_close(result["state"][name], value, atol=1e-6, rtol=1e-5, msg=name)
+    # The optimizer state gathers too (keyed by parameter name): what a checkpoint saves.
+    buffers = dict(zip([n for n, _ in reference.named_parameters()], optimizer.state.values()))
+    assert set(result["momentum"]) == set(buffers)
+    for name, value in buffers.items():
+        torch.testing.assert_close(
+            result["momentum"][name], value["momentum_buffer"], atol=1e-6, rtol=1e-5, msg=name
+        )
