@@ -220,6 +220,7 @@ SUMMARY = {
     "tokens_trained": 1000,
     "datasets": {},
     "checkpoint": "/c",
+    "run_name": "rayjobs-0123abcd",
 }
 
 
@@ -334,7 +335,7 @@ def test_run_json_summary_is_the_last_line_whatever_ray_prints_on_shutdown(monke
 
     state = {"up": False}
 
-    def fake_run(config):
+    def fake_run(config, resume=None):
         state["up"] = True
         return SUMMARY
 
