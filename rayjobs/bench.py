@@ -57,6 +57,8 @@ BENCH_SETS = [
     ("hh_chat", "chat/hh_rlhf_harmless_chosen.messages.jsonl", "jsonl", "chat", {}, "paragraph"),
     ("glaive_sharegpt", "chat/glaive_toolcall.sharegpt.json", "json", "chat", {}, "paragraph"),
     ("hh_dpo_text", "dpo/hh_rlhf_harmless.dpo.jsonl", "jsonl", "text", {}, "paragraph"),
+    # task: dpo: each triple is one unit of P + C + R + 1 tokens (rayjobs.dpo), never split
+    ("hh_dpo_triples", "dpo/hh_rlhf_harmless.dpo.jsonl", "jsonl", "preference", {}, "paragraph"),
     ("shakespeare", "text/tinyshakespeare.txt", "text", "text", {}, "paragraph"),
     ("c4", "text/c4_demo.jsonl", "jsonl", "text", {}, "paragraph"),
 ]
@@ -89,6 +91,9 @@ def load_lengths(data_dir: Path, names: list[str] | None = None) -> dict[str, np
             format=fmt,
             template=template,
             column_map=column_map,
+            # hh-rlhf has responses that are blank (row 87 of the bundled subset: chosen " "):
+            # a triple with nothing to prefer is skipped, as dpo_demo.yaml does
+            on_bad_row="skip" if template == "preference" else "error",
         )
         for name, relative, fmt, template, column_map, _ in chosen
     ]

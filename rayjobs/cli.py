@@ -200,6 +200,13 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"truncated_tokens {stats['truncated_tokens']} dropped_samples "
             f"{stats['dropped_samples']} skipped_rows {stats['skipped_rows']}"
         )
+    if "dpo" in summary:
+        dpo = summary["dpo"]
+        lines.append(
+            f"dpo: reward accuracy {dpo['reward_accuracy_first']:.3f} → "
+            f"{dpo['reward_accuracy']:.3f}  reward margin {dpo['reward_margin_first']:.3f} → "
+            f"{dpo['reward_margin']:.3f}  (beta {dpo['beta']}, {dpo['triples']} triples trained)"
+        )
     for resume in summary.get("resumes", []):
         lines.append(
             f"resumed from step {resume['step']} (skipped {resume['rows_skipped_per_rank']} "

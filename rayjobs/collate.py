@@ -10,18 +10,22 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from rayjobs.dpo import PREFERENCE_COLUMNS
 from rayjobs.rows import PACKED_COLUMNS
 
 
 def collate(
     batch: dict[str, np.ndarray], device: torch.device | str = "cpu"
 ) -> dict[str, torch.Tensor]:
-    """The packed-row columns as int64 [B, seq_len] tensors on ``device``, plus ``num_tokens`` [B]
-    (non-pad tokens per row)."""
+    """The packed-row columns as int64 [B, seq_len] tensors on ``device`` (with ``parent_ids`` and
+    ``response_role`` for preference rows), plus ``num_tokens`` [B] (non-pad tokens per row)."""
     out = {
         name: torch.as_tensor(np.stack(list(batch[name])).astype(np.int64), device=device)
         for name in PACKED_COLUMNS
     }
+    for name in PREFERENCE_COLUMNS:  # task: dpo rows (rayjobs.dpo)
+        if name in batch:
+            out[name] = torch.as_tensor(np.stack(list(batch[name])).astype(np.int64), device=device)
     out["num_tokens"] = torch.as_tensor(
         np.asarray(batch["num_tokens"], dtype=np.int64), device=device
     )

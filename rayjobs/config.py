@@ -341,14 +341,52 @@ class RayConfig(_Strict):
     anywhere with free CPUs."""
 
 
+class DPOConfig(_Strict):
+    beta: float = Field(default=0.1, gt=0)
+    """The DPO temperature: the implicit reward is ``beta`` × the policy's log-ratio to the
+    reference."""
+
+
 class Config(_Strict):
+    task: Literal["sft", "dpo"] = "sft"
+    """sft: samples packed as documents, token cross entropy; dpo: preference triples (template
+    ``preference``) packed as units of three documents, the DPO loss against a frozen reference
+    (the initial model)."""
     datasets: list[DatasetConfig] = Field(min_length=1)
     tokenizer: TokenizerConfig
     packing: PackingConfig = Field(default_factory=PackingConfig)
     mix: MixConfig = Field(default_factory=MixConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    dpo: DPOConfig = Field(default_factory=DPOConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _task_fits(self) -> Config:
+        preference = [d.name for d in self.datasets if d.template in templates.PREFERENCE_TEMPLATES]
+        if self.task == "sft" and preference:
+            raise ValueError(
+                f"datasets {preference} use a preference template: set task: dpo to train on "
+                "preference triples"
+            )
+        if self.task == "dpo":
+            others = [d.name for d in self.datasets if d.name not in preference]
+            if others:
+                raise ValueError(
+                    f"task: dpo trains on preference triples; datasets {others} need template: "
+                    "preference"
+                )
+            if self.packing.mode != "stream":
+                raise ValueError(
+                    "task: dpo packs in stream mode (packing.mode: stream); the planned path "
+                    "plans single documents"
+                )
+            if self.packing.overflow == "split":
+                raise ValueError(
+                    "task: dpo: packing.overflow split would part a response from its prompt; "
+                    "use truncate or drop"
+                )
+        return self
 
     @field_validator("datasets")
     @classmethod

@@ -75,7 +75,10 @@ if TYPE_CHECKING:
 ROLE_PROMPT, ROLE_CHOSEN, ROLE_REJECTED = 0, 1, 2
 """``response_role`` values: prompt document or padding, chosen response, rejected response."""
 
-DPO_COLUMNS = (*PACKED_COLUMNS, "parent_ids", "response_role")
+PREFERENCE_COLUMNS = ("parent_ids", "response_role")
+"""The per-token columns preference rows add to the packed-row contract (``rows``)."""
+
+DPO_COLUMNS = (*PACKED_COLUMNS, *PREFERENCE_COLUMNS)
 """The per-token columns of a preference row, each int32 ``[seq_len]``; the per-row scalars are
 ``rows.STAT_COLUMNS``."""
 
@@ -407,14 +410,17 @@ def packed_logps(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(chosen, rejected) summed log-probs [T] of every triple in ``batch`` (the
     :data:`DPO_COLUMNS` as tensors [B,S]) under ``model``, a ``PackedLM`` (demo decoder or Hugging
-    Face model): one forward with the preference mask, the lm head on labelled positions only,
-    ``model.loss_chunk_tokens`` at a time. Run it under ``torch.no_grad()`` for the reference
-    model."""
-    hidden = model.hidden_states(
-        batch["input_ids"], batch["position_ids"], batch["document_ids"], batch["parent_ids"]
+    Face model) or the DDP/FSDP module wrapping one: one forward with the preference mask, the lm
+    head on labelled positions only, ``model.loss_chunk_tokens`` at a time. Run it under
+    ``torch.no_grad()`` for the reference model."""
+    return model(
+        batch["input_ids"],
+        batch["position_ids"],
+        batch["document_ids"],
+        batch["labels"],
+        parent_ids=batch["parent_ids"],
+        response_role=batch["response_role"],
     )
-    logps = token_logps(hidden, model.head, batch["labels"], model.loss_chunk_tokens)
-    return response_logps(logps, batch["document_ids"], batch["response_role"])
 
 
 def _check_logps(*logps: torch.Tensor, beta: float) -> None:

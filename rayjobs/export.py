@@ -1,7 +1,8 @@
 """``rayjobs export``: run the data side only and write the packed rows as Parquet plus a manifest.
 
 Layout of ``OUT``: ``epoch=<e>/*.parquet`` (the data-contract columns as ``fixed_size_list<int32>``
-of ``seq_len``, plus ``num_tokens`` and ``num_documents``) and ``manifest.json``: the validated
+of ``seq_len``, with ``parent_ids`` and ``response_role`` for ``task: dpo``, plus ``num_tokens`` and
+``num_documents``) and ``manifest.json``: the validated
 config, per-dataset accounting (the same numbers as the run summary), the realized mix and the pack
 counts of each epoch, so exported data can be audited and reused by any trainer.
 
@@ -23,6 +24,7 @@ import numpy as np
 import pyarrow as pa
 
 from rayjobs.config import Config, ConfigError
+from rayjobs.dpo import PREFERENCE_COLUMNS
 from rayjobs.rows import PACKED_COLUMNS, STAT_COLUMNS
 
 MANIFEST = "manifest.json"
@@ -32,7 +34,9 @@ def to_arrow(batch: dict[str, np.ndarray]) -> pa.Table:
     """Packed rows (2-D numpy columns) → Arrow with fixed-size list columns (and ``epoch``, when
     the rows carry it)."""
     columns = {}
-    for name in PACKED_COLUMNS:
+    for name in (*PACKED_COLUMNS, *PREFERENCE_COLUMNS):
+        if name not in batch:  # the preference columns: task: dpo rows only
+            continue
         values = np.ascontiguousarray(batch[name], dtype=np.int32)
         columns[name] = pa.FixedSizeListArray.from_arrays(values.reshape(-1), values.shape[1])
     for name in (*STAT_COLUMNS, "epoch"):
@@ -106,7 +110,11 @@ def export(
     manifest = {
         "config": config.model_dump(mode="json"),
         "seq_len": config.packing.seq_len,
-        "columns": [*PACKED_COLUMNS, *STAT_COLUMNS],
+        "columns": [
+            *PACKED_COLUMNS,
+            *(PREFERENCE_COLUMNS if config.task == "dpo" else ()),
+            *STAT_COLUMNS,
+        ],
         "epochs": [
             {
                 "epoch": e["epoch"],

@@ -152,7 +152,9 @@ def row_stats(batch: dict[str, np.ndarray], epoch: int = 0) -> pa.Table:
         "epoch": pa.array(epochs.astype(np.int32)),
     }
     best = int(np.argmax(num_documents)) if count else -1
-    for name in PREVIEW_COLUMNS:
+    for name in (*PREVIEW_COLUMNS, "response_role"):
+        if name not in batch:  # response_role: preference rows only
+            continue
         values: list[Any] = [None] * count
         if count:
             values[best] = np.asarray(batch[name][best], dtype=np.int32)
@@ -186,6 +188,10 @@ def document_spans(
     return documents
 
 
+ROLES = ("prompt", "chosen", "rejected")
+"""``response_role`` values (``dpo.ROLE_PROMPT`` …) as the preview names them."""
+
+
 def preview(
     row: dict[str, np.ndarray],
     decode: Callable[[list[int]], str],
@@ -194,10 +200,16 @@ def preview(
     """One packed row, decoded document by document, trained spans wrapped in :data:`MARKS`.
 
     ``row``: ``input_ids``, ``labels``, ``document_ids``, ``num_tokens`` (and ``epoch``);
-    ``sources``: the datasets each document was found in, when known.
+    ``sources``: the datasets each document was found in, when known. Preference rows
+    (``response_role``) name each document's part of its triple instead (``role``).
     """
     num_tokens = int(row["num_tokens"])
     documents = []
+    roles = None
+    if "response_role" in row:  # preference rows: each document's part of its triple
+        ids = np.asarray(row["document_ids"])[:num_tokens]
+        first = np.unique(ids, return_index=True)[1]
+        roles = [ROLES[int(r)] for r in np.asarray(row["response_role"])[first]]
     for index, spans in enumerate(
         document_spans(row["input_ids"], row["labels"], row["document_ids"], num_tokens)
     ):
@@ -209,6 +221,7 @@ def preview(
             {
                 "document": index,
                 "source": sources[index] if sources is not None else None,
+                **({"role": roles[index]} if roles is not None else {}),
                 "tokens": int(sum(len(ids) for _, ids in spans)),
                 "trained_tokens": int(sum(len(ids) for trained, ids in spans if trained)),
                 "text": text,
@@ -238,6 +251,8 @@ def format_preview(shown: dict[str, Any]) -> str:
     for document in shown["documents"]:
         source = document["source"]
         source = "" if source is None else f" ({', '.join(source) or 'dataset not found'})"
+        if "role" in document:  # a preference triple's prompt, chosen or rejected response
+            source = f" ({document['role']})"
         lines.append(
             f"── document {document['document']}{source}: {document['tokens']} tokens, "
             f"{document['trained_tokens']} trained"
@@ -588,7 +603,7 @@ def _inspect(config: Config, limit: int | None, plot_path: str | Path | None) ->
         else preview(
             candidate,
             lambda ids: decode(ids, skip_special_tokens=False),
-            [found.get(digest, []) for digest, _ in wanted],
+            None if config.task == "dpo" else [found.get(digest, []) for digest, _ in wanted],
         ),
     }
     if plot_path is not None:
@@ -619,7 +634,8 @@ def _read_rows(job: Any) -> tuple[np.ndarray, np.ndarray, dict[str, Any] | None]
             if candidate is None or counts[best] > candidate["num_documents"]:
                 candidate = {
                     name: np.asarray(batch.column(name)[best].values, dtype=np.int32)
-                    for name in PREVIEW_COLUMNS
+                    for name in (*PREVIEW_COLUMNS, "response_role")
+                    if name in batch.column_names
                 }
                 for name in ("num_tokens", "num_documents", "epoch"):
                     candidate[name] = int(batch.column(name)[best].as_py())
@@ -635,7 +651,7 @@ def sample_stats(batch: pa.Table, wanted: list[tuple[int, int]]) -> pa.Table:
     length are digested."""
     lengths = batch.column("num_tokens").to_numpy()
     match = np.full(batch.num_rows, -1, dtype=np.int32)
-    if wanted:
+    if wanted and "input_ids" in batch.column_names:  # preference triples: no SFT documents
         index = {digest: i for i, (digest, _) in enumerate(wanted)}
         ids = batch.column("input_ids")
         for row in np.flatnonzero(np.isin(lengths, [length for _, length in wanted])):

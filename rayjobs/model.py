@@ -377,9 +377,19 @@ class PackedLM(nn.Module):
         position_ids: torch.Tensor,
         document_ids: torch.Tensor,
         labels: torch.Tensor,
+        parent_ids: torch.Tensor | None = None,
+        response_role: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(summed cross entropy over labelled positions, their count) of a batch of rows."""
-        hidden = self.hidden_states(input_ids, position_ids, document_ids)
+        """(summed cross entropy over labelled positions, their count) of a batch of rows; for
+        preference rows (``response_role`` given, ``rayjobs.dpo``) the summed log-probs of every
+        triple's chosen and rejected response instead (``dpo.response_logps``). Either way in
+        this forward, so DDP and FSDP see the step."""
+        hidden = self.hidden_states(input_ids, position_ids, document_ids, parent_ids)
+        if response_role is not None:
+            from rayjobs import dpo
+
+            logps = dpo.token_logps(hidden, self.head, labels, self.loss_chunk_tokens)
+            return dpo.response_logps(logps, document_ids, response_role)
         if not self.loss_chunk_tokens:
             return loss_sum(self.head(hidden), labels)
         return chunked_loss_sum(hidden, self.head, labels, self.loss_chunk_tokens)

@@ -49,14 +49,14 @@ import pyarrow.compute as pc
 import ray
 import ray.data
 
-from rayjobs import seeds
+from rayjobs import dpo, seeds
 from rayjobs.config import Config, DatasetConfig
 from rayjobs.formats import HF, parse_file
 from rayjobs.metrics import PackCounts, StageTimer, batch_key, report, report_actor
 from rayjobs.pack import StreamPacker
 from rayjobs.rows import assemble
 from rayjobs.sources import read_dataset, record_table
-from rayjobs.tokenize import Tokenize
+from rayjobs.tokenize import TRIPLE_COLUMNS, Tokenize
 
 SAMPLE_ROWS = 2048
 """Rows of each dataset tokenized in the driver to estimate its mean sample length."""
@@ -592,6 +592,12 @@ class PackStream:
         # Seeded by the window's content: the same samples in a window pack the same way.
         rng = seeds.rng(self.seed, "pack_window", epoch, int(uids.min()) if len(uids) else 0)
         packs = pack_batch(lengths, self.seq_len, self.strategy, rng)
+        if TRIPLE_COLUMNS[0] in batch.column_names:  # task: dpo: a unit of three documents each
+            parts = [batch.column(name).to_numpy(zero_copy_only=False) for name in TRIPLE_COLUMNS]
+            triples = [dpo.Triple(*triple) for triple in zip(*parts, strict=True)]
+            rows = dpo.assemble_triples(triples, packs, self.seq_len, self.pad_id)
+            rows["epoch"] = np.full(len(packs), epoch, dtype=np.int32)
+            return rows
         order = np.concatenate(packs) if packs else np.empty(0, dtype=np.int64)
         tokens, labels, starts = flat_samples(batch)
         rows = assemble(

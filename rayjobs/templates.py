@@ -12,6 +12,14 @@ so the trained/untrained boundary falls exactly between tokens (the torchtune co
   message is trained, the rest (system, user, tool turns, generation prompts) is not. This works for
   any prefix-stable template without ``{% generation %}`` markers; an unstable one is an error.
 - ``text``: the whole ``text`` field, trained.
+- ``preference`` (``task: dpo``): a prompt and two responses → a :class:`Preference` of three
+  texts instead of segments. The prompt is text (``{prompt, chosen, rejected}``), or turns: a
+  ``prompt`` list of messages, or the row's ``messages`` / ShareGPT ``conversations`` (the
+  LLaMA-Factory layout: ``conversations`` + ``chosen`` + ``rejected``), rendered by the chat
+  template with its generation prompt. A response is text, a message (``{role: assistant,
+  content}`` or ``{from: gpt, value}``) or a list of one; with a chat prompt, a response's text is
+  what rendering the conversation with that assistant message adds after the generation prompt
+  (its end-of-turn marker included), found the way ``chat`` finds assistant turns.
 
 ``column_map`` maps a template field to the dataset's column (``{output: response}``). A bad row
 raises ``RowError`` naming the field and a reason of ``formats.SKIP_REASONS``; the caller
@@ -83,11 +91,28 @@ class RowError(ValueError):
         self.reason = reason
 
 
-Template = Callable[[Mapping[str, Any], Mapping[str, str], RenderChat], list[Segment]]
-"""(row, column_map, render_chat) → segments."""
+@dataclass(frozen=True)
+class Preference:
+    """A preference row's texts: the prompt (never trained) and the chosen and rejected
+    responses (``rayjobs.dpo`` lays the three out in a row)."""
+
+    prompt: str
+    chosen: str
+    rejected: str
+
+
+Template = Callable[
+    [Mapping[str, Any], Mapping[str, str], RenderChat], "list[Segment] | Preference"
+]
+"""(row, column_map, render_chat) → segments (or a ``Preference`` for the names in
+:data:`PREFERENCE_TEMPLATES`)."""
 
 TEMPLATES: dict[str, Template] = {}
 """Templates by name; ``datasets[].template`` must name one."""
+
+PREFERENCE_TEMPLATES = frozenset({"preference"})
+"""The templates that return a ``Preference``: the ones ``task: dpo`` takes (and ``sft`` does
+not)."""
 
 
 def register_template(name: str) -> Callable[[Template], Template]:
@@ -241,3 +266,61 @@ def chat(
     if whole[len(done) :]:
         segments.append(Segment(whole[len(done) :], False))
     return [s for s in segments if s.text]
+
+
+def _response(value: Any, name: str, column_map: Mapping[str, str]) -> str:
+    """A preference response's text: a string, an assistant message ({role, content} or
+    {from, value}) or a list of exactly one."""
+    shown = _shown(name, column_map)
+    message = value[0] if isinstance(value, list) and len(value) == 1 else value
+    if isinstance(message, Mapping):
+        sharegpt = "from" in message
+        role = message.get("from") if sharegpt else message.get("role")
+        role = SHAREGPT_ROLES.get(role) if sharegpt else role
+        if role != "assistant":
+            raise RowError(shown, f"expected an assistant message, got role {role!r}")
+        message = message.get("value" if sharegpt else "content")
+    if not isinstance(message, str):
+        raise RowError(shown, f"expected text or one assistant message, got {type(value).__name__}")
+    if not message.strip():
+        raise RowError(shown, f"empty ({message!r})", reason="empty_field")
+    return message
+
+
+@register_template("preference")
+def preference(
+    row: Mapping[str, Any], column_map: Mapping[str, str], render_chat: RenderChat | None = None
+) -> Preference:
+    """A prompt with a chosen and a rejected response → their texts (see module note)."""
+    chosen = _response(_field(row, "chosen", column_map), "chosen", column_map)
+    rejected = _response(_field(row, "rejected", column_map), "rejected", column_map)
+    prompt = _field(row, "prompt", column_map, required=False)
+    if isinstance(prompt, str) or (
+        prompt is None
+        and _field(row, "messages", column_map, required=False) is None
+        and _field(row, "conversations", column_map, required=False) is None
+    ):
+        return Preference(_text_field(row, "prompt", column_map), chosen, rejected)
+    if prompt is not None:  # a list of turns under ``prompt``
+        turns = {"messages": prompt, "system": row.get(column_map.get("system", "system"))}
+        try:
+            messages = chat_messages(turns, {})
+        except RowError as error:
+            raise RowError(
+                _shown("prompt", column_map), str(error).split(": ", 1)[1], error.reason
+            ) from None
+    else:
+        messages = chat_messages(row, column_map)
+    if messages[-1]["role"] == "assistant":
+        raise RowError(
+            "prompt",
+            "the prompt's last turn is an assistant turn; the responses answer the prompt",
+        )
+    render = render_chat or chatml
+    prompt_text = render(messages, True)
+    texts = []
+    for reply in (chosen, rejected):
+        full = render([*messages, {"role": "assistant", "content": reply}], False)
+        _check_prefix(prompt_text, full)
+        texts.append(full[len(prompt_text) :])
+    return Preference(prompt_text, *texts)

@@ -31,8 +31,9 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
-from rayjobs import templates
+from rayjobs import dpo, templates
 from rayjobs.config import DatasetConfig, TokenizerConfig
 from rayjobs.formats import bad_row_error, bad_row_place
 from rayjobs.metrics import StageTimer, TokenizeCounts, batch_key, report, report_actor
@@ -240,7 +241,8 @@ class Tokenize:
 
     One actor pool serves every dataset of the run; each row names its dataset in ``_dataset``.
     Output columns: ``input_ids`` and ``labels`` (list<int32>), ``source`` (dataset name), ``uid``
-    (``sample_uid``: identifies the sample across runs, for mixing plans) and ``num_tokens``.
+    (``sample_uid``: identifies the sample across runs, for mixing plans) and ``num_tokens``; for
+    preference data (``task: dpo``) :data:`TRIPLE_COLUMNS` instead of ``input_ids`` and ``labels``.
     """
 
     def __init__(
@@ -339,6 +341,8 @@ class Tokenize:
             # the same data elsewhere (another machine, a fresh clone) gets the same uids.
             origin = f"{name}\0{self.file_index[name].get(path, path)}\0{row}"
             rows.append((index, spec, origin, segments))
+        if self._preference(batch):
+            return self._triples(batch, rows, counts)
         encoded = iter(
             self.tokenizer.encode_batch([s.text for *_, segments in rows for s in segments])
         )
@@ -374,6 +378,62 @@ class Tokenize:
                 out[tag] = batch.column(tag).take(pa.array(kept, type=pa.int64()))
         return pa.table(out)
 
+    def _preference(self, batch: pa.Table) -> bool:
+        """Whether the batch holds preference data (a run's datasets are all preference data or
+        none, as the config checks; a batch whose rows were all bad still gets the triple
+        columns, so every block of a run has one schema)."""
+        names = pc.unique(batch.column("_dataset")).to_pylist()
+        return any(self.datasets[name].template in templates.PREFERENCE_TEMPLATES for name in names)
+
+    def _triples(
+        self,
+        batch: pa.Table,
+        rows: list[tuple[int, DatasetConfig, str, templates.Preference]],
+        counts: dict[str, TokenizeCounts],
+    ) -> pa.Table:
+        """Preference rows → one sample per triple: ``prompt_ids``, ``chosen_ids`` and
+        ``rejected_ids`` (each response ends with EOS), fitted to ``seq_len`` by ``dpo.fit_triple``
+        (``num_tokens``: the unit length, P + C + R + 1). Counted like samples: ``tokens`` are the
+        unit's, ``trained_tokens`` its labelled ones (C + R), cuts and drops by the policy."""
+        texts = [t for *_, p in rows for t in (p.prompt, p.chosen, p.rejected)]
+        encoded = iter(self.tokenizer.encode_batch(texts))
+        eos = [self.tokenizer.eos_id]
+        columns: dict[str, list] = {name: [] for name in TRIPLE_COLUMNS}
+        sources, uids, kept = [], [], []
+        for index, spec, origin, _ in rows:
+            prompt, chosen, rejected = next(encoded), next(encoded) + eos, next(encoded) + eos
+            tally = counts[spec.name]
+            if not prompt:  # a prompt that renders to no token (an empty chat template output)
+                tally.dropped_samples += 1
+                continue
+            triple, cut = dpo.fit_triple(prompt, chosen, rejected, self.seq_len, self.overflow)
+            tally.truncated_tokens += cut.truncated_tokens
+            if triple is None:
+                tally.dropped_samples += 1
+                continue
+            for name, part in zip(TRIPLE_COLUMNS, triple, strict=True):
+                columns[name].append(part)
+            sources.append(spec.name)
+            uids.append(sample_uid(f"{origin}\0{0}"))
+            kept.append(index)
+            tally.samples += 1
+            tally.tokens += triple.unit_length
+            tally.trained_tokens += len(triple.chosen) + len(triple.rejected)
+        out = {name: pa.array(values, type=TOKEN_LIST) for name, values in columns.items()}
+        out["source"] = pa.array(sources, type=pa.string())
+        out["uid"] = pa.array(uids, type=pa.int64())
+        out["num_tokens"] = pa.array(
+            [len(p) + len(c) + len(r) + 1 for p, c, r in zip(*columns.values(), strict=True)],
+            type=pa.int32(),
+        )
+        for tag in STREAM_TAGS:
+            if tag in batch.column_names:
+                out[tag] = batch.column(tag).take(pa.array(kept, type=pa.int64()))
+        return pa.table(out)
+
+
+TRIPLE_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
+"""A tokenized preference triple's columns (``task: dpo``), list<int32> each."""
 
 STREAM_TAGS = ("_epoch", "_pass")
 """Columns the streaming path tags raw rows with (``stream._tag_epoch``)."""

@@ -38,14 +38,15 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from rayjobs import masks, seeds
+from rayjobs import dpo, masks, seeds
 from rayjobs.collate import collate
 from rayjobs.config import Config, HFModelConfig, TrainConfig
+from rayjobs.dpo import ROLE_CHOSEN
 from rayjobs.metrics import TrainMetrics
 from rayjobs.model import Decoder, DecoderConfig, PackedLM, build_hf_model
 from rayjobs.rows import IGNORE_INDEX
@@ -361,6 +362,8 @@ class TrainState:
     checkpoints: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     resumes: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     """One entry per restart from a checkpoint: its step and the rows each rank skipped."""
+    series: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    """Per-step values besides the loss (DPO: ``StepResult.dpo``'s), global."""
 
 
 TRAIN_STATE = "train_state.pt"
@@ -454,7 +457,7 @@ def _save_checkpoint(
             device=device,
         )
     )
-    saved = dataclasses.replace(state, losses=list(state.losses))
+    saved = dataclasses.replace(state, losses=list(state.losses), series=dict(state.series))
     saved.rows, saved.pack_tokens, saved.trained_tokens, saved.guard_dropped = (
         int(v) for v in totals
     )
@@ -526,6 +529,28 @@ def _trace(
             f.write(f"{what} {attempt} {state.steps + 1} {digest}\n")
 
 
+class StepResult(NamedTuple):
+    """``train_step``'s outcome: global means, and this rank's labelled tokens."""
+
+    loss: float
+    """SFT: mean cross entropy per labelled token; DPO: mean DPO loss per triple."""
+    tokens: int
+    """Labelled tokens of this rank's micro-batches."""
+    grad_norm: float | None
+    """The global gradient norm before clipping (None without ``max_grad_norm``)."""
+    dpo: dict[str, float] | None = None
+    """DPO: ``reward_margin``, ``reward_accuracy``, ``chosen_logps``, ``rejected_logps`` (means
+    per triple over the step's triples on every rank) and ``triples`` (their count)."""
+
+
+def _triples(response_role: torch.Tensor) -> int:
+    """Triples in preference rows: chosen documents, counted by their first token."""
+    chosen = response_role == ROLE_CHOSEN
+    starts = chosen.clone()
+    starts[:, 1:] &= ~chosen[:, :-1]
+    return int(starts.sum())
+
+
 def train_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -535,23 +560,27 @@ def train_step(
     fsdp: bool,
     bf16: bool,
     spec: TrainConfig,
-) -> tuple[float, int, float | None]:
+    reference: PackedLM | None = None,
+    beta: float = 0.1,
+) -> StepResult:
     """One optimizer step over ``group`` (``grad_accum_steps`` micro-batches, the same count on
-    every rank): returns the step's loss (mean over every labelled token of the group on every
-    rank), this rank's labelled tokens, and the gradient norm before clipping (None without
-    ``max_grad_norm``).
+    every rank).
 
-    The loss of each micro-batch is its summed cross entropy over the group's *global* labelled
-    token count (one all-reduce before the first backward), times the world size because DDP
-    and FSDP average gradients over ranks: so every token weighs the same whatever its pack,
-    micro-batch and rank, and accumulating k micro-batches gives the gradient of one batch k
-    times larger. Gradients are synchronized on the last micro-batch only (``no_sync``, FSDP2's
-    ``set_requires_gradient_sync``)."""
+    The loss of each micro-batch is its sum (cross entropy over labelled tokens; with a
+    ``reference``, the DPO loss over preference triples) divided by the group's *global* count
+    of tokens (triples), one all-reduce before the first backward, times the world size because
+    DDP and FSDP average gradients over ranks: so every token (triple) weighs the same whatever
+    its pack, micro-batch and rank, and accumulating k micro-batches gives the gradient of one
+    batch k times larger. Gradients are synchronized on the last micro-batch only (``no_sync``,
+    FSDP2's ``set_requires_gradient_sync``). ``reference``: the frozen DPO reference model (the
+    policy's initial weights), run without gradients on the same rows."""
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     device = group[0]["input_ids"].device
-    counts = [int((b["labels"] != IGNORE_INDEX).sum()) for b in group]
-    global_count = max(1, int(_all_reduce(torch.tensor(sum(counts), device=device))))
-    step_sum = torch.zeros((), device=device)
+    tokens = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in group)
+    units = tokens if reference is None else sum(_triples(b["response_role"]) for b in group)
+    global_units = max(1, int(_all_reduce(torch.tensor(units, device=device))))
+    # loss sum, then (DPO) margin sum, correct count, chosen and rejected log-prob sums
+    sums = torch.zeros(5, dtype=torch.float64, device=device)
     for i, batch in enumerate(group):
         last = i == len(group) - 1
         sync = contextlib.nullcontext()
@@ -560,15 +589,29 @@ def train_step(
         elif not last and hasattr(model, "no_sync"):
             sync = model.no_sync()
         with sync:
+            columns = (
+                batch["input_ids"],
+                batch["position_ids"],
+                batch["document_ids"],
+                batch["labels"],
+            )
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-                local_sum, _ = model(
-                    batch["input_ids"],
-                    batch["position_ids"],
-                    batch["document_ids"],
-                    batch["labels"],
-                )
-            (local_sum.float() / global_count * world_size).backward()
-        step_sum += local_sum.detach().float()
+                if reference is None:
+                    local_sum, _ = model(*columns)
+                else:
+                    roles = {k: batch[k] for k in ("parent_ids", "response_role")}
+                    chosen, rejected = model(*columns, **roles)
+                    with torch.no_grad():
+                        ref_chosen, ref_rejected = reference(*columns, **roles)
+                    local_sum, _ = dpo.dpo_loss_sum(
+                        chosen, rejected, ref_chosen, ref_rejected, beta
+                    )
+                    margin = beta * ((chosen - ref_chosen) - (rejected - ref_rejected)).detach()
+                    sums[1:] += torch.stack(
+                        [margin.sum(), (margin > 0).sum(), chosen.sum(), rejected.sum()]
+                    ).detach()
+            (local_sum.float() / global_units * world_size).backward()
+        sums[0] += local_sum.detach().double()
     grad_norm = None
     if spec.max_grad_norm is not None:
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), spec.max_grad_norm)
@@ -576,7 +619,17 @@ def train_step(
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return float(_all_reduce(step_sum) / global_count), sum(counts), grad_norm
+    loss, margin, correct, chosen, rejected = (float(v) / global_units for v in _all_reduce(sums))
+    metrics = None
+    if reference is not None:
+        metrics = {
+            "reward_margin": margin,
+            "reward_accuracy": correct,
+            "chosen_logps": chosen,
+            "rejected_logps": rejected,
+            "triples": global_units,
+        }
+    return StepResult(loss, tokens, grad_norm, metrics)
 
 
 def train_loop(loop_config: dict[str, Any]) -> None:
@@ -603,6 +656,9 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         optimizer, lr_lambda(spec.schedule, spec.warmup_steps, spec.max_steps, spec.min_lr_ratio)
     )
     state = _restore(model, optimizer, scheduler, fsdp)
+    reference = None
+    if config.task == "dpo":  # the frozen reference: the policy's initial weights, once a worker
+        reference = build_model(config, tokenizer, device, attention).eval().requires_grad_(False)
     bf16 = use_bf16(spec.precision, device)
     seq_len = config.packing.seq_len
     series = TrainMetrics(loop_config.get("run_name", "rayjobs"), rank)
@@ -622,10 +678,21 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         for group in _groups(batches, spec.grad_accum_steps):
             for batch in group:
                 _trace(loop_config, rank, state, batch, "train")
-            step_loss, trained, grad_norm = train_step(
-                model, optimizer, scheduler, group, fsdp=fsdp, bf16=bf16, spec=spec
+            result = train_step(
+                model,
+                optimizer,
+                scheduler,
+                group,
+                fsdp=fsdp,
+                bf16=bf16,
+                spec=spec,
+                reference=reference,
+                beta=config.dpo.beta,
             )
+            step_loss, trained, grad_norm = result.loss, result.tokens, result.grad_norm
             state.losses.append(step_loss)
+            for name, value in (result.dpo or {}).items():
+                state.series.setdefault(name, []).append(value)
             state.steps += 1
             state.rows += sum(len(b["input_ids"]) for b in group)
             state.pack_tokens += sum(int(b["num_tokens"].sum()) for b in group)
@@ -645,6 +712,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
                 }
                 if grad_norm is not None:
                     metrics["grad_norm"] = grad_norm
+                metrics.update({f"dpo/{k}": v for k, v in (result.dpo or {}).items()})
                 if due:
                     _save_checkpoint(
                         packed, model, optimizer, scheduler, state, tokenizer, fsdp, device, metrics
@@ -682,7 +750,15 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         "checkpoints": state.checkpoints,
         "resumes": state.resumes,
         "world_size": world_size,
+        "task": config.task,
     }
+    if state.series:  # DPO: the first and last tenth of the steps, as the loss
+        summary["dpo"] = {"beta": config.dpo.beta}
+        for name, values in state.series.items():
+            if name != "triples":
+                summary["dpo"][f"{name}_first"] = _mean(values[:tenth])
+                summary["dpo"][name] = _mean(values[-tenth:])
+        summary["dpo"]["triples"] = int(sum(state.series["triples"]))
     model_state = _full_state(model, optimizer, fsdp)[0] if fsdp else None
     with tempfile.TemporaryDirectory() as directory:
         save_model(packed, tokenizer, directory, model_state, write=rank == 0)

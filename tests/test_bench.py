@@ -49,6 +49,7 @@ def test_bench_cli_on_real_sets(tmp_path, capsys):
             "--data",
             "alpaca",
             "chat/hh_rlhf_harmless_chosen.messages.jsonl",
+            "hh_dpo_triples",
             "--data-dir",
             str(DATA),
             "--seq-len",
@@ -78,8 +79,9 @@ def test_bench_cli_on_real_sets(tmp_path, capsys):
     by_key = {(r["dataset"], r["seq_len"], r["strategy"]): r for r in rows}
     global_rows = {r["dataset"]: r for r in rows if r["strategy"] == "global_bfd"}
     len_stream = {name: r["window"] for name, r in global_rows.items()}  # the whole stream
-    assert {k[0] for k in by_key} == {"alpaca", "hh_chat"}
-    for dataset in ("alpaca", "hh_chat"):
+    # hh_dpo_triples: preference triples packed as units (task: dpo), never split
+    assert {k[0] for k in by_key} == {"alpaca", "hh_chat", "hh_dpo_triples"}
+    for dataset in ("alpaca", "hh_chat", "hh_dpo_triples"):
         for seq_len in (2048, 8192):
             bfd = by_key[(dataset, seq_len, "bfd")]
             assert bfd["window"] == 4096 and bfd["max_delay_windows"] <= 1

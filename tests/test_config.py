@@ -130,6 +130,31 @@ BAD_CONFIGS = {
     ),
     "unknown_parallelism": ({"train": {"parallelism": "tp"}}, [], ["train.parallelism", "'tp'"]),
     "unknown_precision": ({"train": {"precision": "fp16"}}, [], ["train.precision", "'fp16'"]),
+    "preference_data_without_task_dpo": (
+        _dataset(template="preference"),
+        [],
+        ["datasets ['alpaca'] use a preference template: set task: dpo"],
+    ),
+    "dpo_on_sft_data": (
+        {"task": "dpo"},
+        [],
+        ["task: dpo trains on preference triples; datasets ['alpaca'] need template: preference"],
+    ),
+    "dpo_planned": (
+        {**_dataset(template="preference"), "task": "dpo", "packing": {"mode": "planned"}},
+        [],
+        ["task: dpo packs in stream mode"],
+    ),
+    "dpo_split": (
+        {**_dataset(template="preference"), "task": "dpo", "packing": {"overflow": "split"}},
+        [],
+        ["split would part a response from its prompt"],
+    ),
+    "dpo_beta_zero": (
+        {**_dataset(template="preference"), "task": "dpo", "dpo": {"beta": 0}},
+        [],
+        ["dpo.beta"],
+    ),
 }
 
 

@@ -141,3 +141,21 @@ def test_cli_passes_overwrite_to_export(tmp_path, monkeypatch, flag, overwrite):
     config = str(ROOT / "configs" / "demo.yaml")
     assert main(["export", config, "--out", str(tmp_path), *flag]) == 0
     assert seen == {"out": str(tmp_path), "overwrite": overwrite}
+
+
+def test_preference_rows_export_their_mask_columns():
+    """task: dpo rows keep parent_ids and response_role in the Parquet export (without them the
+    shared-prompt mask could not be rebuilt); SFT rows do not grow them."""
+    import numpy as np
+
+    from rayjobs import dpo
+    from rayjobs.export import to_arrow
+
+    triples = [dpo.Triple(np.array([1, 2]), np.array([3]), np.array([4, 5]))]
+    rows = dpo.assemble_triples(triples, [np.array([0])], seq_len=8, pad_id=0)
+    table = to_arrow(rows)
+    assert table.column_names == [*dpo.DPO_COLUMNS, "num_tokens", "num_documents"]
+    assert table.column("parent_ids").to_pylist() == [[0, 0, 0, 0, 0, 0, 3, 3]]
+    assert table.column("response_role").to_pylist() == [[0, 1, 1, 2, 2, 2, 0, 0]]
+    sft = {k: v for k, v in rows.items() if k not in dpo.PREFERENCE_COLUMNS}
+    assert "parent_ids" not in to_arrow(sft).column_names

@@ -21,6 +21,9 @@ DATA_SIDE = (
     "seeds",
     "config",
     "metrics",
+    "dpo",
+    "stream",
+    "export",
 )
 
 

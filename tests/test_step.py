@@ -5,6 +5,7 @@ on the whole batch (demo decoder and a tiny Llama)."""
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import socket
@@ -71,11 +72,21 @@ def _model(kind: str = "demo") -> PackedLM:
     return PackedLM(model, loss_chunk_tokens=16)
 
 
-def _step(model, group, optimizer=None, **train):
+def _step(model, group, optimizer=None, reference=None, beta=0.1, **train):
     optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     spec = TrainConfig(**train)
-    return train_step(model, optimizer, scheduler, group, fsdp=False, bf16=False, spec=spec)
+    return train_step(
+        model,
+        optimizer,
+        scheduler,
+        group,
+        fsdp=False,
+        bf16=False,
+        spec=spec,
+        reference=reference,
+        beta=beta,
+    )
 
 
 def test_accumulating_micro_batches_takes_the_step_of_one_larger_batch():
@@ -83,8 +94,8 @@ def test_accumulating_micro_batches_takes_the_step_of_one_larger_batch():
     counts = [(rows["labels"][i : i + 2] != IGNORE_INDEX).sum() for i in (0, 2)]
     assert counts[0] != counts[1]  # guard: a per-micro-batch mean would weigh tokens unequally
     whole, accumulated = _model(), _model()
-    loss_whole, tokens_whole, norm_whole = _step(whole, [_batch(rows, 0, 4)])
-    loss_acc, tokens_acc, norm_acc = _step(
+    loss_whole, tokens_whole, norm_whole, _ = _step(whole, [_batch(rows, 0, 4)])
+    loss_acc, tokens_acc, norm_acc, _ = _step(
         accumulated, [_batch(rows, 0, 2), _batch(rows, 2, 4)], grad_accum_steps=2
     )
     assert tokens_whole == tokens_acc == sum(counts)
@@ -100,7 +111,7 @@ def test_clipping_bounds_the_gradient_norm_of_the_update():
     before = [p.detach().clone() for p in model.parameters()]
     lr = 0.1
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    _, _, norm = _step(model, [_batch(rows, 0, 2)], optimizer, max_grad_norm=0.01)
+    norm = _step(model, [_batch(rows, 0, 2)], optimizer, max_grad_norm=0.01).grad_norm
     assert norm > 0.1  # guard: clipping was needed
     update = torch.sqrt(
         sum(((b - p.detach()) ** 2).sum() for b, p in zip(before, model.parameters(), strict=True))
@@ -166,7 +177,9 @@ def _fsdp_worker(rank: int, port: int, kind: str, rows: dict, out: str) -> None:
     half = len(rows["input_ids"]) // 2
     mine = {k: v[rank * half : (rank + 1) * half] for k, v in rows.items()}
     group = [_batch(mine, 0, half // 2), _batch(mine, half // 2, half)]
-    loss, _, norm = train_step(model, optimizer, scheduler, group, fsdp=True, bf16=False, spec=spec)
+    loss, _, norm, _ = train_step(
+        model, optimizer, scheduler, group, fsdp=True, bf16=False, spec=spec
+    )
     state, optimizer_state = _full_state(model, optimizer, fsdp=True)
     if rank == 0:
         momentum = {k: v["momentum_buffer"] for k, v in optimizer_state["state"].items()}
@@ -185,7 +198,7 @@ def test_fsdp_over_two_processes_takes_the_single_process_step(kind, tmp_path):
     reference = _model(kind)
     assert len(transformer_blocks(reference)) == 2
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-    loss, _, norm = _step(reference, [_batch(rows, 0, 8)], optimizer)
+    loss, _, norm, _ = _step(reference, [_batch(rows, 0, 8)], optimizer)
     assert result["loss"] == pytest.approx(loss, abs=1e-5)
     assert result["norm"] == pytest.approx(norm, rel=1e-4)
     state = reference.state_dict()
@@ -199,3 +212,49 @@ def test_fsdp_over_two_processes_takes_the_single_process_step(kind, tmp_path):
         torch.testing.assert_close(
             result["momentum"][name], value["momentum_buffer"], atol=1e-6, rtol=1e-5, msg=name
         )
+
+
+def _preference_rows(seed: int) -> dict[str, np.ndarray]:
+    """Four rows of random triples (1-3 a row) in the preference layout (``dpo``)."""
+    from rayjobs import dpo
+
+    rng = np.random.default_rng(seed)
+    triples, bins = [], []
+    for count in (1, 2, 3, 2):
+        bins.append(np.arange(len(triples), len(triples) + count))
+        for _ in range(count):
+            parts = [rng.integers(0, VOCAB, rng.integers(1, 4)) for _ in range(3)]
+            triples.append(dpo.Triple(*parts))
+    return dpo.assemble_triples(triples, bins, SEQ, pad_id=0)
+
+
+def test_a_dpo_step_accumulates_like_one_batch_and_scores_like_dpo_loss():
+    from rayjobs import dpo
+
+    rows = _preference_rows(seed=5)
+    reference = _model().eval().requires_grad_(False)
+    torch.manual_seed(1)
+    with torch.no_grad():  # a policy that already differs from the reference
+        policy = _model()
+        for parameter in policy.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    whole, accumulated = copy.deepcopy(policy), copy.deepcopy(policy)
+    batch = _batch(rows, 0, 4)
+    with torch.no_grad():
+        expected = dpo.dpo_loss(
+            *dpo.packed_logps(policy, batch), *dpo.packed_logps(reference, batch), beta=0.5
+        )
+    results = []
+    for model, group in ((whole, [batch]), (accumulated, [_batch(rows, 0, 1), _batch(rows, 1, 4)])):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        results.append(
+            _step(model, group, optimizer, reference=reference, beta=0.5, grad_accum_steps=2)
+        )
+    for result in results:
+        assert result.dpo["triples"] == 8
+        assert result.loss == pytest.approx(float(expected.loss), abs=1e-6)
+        assert result.dpo["reward_margin"] == pytest.approx(float(expected.reward_margin), abs=1e-6)
+        assert result.dpo["reward_accuracy"] == float(expected.reward_accuracy)
+    assert 0 < float(expected.reward_accuracy) < 1  # guard: margins of both signs
+    for a, b in zip(whole.parameters(), accumulated.parameters(), strict=True):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5)

@@ -286,3 +286,88 @@ def test_non_prefix_stable_render_with_trailing_user_turn_raises_row_error():
     }
     with pytest.raises(RowError, match="not prefix-stable"):
         templates.chat(row, {}, _hides_earlier_assistant_turns)
+
+
+# The preference template (task: dpo): row → (prompt, chosen, rejected) texts, ChatML rendering.
+CHATML_PROMPT = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+PREFERENCE = {
+    "text_prompt": (
+        {"prompt": "\n\nHuman: Hi\n\nAssistant:", "chosen": " Hello!", "rejected": " Go away."},
+        {},
+        templates.Preference("\n\nHuman: Hi\n\nAssistant:", " Hello!", " Go away."),
+    ),
+    "messages_prompt_text_replies": (
+        {"prompt": [USER], "chosen": "Hello!", "rejected": "Go away."},
+        {},
+        templates.Preference(CHATML_PROMPT, "Hello!<|im_end|>\n", "Go away.<|im_end|>\n"),
+    ),
+    "messages_prompt_with_system_and_message_replies": (
+        {
+            "system": "Be kind.",
+            "prompt": [USER],
+            "chosen": {"role": "assistant", "content": "Hello!"},
+            "rejected": [{"role": "assistant", "content": "Go away."}],
+        },
+        {},
+        templates.Preference(
+            "<|im_start|>system\nBe kind.<|im_end|>\n" + CHATML_PROMPT,
+            "Hello!<|im_end|>\n",
+            "Go away.<|im_end|>\n",
+        ),
+    ),
+    "llamafactory_conversations": (
+        {
+            "conversations": [{"from": "human", "value": "Hi"}],
+            "chosen": {"from": "gpt", "value": "Hello!"},
+            "rejected": {"from": "gpt", "value": "Go away."},
+        },
+        {},
+        templates.Preference(CHATML_PROMPT, "Hello!<|im_end|>\n", "Go away.<|im_end|>\n"),
+    ),
+    "mapped_columns": (
+        {"question": "2+2?", "good": "4", "bad": "5"},
+        {"prompt": "question", "chosen": "good", "rejected": "bad"},
+        templates.Preference("2+2?", "4", "5"),
+    ),
+}
+
+
+@pytest.mark.parametrize(("row", "column_map", "expected"), PREFERENCE.values(), ids=PREFERENCE)
+def test_preference_texts(row, column_map, expected):
+    assert templates.preference(row, column_map) == expected
+
+
+PREFERENCE_ERRORS = {
+    "missing_rejected": ({"prompt": "p", "chosen": "c"}, "rejected", "missing_field"),
+    "empty_chosen": ({"prompt": "p", "chosen": " ", "rejected": "r"}, "chosen", "empty_field"),
+    "empty_prompt": ({"prompt": "", "chosen": "c", "rejected": "r"}, "prompt", "empty_field"),
+    "user_reply": (
+        {"prompt": "p", "chosen": {"role": "user", "content": "c"}, "rejected": "r"},
+        "chosen",
+        "wrong_type",
+    ),
+    "two_replies": (
+        {"prompt": "p", "chosen": ["a", "b"], "rejected": "r"},
+        "chosen",
+        "wrong_type",
+    ),
+    "prompt_ends_with_the_answer": (
+        {"prompt": [USER, {"role": "assistant", "content": "x"}], "chosen": "c", "rejected": "r"},
+        "prompt",
+        "wrong_type",
+    ),
+    "bad_prompt_turn": (
+        {"prompt": [{"role": "alien", "content": "x"}], "chosen": "c", "rejected": "r"},
+        "prompt",
+        "wrong_type",
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("row", "field", "reason"), PREFERENCE_ERRORS.values(), ids=PREFERENCE_ERRORS
+)
+def test_bad_preference_rows_name_the_field_and_reason(row, field, reason):
+    with pytest.raises(RowError) as caught:
+        templates.preference(row, {})
+    assert (caught.value.field, caught.value.reason) == (field, reason)

@@ -515,3 +515,45 @@ def test_a_corrupt_tokenizer_file_is_a_config_error(tmp_path):
     )
     with pytest.raises(ConfigError, match=r"tokenizer\.path: cannot load a tokenizer from .*EOF"):
         load_tokenizer(config)
+
+
+@pytest.mark.parametrize("overflow", ["truncate", "drop"])
+def test_preference_rows_tokenize_to_fitted_triples_counted_once(
+    gpt2_config, gpt2, overflow, monkeypatch
+):
+    """Real hh-rlhf triples (task: dpo): each row becomes one sample of three token lists, the
+    prompt's tokens those of its text (its start cut first under truncate), each response its text
+    then EOS; counts add up: rows = samples + dropped, tokens = the units' lengths, trained = the
+    responses' tokens."""
+    records = _head_records("dpo/hh_rlhf_harmless.dpo.jsonl", 40)
+    seq_len = 256
+    tokenizer = Tokenize([_spec("preference")], gpt2_config, seq_len=seq_len, overflow=overflow)
+    captured = {}
+    tokenizer.ledger = object()  # any ledger: capture the counts report() would send it
+    monkeypatch.setattr(tokenize, "report", lambda _, __, counts, ___: captured.update(counts))
+    table = tokenizer(record_table("d", ["dpo.jsonl"] * 40, list(range(40)), records))
+    counts = captured["d"]
+    assert set(table.column_names) >= {"prompt_ids", "chosen_ids", "rejected_ids", "num_tokens"}
+    assert counts.rows == 40 and counts.samples == table.num_rows
+    assert counts.samples + counts.dropped_samples == 40
+    lengths = table.column("num_tokens").to_pylist()
+    assert counts.tokens == sum(lengths) and max(lengths) <= seq_len
+    whole, cut = 0, 0
+    for row, record in zip(table.to_pylist(), (json.loads(r) for r in records if r), strict=False):
+        prompt, chosen, rejected = row["prompt_ids"], row["chosen_ids"], row["rejected_ids"]
+        assert row["num_tokens"] == len(prompt) + len(chosen) + len(rejected) + 1
+        if overflow == "drop":
+            break  # rows were dropped: which record a row came from is checked under truncate
+        full = gpt2.encode_batch([record["prompt"], record["chosen"], record["rejected"]])
+        assert prompt == full[0][len(full[0]) - len(prompt) :]  # the prompt's end is kept
+        assert chosen == (full[1] + [EOS])[: len(chosen)]
+        assert rejected == (full[2] + [EOS])[: len(rejected)]
+        whole += chosen[-1] == EOS and rejected[-1] == EOS
+        cut += len(prompt) < len(full[0])
+    trained = sum(len(r["chosen_ids"]) + len(r["rejected_ids"]) for r in table.to_pylist())
+    assert counts.trained_tokens == trained
+    if overflow == "truncate":
+        assert table.num_rows == 40 and cut > 0 and whole > 0  # guard: both cases occurred
+        assert counts.truncated_tokens > 0
+    else:
+        assert counts.dropped_samples > 0 and counts.truncated_tokens == 0
