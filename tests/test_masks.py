@@ -125,6 +125,31 @@ def test_compiled_flex_forward_matches_sdpa():
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
 
 
+def test_compiled_flex_forward_matches_sdpa_on_preference_rows():
+    """The same end-to-end check for the preference mask (``parent_ids``, ``rayjobs.dpo``):
+    triples of three documents, responses seeing their prompt and not each other."""
+    import numpy as np
+
+    from rayjobs import dpo
+
+    rng = np.random.default_rng(0)
+    triples = [
+        dpo.Triple(*(rng.integers(0, 50, n) for n in lengths))
+        for lengths in ((90, 30, 60), (20, 40, 10), (100, 80, 20), (5, 5, 5))
+    ]
+    rows = dpo.assemble_triples(triples, [np.array([0, 1]), np.array([2, 3])], 256, pad_id=0)
+    document_ids, parent_ids = (torch.as_tensor(rows[c]) for c in ("document_ids", "parent_ids"))
+    dense = masks.document_causal_mask(document_ids, parent_ids)
+    assert (dense & ~masks.document_causal_mask(document_ids)).any()  # guard: prompts shared
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 256, 16) for _ in range(3))
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=dense[:, None])
+    block = masks.block_mask(document_ids, parent_ids=parent_ids)
+    with torch.no_grad():
+        got = torch.compile(flex_attention)(q, k, v, block_mask=block)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
 # ---------------------------------------------------------------- the forms HF models take
 
 
