@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks: tests/test_cuda.py and `rayjobs bench attention`, on one CUDA GPU. Needs only
-# torch, numpy, pyarrow and pytest (no Ray or pydantic), so it runs from a bare checkout
+# torch, numpy, pyarrow and pytest (no Ray or pydantic; the Hugging Face flex check also needs
+# transformers and is skipped without it), so it runs from a bare checkout
 # on a GPU machine. Logs and the bench's JSON go to $1 (default: gpu-checks/).
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -200,3 +200,120 @@ def test_flex_training_reduces_loss():
         optimizer.step()
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+def _preference_batch(seed: int, seq_len: int = 2048) -> dict[str, torch.Tensor]:
+    """Two packed preference rows (``rayjobs.dpo``) of random triples, on the GPU."""
+    from rayjobs import dpo
+
+    rng = np.random.default_rng(seed)
+    triples, bins = [], []
+    for _ in range(2):
+        row, used = [], 0
+        while True:
+            lengths = (rng.integers(50, 400), rng.integers(20, 300), rng.integers(20, 300))
+            if used + sum(lengths) + 1 > seq_len:
+                break
+            row.append(len(triples))
+            triples.append(dpo.Triple(*(rng.integers(1, VOCAB_SIZE, n) for n in lengths)))
+            used += sum(lengths) + 1
+        bins.append(np.array(row))
+    rows = dpo.assemble_triples(triples, bins, seq_len, pad_id=0)
+    return {k: torch.as_tensor(v).long().to(CUDA) for k, v in rows.items() if v.ndim == 2}
+
+
+def test_dpo_flex_log_probs_and_gradients_equal_sdpa():
+    """Preference rows (a response sees its prompt, never the other response): per-triple
+    log-probs and gradients through the compiled flex path equal the dense SDPA path."""
+    from rayjobs.model import PackedLM
+
+    batch = _preference_batch(seed=5)
+    assert int((batch["response_role"] == 1).sum()) > 0  # guard: triples in the rows
+    results = []
+    for attention in ("flex", "sdpa"):
+        model = PackedLM(_model(), attention=attention)
+        chosen, rejected = model(
+            batch["input_ids"],
+            batch["position_ids"],
+            batch["document_ids"],
+            batch["labels"],
+            parent_ids=batch["parent_ids"],
+            response_role=batch["response_role"],
+        )
+        assert len(chosen) >= 4  # guard: several triples
+        (chosen.sum() - 2 * rejected.sum()).float().backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        results.append((chosen.detach(), rejected.detach(), grads))
+    (flex_c, flex_r, flex_g), (sdpa_c, sdpa_r, sdpa_g) = results
+    # Sums of hundreds of log-probs (~1e3 in size): compare relative to that size.
+    torch.testing.assert_close(flex_c, sdpa_c, atol=5e-2, rtol=1e-4)
+    torch.testing.assert_close(flex_r, sdpa_r, atol=5e-2, rtol=1e-4)
+    for name in flex_g:
+        torch.testing.assert_close(flex_g[name], sdpa_g[name], atol=1e-3, rtol=1e-2, msg=name)
+
+
+def test_bf16_autocast_flex_step_stays_close_to_fp32():
+    """``train.precision: bf16``: the flex forward under bf16 autocast gives a loss near the fp32
+    one, with fp32 gradients for the fp32 weights."""
+    from rayjobs.model import PackedLM
+
+    batch = _batch(seed=6)
+    losses = {}
+    for bf16 in (False, True):
+        model = PackedLM(_model(), attention="flex")
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+            total, count = model(
+                batch["input_ids"], batch["position_ids"], batch["document_ids"], batch["labels"]
+            )
+        (total.float() / count).backward()
+        losses[bf16] = float(total / count)
+        assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
+    assert losses[True] != losses[False]  # guard: autocast changed the arithmetic
+    assert abs(losses[True] - losses[False]) < 0.05, losses
+
+
+def test_hf_llama_flex_packed_loss_equals_each_document_alone():
+    """A Hugging Face Llama (tiny, random) with ``attn_implementation="flex_attention"`` and the
+    BlockMask from ``document_ids``: a packed row's loss equals its documents run alone (the
+    model issue's fidelity check for flex on a GPU)."""
+    pytest.importorskip("transformers")
+    from rayjobs.model import PackedLM, build_hf_model
+
+    torch.manual_seed(0)
+    llama = {
+        "model_type": "llama",
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 2048,
+        "initializer_range": 0.2,
+    }
+    hf = build_hf_model(
+        vocab_size=VOCAB_SIZE,
+        seq_len=2048,
+        overrides=llama,
+        attn_implementation="flex_attention",
+    )
+    model = PackedLM(hf.to(CUDA), loss_chunk_tokens=0).eval()
+    batch = _batch(seed=7, batch_size=1)
+    document_ids = batch["document_ids"][0]
+    assert int(document_ids.max()) + 1 >= 4, "guard: several documents in the row"
+    with torch.no_grad():
+        packed_sum, packed_count = model(
+            batch["input_ids"], batch["position_ids"], batch["document_ids"], batch["labels"]
+        )
+        alone_sum, alone_count = torch.zeros((), device=CUDA), 0
+        for document in range(int(document_ids.max()) + 1):
+            keep = document_ids == document
+            alone = {name: values[:, keep] for name, values in batch.items()}
+            total, count = model(
+                alone["input_ids"],
+                alone["position_ids"],
+                torch.zeros_like(alone["document_ids"]),
+                alone["labels"],
+            )
+            alone_sum, alone_count = alone_sum + total, alone_count + int(count)
+    assert int(packed_count) == alone_count
+    assert abs(float(packed_sum / packed_count) - float(alone_sum / alone_count)) <= 1e-4
