@@ -33,7 +33,7 @@ from rayjobs.metrics import PackCounts, StageTimer, report
 from rayjobs.mix import plan_epoch, with_shares
 from rayjobs.pack import StreamPacker
 from rayjobs.rows import assemble, ranges
-from rayjobs.stream import flat_samples, pack_counts
+from rayjobs.stream import flat_samples, pack_counts, samples_per_pack
 
 PACK_STAGE_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**30), "MALLOC_TRIM_THRESHOLD_": str(2**32)}
 """Environment of the pack-stage actors: glibc keeps freed memory for the next call. Its default
@@ -87,7 +87,8 @@ class AssemblePacks:
     def __call__(self, batch: pa.Table) -> dict[str, np.ndarray]:
         with StageTimer() as timer:
             rows = self._assemble(batch)
-        report(self.ledger, "add_pack", self.epoch, pack_counts(batch, rows, self.seq_len, timer))
+        counts = pack_counts(batch, rows, self.seq_len, timer)
+        report(self.ledger, "add_pack", self.epoch, counts, None, samples_per_pack(rows))
         return rows
 
     def _assemble(self, batch: pa.Table) -> dict[str, np.ndarray]:

@@ -264,6 +264,12 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
         ("run", "dataset", "epoch"),
         "Tokens of the dataset in the epoch",
     ),
+    "rayjobs_sample_tokens": (
+        "histogram",
+        ("run", "dataset"),
+        "Tokens per sample after template, tokenizer and overflow (a triple: its unit)",
+    ),
+    "rayjobs_samples_per_pack": ("histogram", ("run",), "Samples (triples) per packed row"),
     "rayjobs_train_steps": ("counter", ("run",), "Optimizer steps taken (counted by rank 0)"),
     "rayjobs_train_tokens": ("counter", ("run",), "Labelled tokens trained on, all ranks"),
     "rayjobs_train_loss": (
@@ -278,7 +284,13 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     ),
 }
 """Every series the job exports (the README's metrics table and cluster/grafana are checked against
-it)."""
+it). A histogram is exported as ``_bucket`` (cumulative, by ``le``), ``_sum`` and ``_count``."""
+
+BOUNDARIES = {
+    "rayjobs_sample_tokens": [2.0**k for k in range(4, 16)],  # 16 … 32768 tokens
+    "rayjobs_samples_per_pack": [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256],
+}
+"""Bucket upper bounds of each histogram of ``METRICS``."""
 
 _TOKENIZE_COUNTERS = (
     "rows",
@@ -332,11 +344,17 @@ def _series(names) -> dict[str, Any]:
     records)."""
     from ray.util import metrics
 
-    kinds = {"counter": metrics.Counter, "gauge": metrics.Gauge}
-    return {
-        name: kinds[METRICS[name][0]](name, description=METRICS[name][2], tag_keys=METRICS[name][1])
-        for name in names
-    }
+    series = {}
+    for name in names:
+        kind, tags, description = METRICS[name]
+        if kind == "histogram":
+            series[name] = metrics.Histogram(
+                name, description=description, boundaries=BOUNDARIES[name], tag_keys=tags
+            )
+        else:
+            kinds = {"counter": metrics.Counter, "gauge": metrics.Gauge}
+            series[name] = kinds[kind](name, description=description, tag_keys=tags)
+    return series
 
 
 class TrainMetrics:
@@ -401,6 +419,8 @@ class Ledger:
         self._mix = {
             name: self._series[f"rayjobs_mix_{name}"] for name in ("share", "samples", "tokens")
         }
+        self._sample_tokens = self._series["rayjobs_sample_tokens"]
+        self._samples_per_pack = self._series["rayjobs_samples_per_pack"]
         self._last_record: float | None = None
 
     def set_budgets(self, budgets: dict[tuple[int, str], float]) -> None:
@@ -452,12 +472,21 @@ class Ledger:
         return True
 
     def add_tokenize(
-        self, by_dataset: dict[str, TokenizeCounts], key: str | None = None
+        self,
+        by_dataset: dict[str, TokenizeCounts],
+        key: str | None = None,
+        lengths: dict[str, list[int]] | None = None,
     ) -> str | None:
         """One Tokenize batch's counts, per dataset; ``key`` identifies the batch (see
-        ``batch_key``), so a batch Ray runs twice is counted once."""
+        ``batch_key``), so a batch Ray runs twice is counted once. ``lengths``: each sample's
+        tokens, per dataset (the ``rayjobs_sample_tokens`` histogram: observed here, once per
+        batch like the counts)."""
         if not self._first(key):
             return None
+        for dataset, values in (lengths or {}).items():
+            tags = {"run": self._run, "dataset": dataset}
+            for value in values:
+                self._sample_tokens.observe(value, tags=tags)
         for dataset, counts in by_dataset.items():
             first = dataset not in self.tokenize
             _merge(self.tokenize[dataset], counts)
@@ -470,12 +499,22 @@ class Ledger:
         self._last_record = time.monotonic()
         return self._answer("add_tokenize")
 
-    def add_pack(self, epoch: int, counts: PackCounts, key: str | None = None) -> str | None:
-        """One packing call's counts for ``epoch``; ``key`` as in ``add_tokenize``."""
+    def add_pack(
+        self,
+        epoch: int,
+        counts: PackCounts,
+        key: str | None = None,
+        samples_per_pack: list[int] | None = None,
+    ) -> str | None:
+        """One packing call's counts for ``epoch``; ``key`` as in ``add_tokenize``;
+        ``samples_per_pack``: each emitted row's samples (the ``rayjobs_samples_per_pack``
+        histogram)."""
         if not self._first(key):
             return None
         _merge(self.pack[epoch], counts)
         tags = {"run": self._run}
+        for value in samples_per_pack or ():
+            self._samples_per_pack.observe(value, tags=tags)
         if counts.num_packs:
             self._packs.inc(counts.num_packs, tags=tags)
             self._pack_slots.inc(counts.num_slots, tags=tags)

@@ -566,7 +566,7 @@ class PackStream:
             with StageTimer() as timer:
                 rows = self._pack(kept, epoch)
             counts = pack_counts(kept, rows, self.seq_len, timer, trimmed)
-            report(self.ledger, "add_pack", epoch, counts, key)
+            report(self.ledger, "add_pack", epoch, counts, key, samples_per_pack(rows))
             outputs.append(rows)
         return {name: np.concatenate([rows[name] for rows in outputs]) for name in outputs[0]}
 
@@ -611,6 +611,12 @@ class PackStream:
         )
         rows["epoch"] = np.full(len(packs), epoch, dtype=np.int32)
         return rows
+
+
+def samples_per_pack(rows: dict[str, np.ndarray]) -> list[int]:
+    """Samples in each packed row: its documents (a preference triple is three)."""
+    per_sample = 3 if "response_role" in rows else 1
+    return (np.asarray(rows["num_documents"]) // per_sample).tolist()
 
 
 def window_key(batch: pa.Table, epoch: int) -> str:

@@ -272,7 +272,7 @@ class Tokenize:
         for tally in counts.values():  # the batch's time, shared by the datasets in it
             tally.seconds = timer.seconds / len(counts)
             tally.cpu_seconds = timer.cpu_seconds / len(counts)
-        report(self.ledger, "add_tokenize", dict(counts), input_key(batch))
+        report(self.ledger, "add_tokenize", dict(counts), input_key(batch), sample_lengths(table))
         return table
 
     def _bad_row(
@@ -430,6 +430,13 @@ class Tokenize:
             if tag in batch.column_names:
                 out[tag] = batch.column(tag).take(pa.array(kept, type=pa.int64()))
         return pa.table(out)
+
+
+def sample_lengths(table: pa.Table) -> dict[str, list[int]]:
+    """Each tokenized sample's tokens, by dataset (the ledger's length histogram)."""
+    sources = table.column("source").to_numpy(zero_copy_only=False)
+    lengths = table.column("num_tokens").to_numpy()
+    return {str(name): lengths[sources == name].tolist() for name in np.unique(sources)}
 
 
 TRIPLE_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")

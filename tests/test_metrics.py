@@ -13,8 +13,13 @@ from conftest import ROOT
 from rayjobs.metrics import METRICS, check_accounting, unpacked
 
 
-def _exported_name(name: str) -> str:
-    return f"ray_{name}_total" if METRICS[name][0] == "counter" else f"ray_{name}"
+def _exported_names(name: str) -> set[str]:
+    """Prometheus names of a series: counters get ``_total``, histograms ``_bucket``, ``_sum``
+    and ``_count``."""
+    kind = METRICS[name][0]
+    if kind == "histogram":
+        return {f"ray_{name}_{part}" for part in ("bucket", "sum", "count")}
+    return {f"ray_{name}_total" if kind == "counter" else f"ray_{name}"}
 
 
 def test_readme_metrics_table_lists_exactly_the_exported_series():
@@ -29,9 +34,11 @@ def test_grafana_dashboard_queries_only_exported_series():
         target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])
     ]
     used = set(re.findall(r"\bray_rayjobs_[a-z_]+", " ".join(queries)))
-    exported = {_exported_name(name) for name in METRICS}
+    exported = set().union(*(_exported_names(name) for name in METRICS))
     assert used and used <= exported, used - exported
     assert {
+        "ray_rayjobs_sample_tokens_bucket",
+        "ray_rayjobs_samples_per_pack_bucket",
         "ray_rayjobs_packing_efficiency",
         "ray_rayjobs_pack_tokens_total",
         "ray_rayjobs_tokens_total",

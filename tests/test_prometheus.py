@@ -61,9 +61,11 @@ def _readme_metrics() -> dict[str, str]:
 
 
 def _exported(name: str, kind: str) -> str:
-    """The Prometheus name of a ``ray.util.metrics`` series: Ray's ``ray_`` prefix, and counters
-    with ``_total``."""
-    return f"ray_{name}_total" if kind == "counter" else f"ray_{name}"
+    """The Prometheus name of a ``ray.util.metrics`` series: Ray's ``ray_`` prefix, counters
+    with ``_total``, a histogram's count of observations ``_count`` (``_sum`` and ``_bucket``
+    beside it)."""
+    suffix = {"counter": "_total", "histogram": "_count"}.get(kind, "")
+    return f"ray_{name}{suffix}"
 
 
 def _get(url: str, timeout: float = 10) -> dict:
@@ -201,7 +203,7 @@ def _values(prometheus: Prometheus, name: str, kind: str, run: str) -> dict[tupl
     (``WorkerId``: counters are per process, e.g. per train worker)."""
     keys = [key for key in METRICS[name][1] if key != "run"]
     by = ", ".join(keys)
-    agg = "sum" if kind == "counter" else "max"
+    agg = "max" if kind == "gauge" else "sum"
     promql = f'{agg} by ({by}) (last_over_time({_exported(name, kind)}{{run="{run}"}}[15m]))'
     return {
         tuple(row["metric"].get(key, "") for key in keys): float(row["value"][1])
@@ -225,6 +227,12 @@ def _expected(summary: dict, seq_len: int) -> dict[str, dict[tuple, float]]:
         expected[f"rayjobs_{key}"] = {
             (name,): float(counts[key]) for name, counts in summary["datasets"].items()
         }
+    # Histograms: the count of the length histogram is each dataset's samples, the count of
+    # samples per pack every pack (their buckets: ``_bucket_bounds``).
+    expected["rayjobs_sample_tokens"] = {
+        (name,): float(counts["samples"]) for name, counts in summary["datasets"].items()
+    }
+    expected["rayjobs_samples_per_pack"] = {(): float(packed["num_packs"])}
     for key in ("share", "samples", "tokens"):
         expected[f"rayjobs_mix_{key}"] = {
             (name, str(epoch["epoch"])): float(stats[key])
@@ -234,8 +242,47 @@ def _expected(summary: dict, seq_len: int) -> dict[str, dict[tuple, float]]:
     return expected
 
 
+def _bucket_problems(
+    prometheus: Prometheus, name: str, run: str, totals: dict[tuple, float], seq_len: int
+) -> list[str]:
+    """A histogram's buckets against what the summary knows of its observations: cumulative
+    and ending (``le="+Inf"``) at the count, and ``totals`` (the exact sum of the values
+    observed, per label set) between the sums of the buckets' lower and upper bounds. Ray
+    re-records observations at their buckets' midpoints before export, so ``_sum`` is an
+    estimate; the buckets are exact."""
+    keys = [key for key in METRICS[name][1] if key != "run"]
+    promql = (
+        f"sum by ({', '.join([*keys, 'le'])}) "
+        f'(last_over_time(ray_{name}_bucket{{run="{run}"}}[15m]))'
+    )
+    cumulative: dict[tuple, dict[float, float]] = {}
+    for row in _query(prometheus, promql):
+        labels = tuple(row["metric"].get(key, "") for key in keys)
+        cumulative.setdefault(labels, {})[float(row["metric"]["le"])] = float(row["value"][1])
+    problems = []
+    if cumulative.keys() != totals.keys():
+        return [f"{name}_bucket: label sets {sorted(cumulative)} != {sorted(totals)}"]
+    for labels, by_le in cumulative.items():
+        bounds = sorted(by_le)
+        counts = [by_le[b] for b in bounds]
+        per_bucket = [b - a for a, b in zip([0.0, *counts], counts)]
+        low = sum(n * lo for n, lo in zip(per_bucket, [0.0, *bounds]))
+        high = sum(n * min(hi, seq_len) for n, hi in zip(per_bucket, bounds))
+        if bounds[-1] != math.inf or min(per_bucket) < 0 or not low <= totals[labels] <= high:
+            problems.append(f"{name}_bucket {labels}: {by_le} cannot hold {totals[labels]}")
+        if max(per_bucket) == counts[-1]:  # guard: the observations span several buckets
+            problems.append(f"{name}_bucket {labels}: every observation in one bucket")
+    return problems
+
+
 def _mismatches(prometheus: Prometheus, summary: dict, seq_len: int, run: str) -> list[str]:
     problems = []
+    tokens = {(name,): float(c["tokens"]) for name, c in summary["datasets"].items()}
+    problems += _bucket_problems(prometheus, "rayjobs_sample_tokens", run, tokens, seq_len)
+    packed = sum(s["samples"] for epoch in summary["mix"] for s in epoch["datasets"].values())
+    problems += _bucket_problems(
+        prometheus, "rayjobs_samples_per_pack", run, {(): float(packed)}, seq_len
+    )
     table = _readme_metrics()
     held = set(_get(f"{prometheus.url}/api/v1/label/__name__/values")["data"])
     for name, kind in sorted(table.items()):

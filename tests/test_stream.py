@@ -74,8 +74,11 @@ def test_pack_stream_keeps_epochs_apart_and_counts_each(fake_ledger):
     for epoch in (0, 1):
         mine = batch.filter(pa.compute.equal(batch["_epoch"], epoch))
         assert sorted(documents[epoch]) == sorted(tuple(x) for x in mine["input_ids"].to_pylist())
-    counts = {epoch: counts for epoch, counts, _key in fake_ledger.calls}
-    assert len({key for *_, key in fake_ledger.calls}) == 2  # one identity per epoch's part
+    counts = {epoch: counts for epoch, counts, _key, _per_pack in fake_ledger.calls}
+    assert len({key for _, _, key, _ in fake_ledger.calls}) == 2  # one identity per epoch's part
+    for epoch, _, _, per_pack in fake_ledger.calls:  # the samples-per-pack histogram's values
+        assert per_pack == rows["num_documents"][rows["epoch"] == epoch].tolist()
+        assert sum(per_pack) == counts[epoch].num_documents
     assert sorted(counts) == [0, 1]
     assert counts[0].num_documents == 70 and counts[1].num_documents == 50
     assert counts[1].documents_by_source == {"a": 34, "b": 16}  # b: rows 72, 75, ..., 117

@@ -346,9 +346,10 @@ def test_bad_row_under_skip_is_skipped_and_counted(gpt2_config, fake_ledger):
     assert len(set(table.column("uid").to_pylist())) == 2
     assert [len(ids) for ids in table.column("input_ids").to_pylist()] == [36, 52]
     assert table.column("source").to_pylist() == ["alpaca", "alpaca"]
-    [(by_dataset, _key)] = fake_ledger.calls  # one report per batch
+    [(by_dataset, _key, lengths)] = fake_ledger.calls  # one report per batch
     [(name, counts)] = by_dataset.items()
     assert name == "alpaca"
+    assert lengths == {"alpaca": [36, 52]}  # the sample-length histogram's values
     assert (counts.samples, counts.tokens, counts.trained_tokens, counts.skipped_rows) == (
         2,
         88,
@@ -392,7 +393,7 @@ def test_overflow_rows_and_counts(gpt2_config, fake_ledger, overflow, rows, coun
     assert (
         list(zip(table.column("input_ids").to_pylist(), table.column("labels").to_pylist())) == rows
     )
-    [(by_dataset, _key)] = fake_ledger.calls
+    [(by_dataset, _key, _lengths)] = fake_ledger.calls
     [(name, got)] = by_dataset.items()
     assert got.seconds > 0  # the stage timer ran; the counts are exact
     assert (name, dataclasses.replace(got, seconds=0.0, cpu_seconds=0.0)) == ("d", counts)
@@ -421,8 +422,12 @@ def test_one_batch_serves_several_datasets(gpt2_config, fake_ledger):
     table = tokenizer(batch)
     assert table.column("source").to_pylist() == ["web", "sft", "web"]
     assert [ids[-1] for ids in table.column("input_ids").to_pylist()] == [EOS, EOS, EOS]
-    [(by_dataset, _key)] = fake_ledger.calls  # one report for the whole batch
+    [(by_dataset, _key, lengths)] = fake_ledger.calls  # one report for the whole batch
     assert {name: (c.samples, c.tokens) for name, c in by_dataset.items()} == {
+        "web": (2, 6),
+        "sft": (1, 52),
+    }
+    assert {name: (len(v), sum(v)) for name, v in lengths.items()} == {
         "web": (2, 6),
         "sft": (1, 52),
     }
@@ -530,7 +535,7 @@ def test_preference_rows_tokenize_to_fitted_triples_counted_once(
     tokenizer = Tokenize([_spec("preference")], gpt2_config, seq_len=seq_len, overflow=overflow)
     captured = {}
     tokenizer.ledger = object()  # any ledger: capture the counts report() would send it
-    monkeypatch.setattr(tokenize, "report", lambda _, __, counts, ___: captured.update(counts))
+    monkeypatch.setattr(tokenize, "report", lambda _, __, counts, *___: captured.update(counts))
     table = tokenizer(record_table("d", ["dpo.jsonl"] * 40, list(range(40)), records))
     counts = captured["d"]
     assert set(table.column_names) >= {"prompt_ids", "chosen_ids", "rejected_ids", "num_tokens"}
