@@ -1,4 +1,5 @@
-"""The public command line, end to end on real data: ``rayjobs run CONFIG ... --json``."""
+"""The public command line, end to end on real data: ``rayjobs run CONFIG ... --json`` (a real
+run of configs/tiny_llama.yaml) and how it reads its arguments."""
 
 from __future__ import annotations
 
@@ -12,19 +13,37 @@ import pytest
 from conftest import ROOT
 
 
-def test_run_on_real_alpaca_and_chat_with_two_workers(tmp_path):
+def test_run_trains_a_tiny_llama_on_real_data_and_saves_checkpoints_from_pretrained_loads(
+    tmp_path,
+):
+    """``rayjobs run configs/tiny_llama.yaml ... --json`` as a user types it (an embedded local
+    Ray in its own process), on real alpaca + hh chat through the GPT-2 tokenizer. One run
+    answers the command line (exit 0, the human summary, then the JSON summary as stdout's very
+    last line; counts per dataset, truncation at seq_len 256) and the model issue's acceptance 2
+    and 4: a Hugging Face Llama trains with 2 workers (equal steps, loss falls), checkpoints every
+    4 steps (listed in the summary), and its final checkpoint loads with ``from_pretrained`` and
+    gives the trained model's logits (``probe.pt``, computed in the run through the training
+    path) on the probe input; the step-4 checkpoint does not (guard). Under DDP; the same save
+    path under FSDP2 (sharded parameters gathered, then ``save_model``) is checked on two gloo
+    processes by ``test_step.test_fsdp_over_two_processes_takes_the_single_process_step``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from conftest import GPT2
+    from rayjobs.config import TokenizerConfig
+    from rayjobs.tokenize import Tokenizer
+
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": ""}
     command = [
         sys.executable,
         "-m",
         "rayjobs.cli",
         "run",
-        str(ROOT / "configs" / "alpaca_chat_gpt2.yaml"),
+        str(ROOT / "configs" / "tiny_llama.yaml"),
         "packing.seq_len=256",
-        "packing.window=512",
-        "train.batch_size=2",
-        "train.max_steps=6",
-        "train.report_every=3",
+        "train.max_steps=8",
+        "train.checkpoint_every=4",
+        "train.report_every=4",
         f"train.storage_path={tmp_path}",
         "--json",
     ]
@@ -35,8 +54,9 @@ def test_run_on_real_alpaca_and_chat_with_two_workers(tmp_path):
     # The summary is the very last line: Ray is shut down before it is printed, so no raylet
     # warning or log line can follow it (not even a blank one).
     summary = json.loads(done.stdout.splitlines()[-1])
-    assert summary["steps"] == 6 and summary["steps_per_rank"] == [6, 6]
-    assert summary["num_packs"] == 6 * 2 * 2
+    assert "packing efficiency" in done.stdout  # the human summary precedes the JSON line
+    assert summary["steps"] == 8 and summary["steps_per_rank"] == [8, 8]
+    assert summary["num_packs"] == 8 * 2 * 2
     assert summary["guard_dropped_batches"] == 0
     assert summary["tokens_trained"] > 0 and 0 < summary["packing_efficiency"] <= 1
     assert set(summary["datasets"]) == {"alpaca", "hh_chat"}
@@ -46,8 +66,31 @@ def test_run_on_real_alpaca_and_chat_with_two_workers(tmp_path):
         )
         assert stats["samples"] > 0 and stats["tokens"] > 0
     assert sum(s["truncated_tokens"] for s in summary["datasets"].values()) > 0  # seq_len 256 cuts
-    assert os.path.isfile(os.path.join(summary["checkpoint"], "model.pt"))
-    assert "packing efficiency" in done.stdout  # the human summary precedes the JSON line
+
+    assert summary["parallelism"] == "ddp"
+    assert (summary["model"], summary["attention"]) == ("hf", "sdpa")
+    assert summary["loss_last"] < summary["loss_first"] - 0.5, summary
+    assert [c["step"] for c in summary["checkpoints"]] == [4, 8]
+    for checkpoint in summary["checkpoints"]:
+        assert os.path.basename(checkpoint["path"]) == f"checkpoint_step_{checkpoint['step']:06d}"
+        assert os.path.isfile(os.path.join(checkpoint["path"], "config.json"))
+    final = summary["checkpoint"]
+    assert os.path.isfile(os.path.join(final, "summary.json"))
+    probe = torch.load(os.path.join(final, "probe.pt"))
+    model = AutoModelForCausalLM.from_pretrained(final).eval()
+    assert type(model).__name__ == "LlamaForCausalLM" and model.config.vocab_size == 50257
+    with torch.no_grad():
+        logits = model(input_ids=probe["input_ids"]).logits
+        earlier = AutoModelForCausalLM.from_pretrained(summary["checkpoints"][0]["path"]).eval()
+        earlier_logits = earlier(input_ids=probe["input_ids"]).logits
+    torch.testing.assert_close(logits, probe["logits"], atol=1e-5, rtol=0)
+    assert not torch.allclose(earlier_logits, probe["logits"], atol=1e-3)  # guard: it trained
+
+    tokenizer = AutoTokenizer.from_pretrained(final)
+    reference = Tokenizer(TokenizerConfig(path=str(GPT2)))
+    text = "Describe a process of making crepes."
+    assert tokenizer(text)["input_ids"] == reference.encode_batch([text])[0]
+    assert tokenizer.eos_token_id == reference.eos_id == model.config.eos_token_id
 
 
 def test_overrides_may_follow_options(tmp_path, monkeypatch):

@@ -71,15 +71,18 @@ def test_every_packed_row_holds_whole_triples_each_once(ray_local):
 
 
 def test_dpo_demo_trains_with_two_workers_and_rewards_the_chosen(ray_local, tmp_path):
-    summary = run(load_config(CONFIG, [f"train.storage_path={tmp_path}"]))
+    # Two of the demo's three epochs: the second sees every triple again (as the third does).
+    summary = run(load_config(CONFIG, ["train.epochs=2", f"train.storage_path={tmp_path}"]))
     assert summary["task"] == "dpo"
     steps = summary["steps"]
     assert steps >= 20 and summary["steps_per_rank"] == [steps, steps]
     assert summary["guard_dropped_batches"] == 0
     result = summary["dpo"]
     assert result["beta"] == 0.1
-    assert result["reward_accuracy_first"] < 0.5 < result["reward_accuracy"], result
-    assert result["reward_margin"] > result["reward_margin_first"]
+    # One run: accuracy 0.51 over the first tenth of the steps, 0.70 over the last (about 60
+    # triples each, so ±0.06); the margin 0.16 → 1.90. The bounds leave room for that noise.
+    assert result["reward_accuracy"] > 0.55, result
+    assert result["reward_margin"] > result["reward_margin_first"] + 0.5, result
     assert summary["loss_last"] < summary["loss_first"]
     print(json.dumps(result))
 

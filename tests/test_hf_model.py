@@ -1,7 +1,6 @@
 """Hugging Face causal LMs on packed rows (``rayjobs.model.PackedLM``, ``build_hf_model``): the
 document mask reaches each attention backend, the chunked loss equals the full one at a fraction of
-its memory, and a 2-worker run of configs/tiny_llama.yaml writes checkpoints that
-``from_pretrained`` loads.
+its memory (a 2-worker run of configs/tiny_llama.yaml and its checkpoints: ``test_cli``).
 
 Fidelity rows are real: Alpaca samples from configs/data through the job's own template and
 tokenization, with the real GPT-2 tokenizer, assembled by ``rows.assemble`` as the packer does.
@@ -20,7 +19,7 @@ import torch
 
 from conftest import ALPACA, GPT2, ROOT
 from rayjobs import templates
-from rayjobs.config import TokenizerConfig, load_config
+from rayjobs.config import TokenizerConfig
 from rayjobs.model import Decoder, DecoderConfig, PackedLM, build_hf_model, chunked_loss_sum
 from rayjobs.rows import IGNORE_INDEX, assemble
 from rayjobs.tokenize import Tokenizer, encode_segments
@@ -296,60 +295,6 @@ def test_chunked_loss_halves_peak_memory():
     assert full_peak - full_before > 2 * 1536, results
     assert chunked_peak <= full_peak / 2, results
     assert abs(chunked_loss - full_loss) <= 1e-5, results
-
-
-# ---------------------------------------------------------------- a real run, its checkpoints
-
-
-@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
-def test_tiny_llama_run_saves_checkpoints_that_from_pretrained_loads(
-    ray_local, tmp_path, parallelism
-):
-    """Acceptance 2 and 4: configs/tiny_llama.yaml trains with 2 workers (equal steps, loss
-    falls), checkpoints every 4 steps (listed in the summary), and its final checkpoint loads with
-    ``from_pretrained`` and gives the trained model's logits (``probe.pt``, computed in the run
-    through the training path) on the probe input; the step-4 checkpoint does not (guard). With
-    DDP and with FSDP2 (sharded parameters gathered for every checkpoint)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from rayjobs.pipeline import run
-
-    overrides = [
-        "packing.seq_len=256",
-        "train.max_steps=8",
-        "train.checkpoint_every=4",
-        "train.report_every=4",
-        f"train.storage_path={tmp_path}",
-        f"train.parallelism={parallelism}",
-    ]
-    summary = run(load_config(ROOT / "configs" / "tiny_llama.yaml", overrides))
-    assert summary["parallelism"] == parallelism
-    assert summary["steps"] == 8 and summary["steps_per_rank"] == [8, 8]
-    assert summary["guard_dropped_batches"] == 0
-    assert (summary["model"], summary["attention"]) == ("hf", "sdpa")
-    assert summary["loss_last"] < summary["loss_first"] - 0.5, summary
-    assert [c["step"] for c in summary["checkpoints"]] == [4, 8]
-    for checkpoint in summary["checkpoints"]:
-        assert os.path.basename(checkpoint["path"]) == f"checkpoint_step_{checkpoint['step']:06d}"
-        assert os.path.isfile(os.path.join(checkpoint["path"], "config.json"))
-
-    final = summary["checkpoint"]
-    assert os.path.isfile(os.path.join(final, "summary.json"))
-    probe = torch.load(os.path.join(final, "probe.pt"))
-    model = AutoModelForCausalLM.from_pretrained(final).eval()
-    assert type(model).__name__ == "LlamaForCausalLM" and model.config.vocab_size == 50257
-    with torch.no_grad():
-        logits = model(input_ids=probe["input_ids"]).logits
-        earlier = AutoModelForCausalLM.from_pretrained(summary["checkpoints"][0]["path"]).eval()
-        earlier_logits = earlier(input_ids=probe["input_ids"]).logits
-    torch.testing.assert_close(logits, probe["logits"], atol=1e-5, rtol=0)
-    assert not torch.allclose(earlier_logits, probe["logits"], atol=1e-3)  # guard: it trained
-
-    tokenizer = AutoTokenizer.from_pretrained(final)
-    reference = Tokenizer(TokenizerConfig(path=str(GPT2)))
-    text = "Describe a process of making crepes."
-    assert tokenizer(text)["input_ids"] == reference.encode_batch([text])[0]
-    assert tokenizer.eos_token_id == reference.eos_id == model.config.eos_token_id
 
 
 def test_build_refuses_a_model_too_small_for_the_tokenizer_or_seq_len():

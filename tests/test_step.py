@@ -9,17 +9,26 @@ import copy
 import math
 import os
 import socket
+import types
 
 import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from rayjobs import train
 from rayjobs.collate import collate
 from rayjobs.config import TrainConfig
 from rayjobs.model import Decoder, DecoderConfig, PackedLM, build_hf_model
 from rayjobs.rows import IGNORE_INDEX
-from rayjobs.train import _full_state, lr_lambda, parallelize, train_step, transformer_blocks
+from rayjobs.train import (
+    _full_state,
+    lr_lambda,
+    parallelize,
+    save_model,
+    train_step,
+    transformer_blocks,
+)
 
 VOCAB = 97
 SEQ = 32
@@ -181,6 +190,10 @@ def _fsdp_worker(rank: int, port: int, kind: str, rows: dict, out: str) -> None:
         model, optimizer, scheduler, group, fsdp=True, bf16=False, spec=spec
     )
     state, optimizer_state = _full_state(model, optimizer, fsdp=True)
+    if kind == "llama":  # the final model as a checkpoint writes it: every rank, rank 0 writes
+        train.save_tokenizer = lambda *_: None  # the tokenizer files: the DDP run's test
+        vocab = types.SimpleNamespace(vocab_size=VOCAB)
+        save_model(model, vocab, os.path.dirname(out), state_dict=state, write=rank == 0)
     if rank == 0:
         momentum = {k: v["momentum_buffer"] for k, v in optimizer_state["state"].items()}
         result = {"state": state, "momentum": momentum, "loss": loss, "norm": norm}
@@ -212,6 +225,19 @@ def test_fsdp_over_two_processes_takes_the_single_process_step(kind, tmp_path):
         torch.testing.assert_close(
             result["momentum"][name], value["momentum_buffer"], atol=1e-6, rtol=1e-5, msg=name
         )
+    if kind == "llama":
+        # The checkpoint of the sharded model (gathered, saved with save_pretrained) loads with
+        # from_pretrained and gives the single-process model's logits, as its probe recorded.
+        from transformers import AutoModelForCausalLM
+
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+        probe = torch.load(tmp_path / "probe.pt")
+        with torch.no_grad():
+            logits = loaded(input_ids=probe["input_ids"]).logits
+            expected = reference.eval().model(input_ids=probe["input_ids"]).logits
+        torch.testing.assert_close(logits, probe["logits"], atol=1e-5, rtol=0)
+        torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
+        assert not torch.allclose(logits, _model(kind).model(input_ids=probe["input_ids"]).logits)
 
 
 def _preference_rows(seed: int) -> dict[str, np.ndarray]:
