@@ -5,7 +5,8 @@ rayjobs export CONFIG [dotted.key=value ...] --out DIR [--epochs N] [--overwrite
 rayjobs inspect CONFIG [dotted.key=value ...] [--limit N] [--json] [--plot OUT.png] [--address ADDR]
 rayjobs bench packing [--data NAME ...] [--data-dir DIR] [--seq-len N ...] [--window N]
                       [--window-tokens N] [--json OUT] [--no-pipeline]
-rayjobs bench pipeline [--scales N ...] [--window-tokens N] [--data-dir DIR] [--json OUT]
+rayjobs bench pipeline [--scales N ...] [--window-tokens N] [--tokenize-actors N] [--pace F]
+                       [--data-dir DIR] [--json OUT]
 rayjobs bench read [--size-mb N] [--json OUT]
 rayjobs bench attention [--seq-len N ...] [--mean-length L] [--json OUT]     (CUDA GPU)
 rayjobs submit CONFIG [dotted.key=value ...] [--address URL] [--no-wait] [--json] (Ray Jobs API)
@@ -15,8 +16,10 @@ rayjobs status JOB [--address URL] [--json]  |  logs JOB [--follow]  |  stop JOB
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from rayjobs.config import ConfigError, load_config
@@ -114,6 +117,15 @@ def _parser() -> argparse.ArgumentParser:
         "--window-tokens",
         type=int,
         help="stream path: tokens per packer call (default: the job's packing.window_tokens)",
+    )
+    bench.add_argument(
+        "--tokenize-actors", type=int, help="pipeline: Tokenize actors at most (default: job's)"
+    )
+    bench.add_argument(
+        "--pace",
+        type=float,
+        help="pipeline: paced pass's demand as a share of the unpaced steady throughput "
+        "(default 0.6; 0: none)",
     )
     bench.add_argument("--json", metavar="OUT", help="also write the rows as JSON to OUT")
     bench.add_argument(
@@ -230,6 +242,8 @@ def _bench(args: argparse.Namespace) -> int:
 
         argv = ["--scales", *map(str, args.scales)]
         argv += ["--window-tokens", str(args.window_tokens)] if args.window_tokens else []
+        argv += ["--tokenize-actors", str(args.tokenize_actors)] if args.tokenize_actors else []
+        argv += ["--pace", str(args.pace)] if args.pace is not None else []
         argv += ["--data-dir", args.data_dir] if args.data_dir else []
         return bench_pipeline.main(argv + (["--json", args.json] if args.json else []))
     from pathlib import Path
@@ -277,6 +291,16 @@ def _bench_attention(args: argparse.Namespace) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def _ray_output_to_stderr() -> Iterator[None]:
+    """While a job runs, whatever Ray prints in this process (workers' log lines, raylet
+    warnings such as "N PYTHON worker processes have been started") goes to stderr: stdout holds
+    the report alone, so ``--json`` output parses whatever Ray says. Ray looks ``sys.stdout`` up
+    on every print, from its own threads too."""
+    with contextlib.redirect_stdout(sys.stderr):
+        yield
+
+
 def _inspect(args: argparse.Namespace, config: Any) -> int:
     """``rayjobs inspect``: the report as text, then (``--json``) as one JSON object on the last
     line of stdout, printed after Ray is shut down (as ``run --json``), so no Ray log line can
@@ -302,9 +326,10 @@ def _inspect(args: argparse.Namespace, config: Any) -> int:
             print(f"rayjobs: --plot {args.plot}: no such folder", file=sys.stderr)
             return 2
     owns_ray = not ray.is_initialized()
-    report = inspect(config, limit=args.limit, plot_path=args.plot)
-    if owns_ray:  # Ray's last lines (raylet warnings, log dedup) come out before the report
-        ray.shutdown()
+    with _ray_output_to_stderr():
+        report = inspect(config, limit=args.limit, plot_path=args.plot)
+        if owns_ray:  # Ray's last lines (raylet warnings, log dedup) come out before the report
+            ray.shutdown()
     print(format_report(report))
     if args.json:
         print(json.dumps(report, default=str))
@@ -359,9 +384,10 @@ def main(argv: list[str] | None = None) -> int:
         from rayjobs.pipeline import run
 
         owns_ray = not ray.is_initialized()
-        summary = run(config, resume=args.resume)
-        if owns_ray:  # Ray's last lines (raylet warnings, log dedup) come out before the summary
-            ray.shutdown()
+        with _ray_output_to_stderr():
+            summary = run(config, resume=args.resume)
+            if owns_ray:  # Ray's last lines (raylet warnings, log dedup) come before the summary
+                ray.shutdown()
     except Exception as error:  # noqa: BLE001 - user errors are reported without a traceback
         message = _user_error(error)
         if message is None:

@@ -125,3 +125,22 @@ def test_overrides_may_follow_options(tmp_path, monkeypatch):
         with pytest.raises(SystemExit):
             main(["run", str(ROOT / "configs" / "demo.yaml"), *flags])
         assert seen["resume"] == expected
+
+
+def test_ray_log_lines_go_to_stderr_while_a_job_runs(capsys):
+    """What Ray prints in the driver (workers' lines, raylet warnings) goes to stderr while
+    ``run``/``inspect`` work, through Ray's own printer: stdout holds the report alone."""
+    from ray._private.worker import print_to_stdstream
+
+    from rayjobs.cli import _ray_output_to_stderr
+
+    line = {"ip": "127.0.0.1", "pid": "raylet", "is_err": False, "job": "01000000"}
+    line |= {"task_name": None, "actor_name": None}
+    with _ray_output_to_stderr():
+        print_to_stdstream({**line, "lines": ["WARNING: 12 PYTHON worker processes"]}, False)
+    print("the report")
+    out, err = capsys.readouterr()
+    assert out == "the report\n"
+    assert "12 PYTHON worker processes" in err
+    print_to_stdstream({**line, "lines": ["WARNING: again"]}, False)  # guard: stdout otherwise
+    assert "again" in capsys.readouterr().out
