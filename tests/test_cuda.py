@@ -225,6 +225,7 @@ def _preference_batch(seed: int, seq_len: int = 2048) -> dict[str, torch.Tensor]
 def test_dpo_flex_log_probs_and_gradients_equal_sdpa():
     """Preference rows (a response sees its prompt, never the other response): per-triple
     log-probs and gradients through the compiled flex path equal the dense SDPA path."""
+    from rayjobs import dpo
     from rayjobs.model import PackedLM
 
     batch = _preference_batch(seed=5)
@@ -232,14 +233,7 @@ def test_dpo_flex_log_probs_and_gradients_equal_sdpa():
     results = []
     for attention in ("flex", "sdpa"):
         model = PackedLM(_model(), attention=attention)
-        chosen, rejected = model(
-            batch["input_ids"],
-            batch["position_ids"],
-            batch["document_ids"],
-            batch["labels"],
-            parent_ids=batch["parent_ids"],
-            response_role=batch["response_role"],
-        )
+        chosen, rejected = dpo.packed_logps(model, batch)
         assert len(chosen) >= 4  # guard: several triples
         (chosen.sum() - 2 * rejected.sum()).float().backward()
         grads = {name: p.grad.clone() for name, p in model.named_parameters()}
