@@ -63,6 +63,9 @@ SAMPLE_ROWS = 2048
 
 TOKENIZE_BATCH_ROWS = 256
 
+TOKENIZE_CPUS = 1
+"""Logical CPUs of a Tokenize actor, and the threads its tokenizer may use (``Tokenize``)."""
+
 BLOCK_BYTES = 1 << 20
 
 MIX_MARGIN = 0.1
@@ -336,10 +339,13 @@ def tokenized(
         "seq_len": config.packing.seq_len,
         "overflow": config.packing.overflow,
         "ledger": ledger,
+        "threads": TOKENIZE_CPUS,
     }
     ceiling = config.ray.tokenize_concurrency or max(1, int(cluster_cpus(config)) // 2)
     actors = 0 if tasks else ceiling
-    return _stage(rows, Tokenize, kwargs, TOKENIZE_BATCH_ROWS, config, num_cpus=1, actors=actors)
+    return _stage(
+        rows, Tokenize, kwargs, TOKENIZE_BATCH_ROWS, config, num_cpus=TOKENIZE_CPUS, actors=actors
+    )
 
 
 def _stage(

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
@@ -236,6 +237,13 @@ def sample_uid(origin: str) -> int:
     return int.from_bytes(hashlib.blake2b(origin.encode(), digest_size=8).digest(), "big") >> 1
 
 
+THREADS_ENV = "RAYON_NUM_THREADS"
+"""The Rust tokenizer's ``encode_batch`` runs on a rayon thread pool as wide as the machine. A
+Tokenize actor on Ray caps it at the CPUs it asked Ray for (``threads``), so a node's tokenizers
+use the cores they were scheduled on and no more, and the pipeline bench's "CPUs given to
+tokenization" is what they really used; a value already in the environment wins."""
+
+
 class Tokenize:
     """Ray Data ``map_batches`` class: raw rows (see ``sources``) → tokenized samples.
 
@@ -252,7 +260,10 @@ class Tokenize:
         seq_len: int,
         overflow: str,
         ledger: Any = None,
+        threads: int | None = None,
     ):
+        if threads:  # before the tokenizer's first batch builds its thread pool
+            os.environ.setdefault(THREADS_ENV, str(threads))
         self.datasets = {spec.name: spec for spec in datasets}
         self.file_index = {s.name: {f: str(i) for i, f in enumerate(s.files)} for s in datasets}
         self.tokenizer = Tokenizer(tokenizer)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import doctest
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -162,6 +163,37 @@ assert table.num_rows == 1, table
 assert "torch" not in sys.modules, "torch was imported"
 """
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 cores to see a wider pool")
+def test_a_tokenize_stage_caps_the_tokenizers_threads(gpt2_path):
+    """A Tokenize actor asks Ray for one CPU; its tokenizer's thread pool (rayon, as wide as the
+    machine by default) is capped at that (``threads``). Measured as the threads the process gains
+    over its first batch, in a fresh process each (the pool is built once per process)."""
+    code = f"""
+import json, sys
+from rayjobs.config import DatasetConfig, TokenizerConfig
+from rayjobs.sources import record_table
+from rayjobs.tokenize import Tokenize
+def threads():
+    status = open("/proc/self/status").read().splitlines()
+    return int(next(line.split()[1] for line in status if line.startswith("Threads:")))
+cap = int(sys.argv[1]) or None
+spec = DatasetConfig(name="d", source="unused", template="text")
+tokenize = Tokenize([spec], TokenizerConfig(path={gpt2_path!r}), 64, "truncate", threads=cap)
+before = threads()
+records = [json.dumps({{"text": "word " * 50}})] * 512
+tokenize(record_table("d", ["x"] * 512, list(range(512)), records))
+print(threads() - before)
+"""
+    env = {k: v for k, v in os.environ.items() if k != "RAYON_NUM_THREADS"}
+    grown = {
+        cap: int(subprocess.run([sys.executable, "-c", code, str(cap)], check=True, env=env,
+                                capture_output=True, text=True).stdout)
+        for cap in (0, 1)
+    }  # fmt: skip
+    assert grown[0] >= 2, grown  # guard: uncapped, the pool spans the machine's cores
+    assert grown[1] <= 1, grown
 
 
 def test_raw_text_row(gpt2_config):
