@@ -7,13 +7,27 @@ read → mix → Tokenize pool → PackStream pool) into two consumers standing 
 
 - ``first_batch_s``: seconds until the first packed batch reaches a consumer;
 - ``tokens_per_s``: non-pad tokens consumed per second from job start to the last batch (start-up
-  included); ``steady_tokens_per_s``: the same from the first batch to the last (the steady state);
-- ``epoch_gap_s``: the longest wait for a batch around the epoch boundary, against
-  ``median_batch_s``, the median wait between batches;
+  included); ``steady_tokens_per_s``: the same from the first batch to the last (the steady state;
+  ``last_batch_s`` is when the last batch came). A packer call emits its whole window at once, so
+  at a scale of only a few windows the rows come in a few bursts and these rates are over the run,
+  not over a moment;
+- ``median_batch_s`` and ``epoch_gap_s``: unpaced, the consumers take batches as fast as they
+  come, so batches arrive in bursts of a block and the median wait is near 0; the epoch-boundary
+  criterion is read off a **paced** pass at the last scale instead (``paced_*``): each consumer
+  spends a fixed step per batch, set so that both together ask for ``pace`` (default 0.6) of the
+  unpaced steady throughput, as trainers slower than their data do. Then the time between batches
+  is the step plus any wait for data, and ``paced_gap_s`` (the time between a consumer's last
+  batch of epoch 0 and its first of epoch 1, the worse consumer) is compared with
+  ``paced_median_s``;
 - ``peak_rss_mb``: peak resident memory of all Ray processes and the driver, sampled every 0.2 s,
   plus the object store in use at that moment;
-- ``reference_tokens_per_s``: the same tokenizer and templates alone, in-process on one core, over
-  the 1× data: what one CPU can tokenize, so throughput can be read against the CPUs given.
+- ``tokenize_cpu_s`` / ``pack_cpu_s``: CPU seconds of the Tokenize and PackStream stages (their
+  stage timers, all actors; the tokenizer's threads included);
+- ``reference_tokens_per_s``: the same tokenizer and templates alone on one core (a 1-CPU Ray task
+  with the tokenizer's thread pool at one thread, before the pipeline starts) over the 1× data;
+  ``tokenize_cpus``: the CPUs the job gives tokenization (Tokenize actors at most × 1 CPU each;
+  ``--tokenize-actors`` sets it), so ``steady / (tokenize_cpus × reference)`` is the share of the
+  tokenizers' capacity the whole path delivers.
 
 Ratios between scales are measured in the same run, on the same machine.
 """
@@ -44,6 +58,12 @@ class PipelineRow:
     peak_rss_mb: float
     reference_tokens_per_s: float
     tokenize_cpus: int
+    tokenize_cpu_s: float = 0.0
+    last_batch_s: float = 0.0
+    pack_cpu_s: float = 0.0
+    paced_step_s: float | None = None
+    paced_median_s: float | None = None
+    paced_gap_s: float | None = None
 
 
 def write_shards(data_dir: Path, out: Path, scale: int) -> dict[str, Path]:
@@ -89,10 +109,28 @@ def _object_store_used() -> int:
     return int(total - ray.available_resources().get("object_store_memory", total))
 
 
-def _consume(iterator, stamps: list, tokens: list) -> None:
+def _consume(iterator, stamps: list, tokens: list, step_s: float = 0.0) -> None:
+    """Take every batch of one split, recording (arrival, highest epoch, lowest epoch) and its
+    tokens; with ``step_s`` spend that long on each batch, as a trainer's step would."""
     for batch in iterator.iter_batches(batch_size=BATCH_ROWS, drop_last=True):
         stamps.append((time.perf_counter(), int(batch["epoch"].max()), int(batch["epoch"].min())))
         tokens.append(int(batch["num_tokens"].sum()))
+        if step_s:
+            time.sleep(step_s)
+
+
+def epoch_gap(stamps: list[tuple[float, int, int]]) -> tuple[float, float]:
+    """One consumer's (median time between batches, time between its last batch of epoch 0 and
+    its first batch holding epoch 1).
+
+    >>> epoch_gap([(0.0, 0, 0), (1.0, 0, 0), (2.0, 0, 0), (5.0, 1, 1), (6.0, 1, 1)])
+    (1.0, 3.0)
+    """
+    times = [t for t, _, _ in stamps]
+    waits = [b - a for a, b in zip(times, times[1:], strict=False)]
+    boundary = next((i for i, (_, high, _) in enumerate(stamps) if high >= 1), None)
+    gap = waits[boundary - 1] if boundary else 0.0
+    return (statistics.median(waits) if waits else 0.0), gap
 
 
 def first_tokens(stamps: list[list], tokens: list[list]) -> int:
@@ -101,7 +139,7 @@ def first_tokens(stamps: list[list], tokens: list[list]) -> int:
     return tokens[first][0] if tokens[first] else 0
 
 
-def run_scale(config, scale: int) -> dict:
+def run_scale(config, scale: int, step_s: float = 0.0) -> dict:
     """Stream two epochs of the config into two consumers; timings from job start."""
     from rayjobs.pipeline import start_job
 
@@ -113,7 +151,7 @@ def run_scale(config, scale: int) -> dict:
     stamps: list[list] = [[], []]
     tokens: list[list] = [[], []]
     threads = [
-        threading.Thread(target=_consume, args=(it, stamps[i], tokens[i]))
+        threading.Thread(target=_consume, args=(it, stamps[i], tokens[i], step_s))
         for i, it in enumerate(iterators)
     ]
     for thread in threads:
@@ -122,12 +160,8 @@ def run_scale(config, scale: int) -> dict:
         thread.join()
     memory.running = False
     memory.join()
-    merged = sorted(stamp for consumer in stamps for stamp in consumer)
-    times = [t for t, _, _ in merged]
-    waits = [b - a for a, b in zip(times, times[1:], strict=False)]
-    boundary = [i for i, (_, high, low) in enumerate(merged) if high >= 1 or low >= 1]
-    first_of_epoch_1 = boundary[0] if boundary else len(merged) - 1
-    around = waits[max(0, first_of_epoch_1 - 2) : first_of_epoch_1 + 2]
+    times = sorted(t for consumer in stamps for t, _, _ in consumer)
+    medians, gaps = zip(*(epoch_gap(consumer) for consumer in stamps), strict=True)
     snapshot = job.snapshot()
     return {
         "samples_per_epoch": snapshot["pack"][0]["num_documents"],
@@ -135,35 +169,57 @@ def run_scale(config, scale: int) -> dict:
         "tokens_per_s": sum(map(sum, tokens)) / max(1e-9, times[-1] - started),
         "steady_tokens_per_s": (sum(map(sum, tokens)) - first_tokens(stamps, tokens))
         / max(1e-9, times[-1] - times[0]),
-        "median_batch_s": statistics.median(waits) if waits else 0.0,
-        "epoch_gap_s": max(around) if around else 0.0,
+        "last_batch_s": times[-1] - started,
+        "median_batch_s": statistics.median(medians),
+        "epoch_gap_s": max(gaps),
         "peak_rss_mb": memory.peak_mb,
+        "tokenize_cpu_s": sum(c["cpu_seconds"] for c in snapshot["tokenize"].values()),
+        "pack_cpu_s": sum(c["cpu_seconds"] for c in snapshot["pack"].values()),
     }
 
 
 def reference_tokens_per_s(config) -> float:
-    """The job's templates and tokenizer alone, in-process, over one copy of the data."""
-    import pyarrow as pa
+    """The job's templates and tokenizer alone on one core: a 1-CPU Ray task whose tokenizer runs
+    one thread (``tokenize.THREADS_ENV``), over one copy of the data, CPU time (so a busy machine
+    does not lower it)."""
     import ray
 
-    from rayjobs.sources import read_dataset
-    from rayjobs.tokenize import Tokenize
+    from rayjobs.tokenize import THREADS_ENV
 
-    tokenize = Tokenize(config.datasets, config.tokenizer, config.packing.seq_len, "truncate")
-    tables = [pa.concat_tables(ray.get(read_dataset(s).to_arrow_refs())) for s in config.datasets]
-    started = time.process_time()
-    tokens = sum(int(tokenize(t).column("num_tokens").to_numpy().sum()) for t in tables)
-    return tokens / (time.process_time() - started)
+    @ray.remote(num_cpus=1, runtime_env={"env_vars": {THREADS_ENV: "1"}})
+    def measure(config) -> float:
+        import pyarrow as pa
+
+        from rayjobs.sources import read_dataset
+        from rayjobs.tokenize import Tokenize
+
+        tokenize = Tokenize(config.datasets, config.tokenizer, config.packing.seq_len, "truncate")
+        tables = [
+            pa.concat_tables(ray.get(read_dataset(spec).to_arrow_refs()))
+            for spec in config.datasets
+        ]
+        tokenize(tables[0].slice(0, 8))  # the tokenizer's thread pool is built here
+        started = time.process_time()
+        tokens = sum(int(tokenize(t).column("num_tokens").to_numpy().sum()) for t in tables)
+        return tokens / (time.process_time() - started)
+
+    return ray.get(measure.remote(config))
 
 
 def bench_pipeline(
-    data_dir: Path, scales: list[int], window_tokens: int | None = None
+    data_dir: Path,
+    scales: list[int],
+    window_tokens: int | None = None,
+    tokenize_actors: int | None = None,
+    pace: float = 0.6,
 ) -> list[PipelineRow]:
+    """Each scale unpaced; then the last scale again with consumers paced at ``pace`` of its
+    unpaced steady throughput (``pace`` 0: no paced pass)."""
     import ray.data
 
     from rayjobs.config import config_from_dict
     from rayjobs.pipeline import init_ray, load_tokenizer
-    from rayjobs.stream import cluster_cpus
+    from rayjobs.stream import TOKENIZE_CPUS, cluster_cpus
 
     ray.data.DataContext.get_current().enable_progress_bars = False  # the table is the output
     rows = []
@@ -181,6 +237,7 @@ def bench_pipeline(
                     "packing": {"seq_len": 2048}
                     | ({"window_tokens": window_tokens} if window_tokens else {}),
                     "train": {"epochs": 2},
+                    "ray": {"tokenize_concurrency": tokenize_actors} if tokenize_actors else {},
                 }
             )
             load_tokenizer(config)
@@ -188,10 +245,17 @@ def bench_pipeline(
             if reference is None:
                 reference = reference_tokens_per_s(config)
             measured = run_scale(config, scale)
-            cpus = int(cluster_cpus(config))
-            tokenize_cpus = config.ray.tokenize_concurrency or max(1, cpus // 2)
+            actors = config.ray.tokenize_concurrency or max(1, int(cluster_cpus(config)) // 2)
             rows.append(PipelineRow(scale, reference_tokens_per_s=reference,
-                                    tokenize_cpus=tokenize_cpus, **measured))  # fmt: skip
+                                    tokenize_cpus=actors * TOKENIZE_CPUS, **measured))  # fmt: skip
+        if pace:
+            last = rows[-1]
+            batch_tokens = BATCH_ROWS * 2048 * 0.99
+            step = batch_tokens / (pace * last.steady_tokens_per_s / 2)  # 2 consumers
+            paced = run_scale(config, last.scale, step_s=step)
+            last.paced_step_s = step
+            last.paced_median_s = paced["median_batch_s"]
+            last.paced_gap_s = paced["epoch_gap_s"]
     return rows
 
 
@@ -208,15 +272,33 @@ def format_rows(rows: list[PipelineRow]) -> str:
             f"{r.median_batch_s:>14.3f}{r.epoch_gap_s:>12.3f}{r.peak_rss_mb:>9,.0f}"
             f"{r.reference_tokens_per_s:>13,.0f}"
         )
+    lines.append("")
+    for r in rows:
+        busy = r.tokenize_cpu_s / max(1e-9, r.last_batch_s) / r.tokenize_cpus
+        lines.append(
+            f"{r.scale}x: tokenize {r.tokenize_cpu_s:,.1f} CPU s ({busy:.0%} of its "
+            f"{r.tokenize_cpus} CPU(s) from job start to the last batch), "
+            f"pack {r.pack_cpu_s:,.1f} CPU s"
+        )
+    last = rows[-1]
     if len(rows) > 1:
-        first, last = rows[0], rows[-1]
+        first = rows[0]
         first_batch = last.first_batch_s / first.first_batch_s
         memory = last.peak_rss_mb / first.peak_rss_mb
         lines.append(
             f"\n{last.scale}x vs {first.scale}x: first batch {first_batch:.2f}x, "
-            f"peak memory {memory:.2f}x; steady throughput at {last.scale}x = "
-            f"{last.steady_tokens_per_s / (last.tokenize_cpus * last.reference_tokens_per_s):.0%}"
-            f" of {last.tokenize_cpus} tokenize CPU(s) x the 1-core reference"
+            f"peak memory {memory:.2f}x"
+        )
+    lines.append(
+        f"steady throughput at {last.scale}x = "
+        f"{last.steady_tokens_per_s / (last.tokenize_cpus * last.reference_tokens_per_s):.0%}"
+        f" of {last.tokenize_cpus} tokenize CPU(s) x the 1-core reference"
+    )
+    if last.paced_gap_s is not None:
+        lines.append(
+            f"paced at {last.scale}x (step {last.paced_step_s:.3f} s a batch): epoch gap "
+            f"{last.paced_gap_s:.3f} s = {last.paced_gap_s / last.paced_median_s:.2f}x the median "
+            f"time between batches ({last.paced_median_s:.3f} s)"
         )
     return "\n".join(lines)
 
@@ -229,8 +311,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scales", type=int, nargs="+", default=[1, 30])
     parser.add_argument("--json", metavar="OUT")
     parser.add_argument("--window-tokens", type=int, help="packing.window_tokens (default: job's)")
+    parser.add_argument(
+        "--tokenize-actors",
+        type=int,
+        help="ray.tokenize_concurrency: Tokenize actors at most (default: the job's, half the "
+        "cluster's CPUs)",
+    )
+    parser.add_argument(
+        "--pace",
+        type=float,
+        default=0.6,
+        help="the paced pass's demand, as a share of the last scale's unpaced steady "
+        "throughput (0: no paced pass)",
+    )
     args = parser.parse_args(argv)
-    rows = bench_pipeline(args.data_dir, args.scales, args.window_tokens)
+    rows = bench_pipeline(
+        args.data_dir, args.scales, args.window_tokens, args.tokenize_actors, args.pace
+    )
     print(format_rows(rows))
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=1))

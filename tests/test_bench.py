@@ -126,8 +126,25 @@ def test_pipeline_bench_shards_and_report(tmp_path):
     rows = [bench_pipeline.PipelineRow(scale, 700 * scale, first, 1000.0, 800.0, 0.1, 0.2,
                                        memory, 500.0, 2)
             for scale, first, memory in ((1, 10.0, 1000.0), (30, 12.0, 1300.0))]  # fmt: skip
+    rows[-1].paced_step_s, rows[-1].paced_median_s, rows[-1].paced_gap_s = 0.2, 0.25, 0.4
     report = bench_pipeline.format_rows(rows)
-    assert (
-        "30x vs 1x: first batch 1.20x, peak memory 1.30x; steady throughput at 30x = 80% of 2"
-        in report
-    )
+    assert "30x vs 1x: first batch 1.20x, peak memory 1.30x" in report
+    assert "steady throughput at 30x = 80% of 2 tokenize CPU(s) x the 1-core reference" in report
+    assert "epoch gap 0.400 s = 1.60x the median time between batches (0.250 s)" in report
+
+
+@pytest.mark.parametrize(
+    "stamps, expected",
+    [
+        # steady arrivals, a stall at the boundary: the wait before epoch 1's first batch
+        ([(0.0, 0, 0), (1.0, 0, 0), (2.0, 0, 0), (5.0, 1, 1), (6.0, 1, 1)], (1.0, 3.0)),
+        # a batch straddling the boundary counts as epoch 1's first
+        ([(0.0, 0, 0), (0.5, 0, 0), (1.5, 1, 0), (2.0, 1, 1)], (0.5, 1.0)),
+        # one epoch only: no boundary, no gap
+        ([(0.0, 0, 0), (2.0, 0, 0), (3.0, 0, 0)], (1.5, 0.0)),
+    ],
+)
+def test_epoch_gap_is_the_wait_before_the_first_batch_of_epoch_1(stamps, expected):
+    from rayjobs import bench_pipeline
+
+    assert bench_pipeline.epoch_gap(stamps) == expected
