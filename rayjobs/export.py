@@ -97,6 +97,14 @@ def export(
             update={"train": config.train.model_copy(update={"epochs": epochs})}
         )
     job = start_job(config, prefix="export")
+    try:
+        return _write(config, job, out)
+    finally:
+        job.close()
+
+
+def _write(config: Config, job: Any, out: Path) -> dict[str, Any]:
+    """``export`` once its job is set up: the Parquet files, then the manifest."""
     if job.rows is not None:  # stream: one pass over every epoch, partitioned by epoch
         job.rows.map_batches(to_arrow, batch_format="numpy").write_parquet(
             str(out), partition_cols=["epoch"]

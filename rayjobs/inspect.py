@@ -550,6 +550,16 @@ def _inspect(config: Config, limit: int | None, plot_path: str | Path | None) ->
     from rayjobs.pipeline import start_job
 
     job = start_job(config, prefix="inspect")
+    try:
+        return _report(config, job, limit, plot_path)
+    finally:
+        job.close()
+
+
+def _report(
+    config: Config, job: Any, limit: int | None, plot_path: str | Path | None
+) -> dict[str, Any]:
+    """``inspect`` once its job is set up: the rows read back, the report, the plot."""
     num_tokens, num_documents, candidate = _read_rows(job)
     summary = job.accounting()
     packs = job.snapshot()["pack"]

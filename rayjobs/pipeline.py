@@ -85,6 +85,11 @@ class Job:
     def snapshot(self) -> dict[str, Any]:
         return ray.get(self.ledger.snapshot.remote())
 
+    def close(self) -> None:
+        """End the run's ``Ledger`` actor once its counts are read: a driver that outlives its
+        jobs (a notebook, a service, a test session) would otherwise keep one actor per job."""
+        ray.kill(self.ledger)
+
     def train_datasets(self) -> dict[str, ray.data.Dataset]:
         """What the trainer consumes, in order: one stream, or one dataset per epoch."""
         if self.rows is not None:
@@ -194,13 +199,21 @@ def run(
     ``resume``: a run name under ``train.storage_path`` (or ``latest``): the run continues from
     its latest periodic checkpoint (``train.checkpoint_every``) under the same name. ``hooks``:
     fault injection and tracing for tests (``train._fault``, ``train._trace``)."""
+    name = resume_name(config, resume) if resume else None
+    job = start_job(config, name=name)
+    try:
+        return _train(config, job, hooks)
+    finally:
+        job.close()
+
+
+def _train(config: Config, job: Job, hooks: dict[str, Any] | None) -> dict[str, Any]:
+    """``run`` once its job is set up: train on its datasets, then the summary."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     from rayjobs.train import train_loop
 
-    name = resume_name(config, resume) if resume else None
-    job = start_job(config, name=name)
     datasets = job.train_datasets()
     trainer = TorchTrainer(
         train_loop,

@@ -347,9 +347,11 @@ def test_run_json_summary_is_the_last_line_whatever_ray_prints_on_shutdown(monke
     monkeypatch.setattr(ray, "is_initialized", lambda: state["up"])
     monkeypatch.setattr(ray, "shutdown", fake_shutdown)
     assert main(["run", str(DEMO.parent / "demo.yaml"), "--json"]) == 0
-    lines = capsys.readouterr().out.splitlines()
+    out, err = capsys.readouterr()
+    lines = out.splitlines()
     assert json.loads(lines[-1]) == SUMMARY
-    assert lines[0] == "(raylet) WARNING: a late raylet warning" and not state["up"]
+    assert lines[0].startswith("steps 2 per rank") and not state["up"]  # the human summary
+    assert "(raylet) WARNING: a late raylet warning" in err  # Ray's lines: stderr
 
 
 # -- a real head (conftest.ray_head) ---------------------------------------------------------
