@@ -40,7 +40,6 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -51,7 +50,7 @@ import ray.data
 
 from rayjobs import dpo, seeds
 from rayjobs.config import Config, DatasetConfig
-from rayjobs.formats import HF, parse_file
+from rayjobs.formats import HF, read_rows
 from rayjobs.metrics import PackCounts, StageTimer, batch_key, report, report_actor
 from rayjobs.pack import StreamPacker
 from rayjobs.rows import assemble
@@ -125,24 +124,37 @@ def _head(spec: DatasetConfig) -> tuple[pa.Table | None, float | None]:
         return (pa.concat_tables(ray.get(refs)) if refs else None), None
     tables, count, parsed_rows, parsed_bytes = [], 0, 0, 0
     for path in spec.files:
-        rows, records = _parse(spec, path)
+        rows, records, consumed = _parse_head(spec, path, SAMPLE_ROWS - count)
         keep = min(len(rows), SAMPLE_ROWS - count)
         tables.append(record_table(spec.name, [path] * keep, rows[:keep], records[:keep]))
         count += keep
         parsed_rows += len(rows)
-        parsed_bytes += os.path.getsize(path)
+        parsed_bytes += consumed
         if count >= SAMPLE_ROWS:
             break
     density = parsed_rows / parsed_bytes if parsed_bytes else None
     return (pa.concat_tables(tables) if tables else None), density
 
 
-def _parse(spec: DatasetConfig, path: str) -> tuple[list[int], list[str]]:
-    """One file of a dataset parsed in the driver: (row numbers, records)."""
-    return parse_file(
-        Path(path).read_bytes(), path, format=spec.format, dataset=spec.name,
-        text_split=spec.text_split, binary=spec.binary, on_bad_row=spec.on_bad_row,
-    )  # fmt: skip
+def _parse_head(spec: DatasetConfig, path: str, limit: int) -> tuple[list[int], list[str], int]:
+    """The first good rows of one file, parsed in the driver a bounded part at a time
+    (``formats.read_rows``, as a read task does) until more than ``limit`` are in, or the file
+    ends: (row numbers, records, bytes read for them). Start-up reads the head of a large first
+    file, never the whole of it."""
+    rows: list[int] = []
+    records: list[str] = []
+    with pa.OSFile(path) as file:
+        parts = read_rows(
+            file, path, format=spec.format, dataset=spec.name, text_split=spec.text_split,
+            binary=spec.binary, on_bad_row=spec.on_bad_row,
+        )  # fmt: skip
+        for part in parts:
+            rows += part.rows
+            records += part.records
+            if len(rows) > limit:
+                break
+        consumed = file.tell()
+    return rows, records, consumed
 
 
 @dataclass(frozen=True)
@@ -432,7 +444,7 @@ def warmup_heads(
             continue
         tokens = config.packing.warmup_tokens * expected[spec.name] / total
         wanted = int(np.ceil(tokens / estimates[spec.name].mean_tokens / (read.sample or 1.0)))
-        rows, _ = _parse(spec, read.files[0])
+        rows, _, _ = _parse_head(spec, read.files[0], wanted)
         if wanted and rows:
             below = rows[wanted] if wanted < len(rows) else rows[-1] + 1
             heads[spec.name] = Head(read.files[0], below, min(wanted, len(rows)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -199,6 +200,7 @@ def test_the_warm_up_lane_takes_part_of_each_dataset():
     """Guard for the tests above: both lanes carry rows of both datasets, so "every sample
     exactly once" covers the split between them."""
     from rayjobs import stream
+    from rayjobs.formats import parse_file
 
     config = _config()
     estimates = stream.estimate(config, count_rows=False)
@@ -207,7 +209,8 @@ def test_the_warm_up_lane_takes_part_of_each_dataset():
     heads = stream.warmup_heads(config, estimates, fractions, first)
     assert set(heads) == {"alpaca", "hh_chat"}
     for spec in config.datasets:
-        rows = len(stream._parse(spec, spec.files[0])[0])  # each dataset is one file
+        path = spec.files[0]  # each dataset is one file
+        rows = len(parse_file(Path(path).read_bytes(), path, format=spec.format, dataset="d")[0])
         assert 10 < heads[spec.name].rows < rows / 2
     tokens = sum(heads[n].rows * estimates[n].mean_tokens for n in heads)
     assert tokens == pytest.approx(16_000, rel=0.05)

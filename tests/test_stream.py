@@ -217,3 +217,35 @@ def test_subsample_keeps_the_same_rows_whatever_the_blocks():
     assert set().union(*map(keys, blocks)) == keys(kept)
     other = keys(stream._subsample(table, 0.3, seed=8))
     assert 0.27 < len(other & keys(kept)) / len(other) < 0.33  # independent: P(kept) = 0.3
+
+
+def test_start_up_parses_the_head_of_a_large_first_file_not_all_of_it(tmp_path, monkeypatch):
+    """The driver's length estimate and warm-up split read a file's head a bounded part at a
+    time: a torn line deep in a large file (here past the first 20 parts of 16 KiB) is not
+    reached at start-up, where a whole-file parse fails on it (guard); the rows per byte come
+    from the parts read."""
+    import json
+
+    from rayjobs import formats
+    from rayjobs.formats import SourceError, parse_file
+
+    monkeypatch.setattr(formats, "CHUNK_BYTES", 16 * 1024)
+    rows = [{"instruction": f"Say {i}.", "input": "", "output": "ok " * 20} for i in range(6000)]
+    path = tmp_path / "big.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"instruction": "torn\n')
+    config = config_from_dict(
+        {
+            "datasets": [{"name": "big", "source": str(path), "template": "alpaca"}],
+            "tokenizer": {"path": str(GPT2)},
+        }
+    )
+    [spec] = config.datasets
+    with pytest.raises(SourceError, match="big.jsonl"):
+        parse_file(path.read_bytes(), str(path), format="jsonl", dataset="big")
+    table, density = stream._head(spec)
+    assert table.num_rows == stream.SAMPLE_ROWS
+    assert table.column("_row").to_pylist() == list(range(1, stream.SAMPLE_ROWS + 1))
+    per_row = len(json.dumps(rows[0])) + 1
+    assert density == pytest.approx(1 / per_row, rel=0.05)
+    head_rows, _, consumed = stream._parse_head(spec, str(path), 100)
+    assert len(head_rows) > 100 and consumed < path.stat().st_size / 20
