@@ -94,6 +94,8 @@ class Estimate:
     rows_per_byte: float | None = None
     """Rows per byte of the files parsed for the sample (to size a dataset whose rows are not
     counted)."""
+    size: int | None = None
+    """Bytes in the dataset's files (stat'ed once, here)."""
 
 
 def estimate(config: Config, count_rows: bool) -> dict[str, Estimate]:
@@ -111,7 +113,8 @@ def estimate(config: Config, count_rows: bool) -> dict[str, Estimate]:
                 "templating (see on_bad_row and the overflow policy); it cannot be streamed"
             )
         count = read_dataset(spec, **on_data_nodes(config)).count() if count_rows else None
-        estimates[spec.name] = Estimate(float(lengths.mean()), count, density)
+        size = sum(os.path.getsize(f) for f in spec.files) if spec.files else None
+        estimates[spec.name] = Estimate(float(lengths.mean()), count, density, size)
     return estimates
 
 
@@ -415,11 +418,11 @@ def window_rows(window_tokens: int, mean_tokens: float) -> int:
     return max(1, int(window_tokens / max(1.0, mean_tokens)))
 
 
-def _rows_hint(spec: DatasetConfig, estimate: Estimate) -> float:
+def _rows_hint(estimate: Estimate) -> float:
     """Rows in a dataset: counted, else its bytes times the rows per byte of its first files."""
     if estimate.rows is not None:
         return float(estimate.rows)
-    size = float(sum(os.path.getsize(f) for f in spec.files)) if spec.files else 1.0
+    size = float(estimate.size or 1)
     return size * estimate.rows_per_byte if estimate.rows_per_byte else size
 
 
@@ -432,9 +435,7 @@ def warmup_heads(
     if not config.packing.warmup_tokens:
         return {}
     expected = {
-        spec.name: fraction
-        * _rows_hint(spec, estimates[spec.name])
-        * estimates[spec.name].mean_tokens
+        spec.name: fraction * _rows_hint(estimates[spec.name]) * estimates[spec.name].mean_tokens
         for spec, fraction in zip(config.datasets, fractions, strict=True)
     }
     total = sum(expected.values())
@@ -477,7 +478,7 @@ def packed_rows(config: Config, pad_id: int, ledger: Any = None) -> ray.data.Dat
             for epoch in range(config.train.epochs)
         ]
         streams.append(epochs[0].union(*epochs[1:]) if len(epochs) > 1 else epochs[0])
-        expected.append(fractions[index] * _rows_hint(spec, estimates[spec.name]))
+        expected.append(fractions[index] * _rows_hint(estimates[spec.name]))
     rows = streams[0]
     mean_tokens = float(np.mean([e.mean_tokens for e in estimates.values()]))
     window = window_rows(config.packing.window_tokens, mean_tokens)
@@ -513,7 +514,7 @@ def budgets(
     by_tokens = config.mix.by == "tokens"
     return {
         (epoch, spec.name): fraction
-        * _rows_hint(spec, estimates[spec.name])
+        * _rows_hint(estimates[spec.name])
         * (estimates[spec.name].mean_tokens if by_tokens else 1.0)
         for epoch in range(config.train.epochs)
         for spec, fraction in zip(config.datasets, fractions, strict=True)
