@@ -218,19 +218,30 @@ def _read(
     if read.sample is not None:  # (Dataset.random_sample takes no label selector)
         rows = rows.map_batches(
             _subsample, batch_format="pyarrow",
-            fn_kwargs={"fraction": read.sample, "seed": read.sample_seed}, **where,
+            fn_kwargs={"fraction": read.sample, "seed": read.sample_seed,
+                       "root": files_root(spec.files)}, **where,
         )  # fmt: skip
     return rows
 
 
-def _subsample(batch: pa.Table, fraction: float, seed: int) -> pa.Table:
-    """Each row kept with probability ``fraction``, decided by a hash of (seed, file, row): the
-    same rows for the same seed, whatever the blocks and their order."""
+def files_root(files: tuple[str, ...] | list[str]) -> str | None:
+    """The folder a dataset's files lie under (their deepest common folder); None without
+    files (a Hugging Face dataset)."""
+    if not files:
+        return None
+    return os.path.commonpath([os.path.dirname(os.path.abspath(f)) for f in files])
+
+
+def _subsample(batch: pa.Table, fraction: float, seed: int, root: str | None = None) -> pa.Table:
+    """Each row kept with probability ``fraction``, decided by a hash of (seed, file, row), the
+    file named by its path under ``root`` (``files_root``): the same rows for the same seed
+    whatever the blocks, their order, and wherever the dataset's folder lies."""
     paths = batch.column("_path").to_numpy(zero_copy_only=False)
     rows = batch.column("_row").to_numpy().astype(np.uint64)
     keys = np.empty(len(rows), dtype=np.uint64)
     for path in np.unique(paths):
-        digest = hashlib.blake2b(f"{seed}:{path}".encode(), digest_size=8).digest()
+        name = os.path.relpath(os.path.abspath(path), root) if root else path
+        digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
         mine = paths == path
         keys[mine] = rows[mine] + np.uint64(int.from_bytes(digest, "little"))
     return batch.filter(pa.array(_uniform(keys) < fraction))

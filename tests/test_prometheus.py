@@ -364,6 +364,9 @@ def test_submit_and_prometheus_hold_the_run_summary_and_every_dashboard_series(
     summary = record["summary"]
     assert summary["steps"] > 0 and len(set(summary["steps_per_rank"])) == 1, summary
     assert not summary["stopped_early"]
+    # The torn line is skipped and counted once per read of it. The demo's weights read alpaca
+    # 1.08 times (a whole pass and a 7.7% subsample), and the subsample, decided by (seed, file
+    # under the dataset's folder, row), leaves row 76 out wherever the project lies: once.
     assert summary["datasets"]["stdlib_alpaca"]["skipped_by_reason"] == {"invalid_json": 1}
     # On the cluster `rayjobs run --json` printed the summary last, after Ray shut down.
     logs = _rayjobs(ray_head, "logs", job, "--address", ray_head.url)
@@ -375,7 +378,6 @@ def test_submit_and_prometheus_hold_the_run_summary_and_every_dashboard_series(
 
     run = summary["run_name"]
     assert not summary["stopped_early"] and summary["steps"] > 0
-    assert summary["datasets"]["stdlib_alpaca"]["skipped_by_reason"] == {"invalid_json": 1}
 
     # The job has exited: what Prometheus holds now is what it exported before exiting. Wait
     # for a few scrapes, never for more exports.

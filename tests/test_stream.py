@@ -219,6 +219,25 @@ def test_subsample_keeps_the_same_rows_whatever_the_blocks():
     assert 0.27 < len(other & keys(kept)) / len(other) < 0.33  # independent: P(kept) = 0.3
 
 
+def test_subsample_is_the_same_wherever_the_dataset_lies():
+    """The same files under two folders (two clones, two machines) keep the same rows for the
+    same seed: files are named by their path under the dataset's folder (``files_root``); by
+    absolute path (no root) the two would differ (guard)."""
+
+    def kept(folder: str, root: str | None) -> list[tuple[str, int]]:
+        files = [f"{folder}/data/part-0.jsonl", f"{folder}/data/sub/part-1.jsonl"]
+        table = pa.table({"_path": [files[0]] * 500 + [files[1]] * 500,
+                          "_row": list(range(500)) * 2})  # fmt: skip
+        out = stream._subsample(table, 0.5, seed=3, root=root and stream.files_root(files))
+        return [(p.removeprefix(folder), r) for p, r in zip(*out.to_pydict().values())]
+
+    here, there = kept("/a/clone", "yes"), kept("/elsewhere/b", "yes")
+    assert here == there and 400 < len(here) < 600
+    assert kept("/a/clone", None) != kept("/elsewhere/b", None)
+    assert stream.files_root(["/x/d/a.json", "/x/d/s/b.json"]) == "/x/d"
+    assert stream.files_root(["/x/d/a.json"]) == "/x/d" and stream.files_root([]) is None
+
+
 def test_start_up_parses_the_head_of_a_large_first_file_not_all_of_it(tmp_path, monkeypatch):
     """The driver's length estimate and warm-up split read a file's head a bounded part at a
     time: a torn line deep in a large file (here past the first 20 parts of 16 KiB) is not
