@@ -10,24 +10,32 @@ them by reason and reports them to the run's ledger; read tasks have none. One s
 dataset flow through a single Tokenize actor pool (one pool, not one per dataset, keeps the CPU
 budget of a small cluster predictable) and means files whose rows disagree on types (a field
 missing here, a nested list there) never fail at the Arrow layer. Files are read by
-``RowFileDatasource``, a Ray ``FileBasedDatasource``: one read task per file, spread over the
-cluster like Ray's own readers. A read task streams its file in bounded parts
-(``formats.read_rows``, ``formats.CHUNK_BYTES`` at a time; Parquet files are opened for random
-access, to be read by record batch) and emits each part's rows as it goes, so its memory is that
-of a part, not of the file. Hugging Face datasets (hub names or ``save_to_disk`` folders) are
+``RowFileDatasource``, a Ray ``Datasource`` over a list of ``FileRead``s: a read task per file
+read, spread over the cluster like Ray's own readers. A read task streams its file in bounded
+parts (``formats.read_rows``, ``formats.CHUNK_BYTES`` at a time; Parquet files are opened for
+random access, to be read by record batch) and emits each part's rows as it goes, so its memory is
+that of a part, not of the file. A ``FileRead`` may keep some of its rows and tag them on the way
+out (the stream's passes, ``stream.PassRead``): then a whole run's reads of a dataset, every
+epoch and every pass over its files, are one read operator, not a chain of operators per pass
+joined by unions, whose scheduling costs Ray Data's executor time in proportion to their
+number. Hugging Face datasets (hub names or ``save_to_disk`` folders) are
 read with ``datasets`` and handed over with ``ray.data.from_huggingface``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import functools
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import ray.data
-from ray.data.datasource import FileBasedDatasource
+from ray.data.block import BlockMetadata
+from ray.data.datasource import Datasource, ReadTask
 
 from rayjobs.config import DatasetConfig
 from rayjobs.formats import (
@@ -151,14 +159,55 @@ def file_tables(
     )
 
 
-class RowFileDatasource(FileBasedDatasource):
-    """JSON / JSONL / CSV / Parquet / text files → rows with ``_path``, ``_row`` and ``_skip``.
-    ``chunk_bytes``: how much of a file a read task parses at a time (default
-    ``formats.CHUNK_BYTES``)."""
+STREAM_BUFFER_BYTES = 1 << 20
+"""Read-ahead buffer of a file opened as a stream."""
+
+
+def compression_of(path: str) -> str | None:
+    """The codec a file's extension names (``gzip`` for ``.gz``, …), as Ray Data infers it."""
+    try:
+        return pa.Codec.detect(path).name
+    except (TypeError, ValueError):  # no codec's extension
+        return None
+
+
+def open_row_file(path: str, file_format: str) -> pa.NativeFile:
+    """A local file opened as a read task reads it: an uncompressed Parquet file for random
+    access (its footer is at the end; it is read by record batch), anything else as a buffered
+    stream, decompressed by its extension (``.gz``, ``.bz2``, ``.zst``, as Ray Data's readers
+    infer it) and then read whole if it is Parquet."""
+    compression = compression_of(path)
+    if file_format == "parquet" and compression is None:
+        return pa.OSFile(path)
+    return pa.input_stream(path, compression=compression, buffer_size=STREAM_BUFFER_BYTES)
+
+
+@dataclass(frozen=True)
+class FileRead:
+    """One file as a read task reads it: every row (``RowFileDatasource``). Subclasses keep some
+    of the rows and tag them (``stream.PassRead``)."""
+
+    path: str
+
+    def rows(self, table: pa.Table) -> pa.Table:
+        """The rows of one part of the file that this read emits."""
+        return table
+
+    @property
+    def share(self) -> float:
+        """The fraction of the file's rows this read is expected to emit (for size estimates)."""
+        return 1.0
+
+
+class RowFileDatasource(Datasource):
+    """A list of ``FileRead``s of one dataset's files → rows with ``_path``, ``_row`` and
+    ``_skip`` (see module note), in the list's order: a read task per read (fewer where Ray asks
+    for fewer, each then reading consecutive ones). ``chunk_bytes``: how much of a file a read
+    task parses at a time (default ``formats.CHUNK_BYTES``)."""
 
     def __init__(
         self,
-        paths: list[str],
+        reads: Sequence[FileRead],
         *,
         format: str,
         dataset: str,
@@ -167,32 +216,58 @@ class RowFileDatasource(FileBasedDatasource):
         on_bad_row: str = "error",
         chunk_bytes: int | None = None,
     ):
-        super().__init__(paths)
-        self.file_format = format
-        self.dataset = dataset
-        self.text_split = text_split
-        self.binary = binary
-        self.on_bad_row = on_bad_row
-        self.chunk_bytes = chunk_bytes
+        super().__init__()
+        self.reads = list(reads)
+        self.options = {
+            "format": format,
+            "dataset": dataset,
+            "text_split": text_split,
+            "binary": binary,
+            "on_bad_row": on_bad_row,
+            "chunk_bytes": chunk_bytes,
+        }
+        self.sizes = {path: os.path.getsize(path) for path in {r.path for r in self.reads}}
 
-    def _open_input_source(self, filesystem, path: str, **open_args) -> pa.NativeFile:
-        # Parquet's footer is at the end of the file: it is read by record batch from a seekable
-        # file (a compressed stream cannot seek, and is read whole).
-        if self.file_format == "parquet" and self.resolve_compression(path, open_args) is None:
-            return filesystem.open_input_file(path)
-        return super()._open_input_source(filesystem, path, **open_args)
+    def get_name(self) -> str:
+        return "RowFile"
 
-    def _read_stream(self, f: pa.NativeFile, path: str) -> Iterator[pa.Table]:
-        yield from read_tables(
-            f,
-            path,
-            format=self.file_format,
-            dataset=self.dataset,
-            text_split=self.text_split,
-            binary=self.binary,
-            on_bad_row=self.on_bad_row,
-            chunk_bytes=self.chunk_bytes,
+    def _bytes(self, reads: Sequence[FileRead]) -> int:
+        return int(sum(self.sizes[r.path] * r.share for r in reads))
+
+    def estimate_inmemory_data_size(self) -> int | None:
+        return self._bytes(self.reads)
+
+    def get_read_tasks(
+        self, parallelism: int, per_task_row_limit: int | None = None, data_context: Any = None
+    ) -> list[ReadTask]:
+        if not self.reads:
+            return []
+        groups = np.array_split(
+            np.arange(len(self.reads)), min(max(1, parallelism), len(self.reads))
         )
+        tasks = []
+        for group in groups:
+            reads = [self.reads[i] for i in group]
+            metadata = BlockMetadata(
+                num_rows=None,
+                size_bytes=self._bytes(reads),
+                exec_stats=None,
+                input_files=tuple(dict.fromkeys(r.path for r in reads)),
+            )
+            read = functools.partial(read_files, reads, self.options)
+            tasks.append(ReadTask(read, metadata, per_task_row_limit=per_task_row_limit))
+        return tasks
+
+
+def read_files(reads: Sequence[FileRead], options: dict[str, Any]) -> Iterator[pa.Table]:
+    """What one read task runs (in-process, without Ray): each read's file opened
+    (``open_row_file``) and streamed (``read_tables``), the rows it keeps emitted as they come."""
+    for read in reads:
+        with open_row_file(read.path, options["format"]) as file:
+            for table in read_tables(file, read.path, **options):
+                kept = read.rows(table)
+                if kept.num_rows:
+                    yield kept
 
 
 def read_dataset(
@@ -214,8 +289,21 @@ def read_dataset(
     files = list(spec.files)
     if order_seed is not None:
         files = [files[i] for i in np.random.default_rng(order_seed).permutation(len(files))]
+    return read_file_list(
+        spec, [FileRead(f) for f in files], chunk_bytes=chunk_bytes, label_selector=label_selector
+    )
+
+
+def read_file_list(
+    spec: DatasetConfig,
+    reads: Sequence[FileRead],
+    *,
+    chunk_bytes: int | None = None,
+    label_selector: dict[str, str] | None = None,
+) -> ray.data.Dataset:
+    """The rows ``reads`` keep of a file-based dataset's files, as one Ray Data read."""
     datasource = RowFileDatasource(
-        files,
+        reads,
         format=spec.format,
         dataset=spec.name,
         text_split=spec.text_split,

@@ -1,9 +1,14 @@
 """The streaming data path: one lazy Ray dataset of packed rows for every epoch of a run.
 
-Design note. Nothing waits for the end of an earlier stage: read tasks (one per file) feed a
-Tokenize actor pool that grows with the cluster, then a pool of ``PackStream`` actors, then the
+Design note. Nothing waits for the end of an earlier stage: read tasks (one per file read) feed
+a Tokenize actor pool that grows with the cluster, then a pool of ``PackStream`` actors, then the
 trainers through ``streaming_split``. The epochs are one stream (each row says its ``epoch``), so
 the next epoch is read and tokenized while the current one trains: no idle gap at the boundary.
+A dataset's whole run, every epoch's passes over its files (``pass_reads``), is one read operator
+whose tasks keep and tag each pass's rows (``PassRead``): Ray Data's scheduling loop costs the
+driver CPU for every operator at every step, and a chain of operators per pass joined by unions
+(84 operators for three datasets read 2-13 times an epoch over three epochs) made that loop the
+busiest process of a small job.
 
 Packing without stranding. A ``map_batches`` actor gets no end-of-data call, so a packer that
 carries under-filled packs from one call to the next can be left holding them when the stream
@@ -54,7 +59,13 @@ from rayjobs.formats import HF, read_rows
 from rayjobs.metrics import PackCounts, StageTimer, batch_key, report, report_actor
 from rayjobs.pack import StreamPacker
 from rayjobs.rows import assemble
-from rayjobs.sources import read_dataset, record_table
+from rayjobs.sources import (
+    FileRead,
+    compression_of,
+    read_dataset,
+    read_file_list,
+    record_table,
+)
 from rayjobs.tokenize import TRIPLE_COLUMNS, Tokenize
 
 SAMPLE_ROWS = 2048
@@ -146,7 +157,9 @@ def _parse_head(spec: DatasetConfig, path: str, limit: int) -> tuple[list[int], 
     file, never the whole of it."""
     rows: list[int] = []
     records: list[str] = []
-    with pa.OSFile(path) as file:
+    codec = compression_of(path)
+    with pa.OSFile(path) as raw:  # bytes read from disk: ``raw.tell()``, compressed or not
+        file = pa.CompressedInputStream(raw, codec) if codec else raw
         parts = read_rows(
             file, path, format=spec.format, dataset=spec.name, text_split=spec.text_split,
             binary=spec.binary, on_bad_row=spec.on_bad_row,
@@ -156,7 +169,7 @@ def _parse_head(spec: DatasetConfig, path: str, limit: int) -> tuple[list[int], 
             records += part.records
             if len(rows) > limit:
                 break
-        consumed = file.tell()
+        consumed = raw.tell()
     return rows, records, consumed
 
 
@@ -197,29 +210,92 @@ class Head:
     rows: int
 
 
-def _read(
-    spec: DatasetConfig, read: Pass, head: Head | None, lane: str, where: dict[str, Any]
+@dataclass(frozen=True)
+class PassRead(FileRead):
+    """One file of one pass (``Pass``) of one epoch as a read task reads it: the rows the pass
+    keeps, tagged with the epoch and the pass (``_tag_epoch``). ``below``: the warm-up lane's
+    read of the file, only its rows numbered below this; ``from_row``: the main lane's read of
+    that file, only the rows from this on."""
+
+    epoch: int = 0
+    copy: int = 0
+    sample: float | None = None
+    sample_seed: int = 0
+    root: str | None = None
+    below: int | None = None
+    from_row: int | None = None
+
+    def rows(self, table: pa.Table) -> pa.Table:
+        if self.below is not None:
+            table = _below(table, self.below)
+        if self.from_row is not None:
+            table = table.filter(pc.greater_equal(table.column("_row"), self.from_row))
+        if self.sample is not None:
+            table = _subsample(table, self.sample, self.sample_seed, self.root)
+        return _tag_epoch(table, self.epoch, self.copy)
+
+    @property
+    def share(self) -> float:
+        return self.sample if self.sample is not None else 1.0
+
+
+def pass_reads(
+    spec: DatasetConfig, reads: list[list[Pass]], head: Head | None = None
+) -> list[PassRead]:
+    """Every file read of a dataset's run, epoch by epoch (``reads[epoch]``: that epoch's passes),
+    pass by pass, in each pass's file order; the first epoch's first pass leaves the warm-up
+    ``head`` out."""
+    root = files_root(spec.files)
+    return [
+        PassRead(
+            path,
+            epoch=epoch,
+            copy=copy,
+            sample=read.sample,
+            sample_seed=read.sample_seed,
+            root=root,
+            from_row=head.below_row
+            if head and (epoch, copy) == (0, 0) and path == head.path
+            else None,
+        )  # fmt: skip
+        for epoch, passes_ in enumerate(reads)
+        for copy, read in enumerate(passes_)
+        for path in read.files
+    ]
+
+
+def _run_stream(
+    spec: DatasetConfig, reads: list[list[Pass]], where: dict[str, Any], head: Head | None
 ) -> ray.data.Dataset:
-    """One pass over a dataset as raw rows: ``lane`` ``main`` leaves out the warm-up ``head``
-    (if any), ``head`` is only those rows. ``where``: ``on_data_nodes``."""
-    if spec.format == HF:
-        rows = read_dataset(spec, order_seed=read.order_seed, **where)
-    elif lane == "head":
-        rows = read_dataset(spec.model_copy(update={"files": (head.path,)}), **where).map_batches(
-            _below, batch_format="pyarrow", fn_kwargs={"row": head.below_row}, **where
-        )
-    else:
-        rows = read_dataset(spec.model_copy(update={"files": read.files}), **where)
-        if head is not None:
-            rows = rows.map_batches(
-                _not_head, batch_format="pyarrow",
-                fn_kwargs={"path": head.path, "row": head.below_row}, **where,
-            )  # fmt: skip
+    """One dataset's rows for the whole run (see ``pass_reads``): one read operator however many
+    epochs and passes (each pass reads the files in a fresh random order: no all-to-all shuffle,
+    which would wait for the whole dataset); the packer's window shuffles the samples."""
+    if spec.format != HF:
+        return read_file_list(spec, pass_reads(spec, reads, head), **where)
+    parts = [  # a Hugging Face dataset: a read per pass, joined
+        _tagged(_read_hf(spec, read, where), epoch, copy, where)
+        for epoch, passes_ in enumerate(reads)
+        for copy, read in enumerate(passes_)
+    ]
+    return parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
+
+
+def _head_read(spec: DatasetConfig, head: Head, first: Pass) -> PassRead:
+    """A dataset's part of the warm-up lane: the head of its first file, with the first pass's
+    subsample."""
+    return PassRead(
+        head.path, sample=first.sample, sample_seed=first.sample_seed,
+        root=files_root(spec.files), below=head.below_row,
+    )  # fmt: skip
+
+
+def _read_hf(spec: DatasetConfig, read: Pass, where: dict[str, Any]) -> ray.data.Dataset:
+    """One pass over a Hugging Face dataset as raw rows, in a random block order."""
+    rows = read_dataset(spec, order_seed=read.order_seed, **where)
     if read.sample is not None:  # (Dataset.random_sample takes no label selector)
         rows = rows.map_batches(
             _subsample, batch_format="pyarrow",
-            fn_kwargs={"fraction": read.sample, "seed": read.sample_seed,
-                       "root": files_root(spec.files)}, **where,
+            fn_kwargs={"fraction": read.sample, "seed": read.sample_seed, "root": None}, **where,
         )  # fmt: skip
     return rows
 
@@ -258,28 +334,6 @@ def _uniform(keys: np.ndarray) -> np.ndarray:
 
 def _below(batch: pa.Table, row: int) -> pa.Table:
     return batch.filter(pc.less(batch.column("_row"), row))
-
-
-def _not_head(batch: pa.Table, path: str, row: int) -> pa.Table:
-    head = pc.and_(pc.equal(batch.column("_path"), path), pc.less(batch.column("_row"), row))
-    return batch.filter(pc.invert(head))
-
-
-def _epoch_stream(
-    spec: DatasetConfig,
-    reads: list[Pass],
-    epoch: int,
-    where: dict[str, Any],
-    head: Head | None = None,
-) -> ray.data.Dataset:
-    """One dataset's rows for one epoch: its passes (each reading the files in a fresh random
-    order: no all-to-all shuffle, which would wait for the whole dataset), less the warm-up
-    ``head``, every row tagged with the epoch; the packer's window shuffles the samples."""
-    parts = [
-        _tagged(_read(spec, read, head if copy == 0 else None, "main", where), epoch, copy, where)
-        for copy, read in enumerate(reads)
-    ]
-    return parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
 
 
 def _tagged(
@@ -482,13 +536,7 @@ def packed_rows(config: Config, pad_id: int, ledger: Any = None) -> ray.data.Dat
     where = on_data_nodes(config)
     streams, expected = [], []
     for index, spec in enumerate(config.datasets):
-        epochs = [
-            _epoch_stream(
-                spec, reads[index][epoch], epoch, where, heads.get(spec.name) if not epoch else None
-            )
-            for epoch in range(config.train.epochs)
-        ]
-        streams.append(epochs[0].union(*epochs[1:]) if len(epochs) > 1 else epochs[0])
+        streams.append(_run_stream(spec, reads[index], where, heads.get(spec.name)))
         expected.append(fractions[index] * _rows_hint(estimates[spec.name]))
     rows = streams[0]
     mean_tokens = float(np.mean([e.mean_tokens for e in estimates.values()]))
@@ -507,10 +555,10 @@ def packed_rows(config: Config, pad_id: int, ledger: Any = None) -> ray.data.Dat
     if not heads:
         return packed
     specs = {spec.name: (spec, reads[i][0][0]) for i, spec in enumerate(config.datasets)}
-    parts = [
-        _tagged(_read(*specs[name], head, "head", where), 0, 0, where)
-        for name, head in heads.items()
-    ]
+    parts = []
+    for name, head in heads.items():
+        spec, first = specs[name]
+        parts.append(read_file_list(spec, [_head_read(spec, head, first)], **where))
     warm = parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
     window = window_rows(config.packing.warmup_tokens // WARMUP_CALLS, mean_tokens)
     warm = _packed(tokenized(warm, config, ledger, tasks=True), config, pad_id, ledger, window, 0)

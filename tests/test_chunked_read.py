@@ -366,43 +366,36 @@ def test_tables_are_blocks_of_the_whole_file(tmp_path):
     assert _outcome(tables) == _outcome(file_tables(data, "f", format="jsonl", dataset="d"))
 
 
-@pytest.mark.parametrize("fmt", ["parquet", "csv", "jsonl", "json"])
-def test_the_datasource_opens_and_streams_each_format(tmp_path, alpaca_table, monkeypatch, fmt):
-    """What a read task runs, in-process: ``RowFileDatasource._open_input_source`` (Parquet for
-    random access, the others as streams, as Ray Data opens them) then ``_read_stream`` in parts of
-    256 bytes (CSV: blocks of 8 KiB): the rows the whole file gives. (The datasource is built
-    without ``FileBasedDatasource.__init__``, which starts Ray; ``test_sources`` reads through
-    Ray.)"""
-    from pyarrow.fs import LocalFileSystem
-    from ray.data.context import DataContext
-
-    from rayjobs.sources import RowFileDatasource
+@pytest.mark.parametrize("fmt", ["parquet", "csv", "jsonl", "json", "jsonl.gz"])
+def test_a_read_task_opens_and_streams_each_format(tmp_path, alpaca_table, monkeypatch, fmt):
+    """What a read task runs, in-process: ``sources.open_row_file`` (Parquet for random access,
+    the others as streams, a ``.gz`` one decompressed) then ``read_tables`` in parts of 256 bytes
+    (CSV: blocks of 8 KiB): the rows the whole file gives; ``read_files`` (the task's body) gives
+    them too. ``test_sources`` reads through Ray."""
+    from rayjobs.sources import FileRead, open_row_file, read_files
 
     path = str(tmp_path / f"a.{fmt}")
     if fmt == "parquet":
         pq.write_table(alpaca_table, path, row_group_size=64)
     elif fmt == "csv":
         pacsv.write_csv(alpaca_table, path)
-    elif fmt == "jsonl":
-        Path(path).write_bytes(_jsonl(*alpaca_table.to_pylist()) + b"\n{torn")
+    elif fmt.startswith("jsonl"):
+        data = _jsonl(*alpaca_table.to_pylist()) + b"\n{torn"
+        with pa.output_stream(path, compression="detect") as out:  # gzip for .gz
+            out.write(data)
     else:
         Path(path).write_bytes(ALPACA.read_bytes())
+    base = fmt.removesuffix(".gz")
     monkeypatch.setattr(formats, "CSV_BLOCK_BYTES", 8192)
-    source = RowFileDatasource.__new__(RowFileDatasource)
-    source.__dict__.update(
-        file_format=fmt,
-        dataset="d",
-        text_split="paragraph",
-        binary="error",
-        on_bad_row="skip",
-        chunk_bytes=256,
-        _data_context=DataContext.get_current(),
-    )
-    with source._open_input_source(LocalFileSystem(), path) as file:
+    options = {"format": base, "dataset": "d", "on_bad_row": "skip", "chunk_bytes": 256}
+    with open_row_file(path, base) as file:
         assert file.seekable() == (fmt == "parquet")
         counted = file if fmt == "parquet" else CountingStream(file)
-        got = _outcome(source._read_stream(counted, path))
+        got = _outcome(read_tables(counted, path, **options))
     assert fmt == "parquet" or counted.reads > 20, "guard: read in many parts"
-    whole = file_tables(Path(path).read_bytes(), path, format=fmt, dataset="d", on_bad_row="skip")
-    assert got == _outcome(whole)
-    assert len(_column(got, "_row")) == alpaca_table.num_rows + (fmt == "jsonl")
+    with pa.input_stream(path, compression="detect") as raw:
+        whole = file_tables(raw.read(), path, format=base, dataset="d", on_bad_row="skip")
+        whole = _outcome(whole)
+    assert got == whole
+    assert _outcome(read_files([FileRead(path)], {**options, "text_split": "paragraph"})) == whole
+    assert len(_column(got, "_row")) == alpaca_table.num_rows + fmt.startswith("jsonl")

@@ -268,3 +268,108 @@ def test_start_up_parses_the_head_of_a_large_first_file_not_all_of_it(tmp_path, 
     assert density == pytest.approx(1 / per_row, rel=0.05)
     head_rows, _, consumed = stream._parse_head(spec, str(path), 100)
     assert len(head_rows) > 100 and consumed < path.stat().st_size / 20
+
+
+def test_a_compressed_first_file_is_parsed_decompressed(tmp_path):
+    """A ``.gz`` file (``format: jsonl`` set, as its extension names no format) is decompressed
+    at start-up as in the read tasks, and its rows per byte are per byte on disk."""
+    import gzip
+    import json
+
+    rows = [{"instruction": f"Say {i}.", "input": "", "output": "ok " * 20} for i in range(3000)]
+    path = tmp_path / "big.jsonl.gz"
+    path.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode()))
+    config = config_from_dict(
+        {
+            "datasets": [
+                {"name": "big", "source": str(path), "template": "alpaca", "format": "jsonl"}
+            ],
+            "tokenizer": {"path": str(GPT2)},
+        }
+    )
+    table, density = stream._head(config.datasets[0])
+    assert table.num_rows == stream.SAMPLE_ROWS
+    assert json.loads(table.column("_record")[5].as_py()) == rows[5]
+    assert density * path.stat().st_size == pytest.approx(len(rows), rel=0.1)
+
+
+def _jsonl_dataset(tmp_path, rows_per_file: list[int]) -> tuple:
+    """A file-based dataset spec of small JSONL files (``a0.jsonl``, ``a1.jsonl``, …)."""
+    paths = []
+    for i, n in enumerate(rows_per_file):
+        path = tmp_path / f"a{i}.jsonl"
+        path.write_text("".join(f'{{"text": "file {i} row {r}"}}\n' for r in range(n)))
+        paths.append(str(path))
+    spec = config_from_dict(
+        {"datasets": [{"name": "a", "source": str(tmp_path / "*.jsonl"), "template": "text"}],
+         "tokenizer": {"path": str(GPT2)}},
+        base_dir=ROOT,
+    ).datasets[0]  # fmt: skip
+    return spec, paths
+
+
+def test_a_runs_reads_of_a_dataset_are_its_passes_file_by_file(tmp_path):
+    """``pass_reads``: every epoch's passes (here 2.5 reads an epoch: two whole, one half), each
+    in its own file order, one read per file; the first epoch's first pass leaves the warm-up
+    head out. Read in-process as a read task does (``read_files``), each whole pass holds every
+    row once, the half pass about half, and the head's rows are in the warm-up read only."""
+    from rayjobs.sources import read_files
+
+    spec, paths = _jsonl_dataset(tmp_path, [300, 200])
+    reads = [stream.passes(spec, 0, epoch, 0, 2.5) for epoch in range(2)]
+    head = stream.Head(paths[1], below_row=41, rows=40)  # JSONL rows are 1-based line numbers
+    plan = stream.pass_reads(spec, reads, head)
+    got = [
+        (r.epoch, r.copy, r.path[-8:], r.sample, r.from_row, r.root == str(tmp_path)) for r in plan
+    ]
+    first = [p[-8:] for p in reads[0][0].files]
+    assert got == [
+        (0, 0, first[0], None, 41 if first[0] == "a1.jsonl" else None, True),
+        (0, 0, first[1], None, 41 if first[1] == "a1.jsonl" else None, True),
+        *[(0, 1, p[-8:], None, None, True) for p in reads[0][1].files],
+        *[(0, 2, p[-8:], 0.5, None, True) for p in reads[0][2].files],
+        *[(1, c, p[-8:], [None, None, 0.5][c], None, True) for c in range(3)
+          for p in reads[1][c].files],
+    ]  # fmt: skip
+    assert {tuple(r.files) for e in reads for r in e} == {tuple(paths), tuple(paths[::-1])}, (
+        "guard: passes read the files in different orders"
+    )
+    options = {"format": "jsonl", "dataset": "a", "text_split": "paragraph"}
+    rows = pa.concat_tables(read_files(plan, options)).to_pylist()
+    warm = pa.concat_tables(read_files([stream._head_read(spec, head, reads[0][0])], options))
+    keys = {(r["_epoch"], r["_pass"]): [] for r in rows}
+    for r in rows:
+        keys[(r["_epoch"], r["_pass"])].append((r["_path"], r["_row"]))
+    everything = {(p, r) for p, n in zip(paths, [300, 200], strict=True) for r in range(1, n + 1)}
+    head_rows = {(paths[1], r) for r in range(1, 41)}
+    assert set(warm.column("_row").to_pylist()) == set(range(1, 41))
+    assert warm.column("_epoch").to_pylist() == [0] * 40
+    for (epoch, copy), seen in keys.items():
+        assert len(seen) == len(set(seen)), "a pass read a row twice"
+        if copy < 2:
+            expected = everything - head_rows if (epoch, copy) == (0, 0) else everything
+            assert set(seen) == expected, (epoch, copy)
+        else:
+            assert 0.4 < len(seen) / len(everything) < 0.6, (epoch, copy)
+
+
+def test_a_datasets_whole_run_is_one_read_operator(ray_local, capsys):
+    """However many epochs and passes (three epochs of 2–13 reads each here), each dataset is one
+    read operator in the job's plan (plus one for its warm-up head), not one per pass joined by
+    unions: Ray Data's scheduling loop costs driver CPU in proportion to its operators."""
+    config = _config(
+        weights=[0.5, 0.3, 0.2],
+        mix={"by": "tokens", "epoch_tokens": 1_600_000},
+        packing={"seq_len": 1024, "window_tokens": 50_000, "warmup_tokens": 16_000},
+        train={"epochs": 3},
+    )
+    rows = stream.packed_rows(config, pad_id=0)
+    rows.explain()
+    plan = capsys.readouterr().out.split("-------- Physical Plan (Optimized) --------")[1]
+    operators = [line.strip().removeprefix("+- ").split("[")[0] for line in plan.splitlines()]
+    reads = [line for line in plan.splitlines() if line.strip().endswith("[ReadRowFile]")]
+    assert len(reads) == 3 + 3, plan
+    # two unions: the warm-up heads joined, the warm-up lane joined to the main lane
+    assert operators.count("UnionOperator") == 2, plan
+    fractions = stream.epoch_fractions(config, stream.estimate(config, count_rows=True))
+    assert min(fractions) > 2, "guard: every dataset read in several passes an epoch"
