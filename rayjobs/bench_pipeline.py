@@ -23,6 +23,9 @@ read → mix → Tokenize pool → PackStream pool) into two consumers standing 
   plus the object store in use at that moment;
 - ``tokenize_cpu_s`` / ``pack_cpu_s``: CPU seconds of the Tokenize and PackStream stages (their
   stage timers, all actors; the tokenizer's threads included);
+- ``cpu_by_process``: CPU seconds of every Ray process and the driver from job start to the last
+  batch, by kind (an actor's class, a task's name, ``raylet``, …): where the cores went besides
+  tokenization;
 - ``reference_tokens_per_s``: the same tokenizer and templates alone on one core (a 1-CPU Ray task
   with the tokenizer's thread pool at one thread, before the pipeline starts) over the 1× data;
   ``tokenize_cpus``: the CPUs the job gives tokenization (Tokenize actors at most × 1 CPU each;
@@ -40,10 +43,13 @@ import statistics
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 BATCH_ROWS = 4
+
+CPU_TABLE_PROCESSES = 8
+"""Process kinds listed in the CPU line of each scale (the busiest)."""
 
 
 @dataclass
@@ -64,6 +70,8 @@ class PipelineRow:
     paced_step_s: float | None = None
     paced_median_s: float | None = None
     paced_gap_s: float | None = None
+    cpu_by_process: dict[str, float] = field(default_factory=dict)
+    """CPU seconds of each kind of process from job start to the last batch (``process_label``)."""
 
 
 def write_shards(data_dir: Path, out: Path, scale: int) -> dict[str, Path]:
@@ -81,24 +89,62 @@ def write_shards(data_dir: Path, out: Path, scale: int) -> dict[str, Path]:
 
 
 class _Memory(threading.Thread):
-    """Samples the RSS of every Ray process and this driver, and the object store in use."""
+    """Samples the RSS of every Ray process and this driver, and the object store in use; and
+    each process's CPU time, for ``cpu_by_process``."""
 
     def __init__(self) -> None:
         super().__init__(daemon=True)
         self.peak_mb, self.running = 0.0, True
+        self.first_cpu: dict[int, float] = {}  # pid → CPU s at its first sample (0: started later)
+        self.last_cpu: dict[int, tuple[str, float]] = {}  # pid → (label, CPU s at its last sample)
 
     def run(self) -> None:
         import psutil
 
+        me = psutil.Process().pid
+        first = True
         while self.running:
             rss = 0
-            for process in psutil.process_iter(["name", "cmdline", "memory_info"]):
+            for process in psutil.process_iter(["name", "cmdline", "memory_info", "cpu_times"]):
                 command = " ".join(process.info["cmdline"] or [])
-                if "ray" in command or process.pid == psutil.Process().pid:
+                if "ray" in command or process.pid == me:
                     rss += process.info["memory_info"].rss if process.info["memory_info"] else 0
+                    times = process.info["cpu_times"]
+                    if times is None:
+                        continue
+                    cpu = times.user + times.system
+                    self.first_cpu.setdefault(process.pid, cpu if first else 0.0)
+                    label = process_label(process.info["cmdline"] or [], process.pid == me)
+                    self.last_cpu[process.pid] = (label, cpu)
+            first = False
             store = _object_store_used()
             self.peak_mb = max(self.peak_mb, (rss + store) / 2**20)
             time.sleep(0.2)
+
+    def cpu_by_process(self) -> dict[str, float]:
+        """CPU seconds spent while sampling, by process label, largest first."""
+        totals: dict[str, float] = {}
+        for pid, (label, cpu) in self.last_cpu.items():
+            totals[label] = totals.get(label, 0.0) + cpu - self.first_cpu.get(pid, 0.0)
+        return dict(sorted(totals.items(), key=lambda item: -item[1]))
+
+
+def process_label(cmdline: list[str], driver: bool = False) -> str:
+    """What a process is, for the CPU table: a Ray worker's title less ``ray::`` (its actor or
+    last task), else the program's name; this process is the driver (consumers included).
+
+    >>> process_label(["ray::MapWorker(MapBatches(Tokenize))"])
+    'MapWorker(MapBatches(Tokenize))'
+    >>> process_label(["/usr/lib/python3/site-packages/ray/core/src/ray/raylet/raylet", "--x"])
+    'raylet'
+    >>> process_label(["python", "-m", "rayjobs.cli"], driver=True)
+    'driver (consumers)'
+    """
+    if driver:
+        return "driver (consumers)"
+    if cmdline and cmdline[0].startswith("ray::"):
+        return cmdline[0].removeprefix("ray::").split(" ")[0]
+    return Path(cmdline[0]).name if cmdline else "?"
 
 
 def _object_store_used() -> int:
@@ -175,6 +221,7 @@ def run_scale(config, scale: int, step_s: float = 0.0) -> dict:
         "peak_rss_mb": memory.peak_mb,
         "tokenize_cpu_s": sum(c["cpu_seconds"] for c in snapshot["tokenize"].values()),
         "pack_cpu_s": sum(c["cpu_seconds"] for c in snapshot["pack"].values()),
+        "cpu_by_process": memory.cpu_by_process(),
     }
 
 
@@ -280,6 +327,13 @@ def format_rows(rows: list[PipelineRow]) -> str:
             f"{r.tokenize_cpus} CPU(s) from job start to the last batch), "
             f"pack {r.pack_cpu_s:,.1f} CPU s"
         )
+        if r.cpu_by_process:
+            top = list(r.cpu_by_process.items())[:CPU_TABLE_PROCESSES]
+            total = sum(r.cpu_by_process.values())
+            lines.append(
+                f"    CPU s by process ({total:,.1f} in all): "
+                + ", ".join(f"{label} {seconds:,.1f}" for label, seconds in top)
+            )
     last = rows[-1]
     if len(rows) > 1:
         first = rows[0]

@@ -131,6 +131,28 @@ def test_pipeline_bench_shards_and_report(tmp_path):
     assert "30x vs 1x: first batch 1.20x, peak memory 1.30x" in report
     assert "steady throughput at 30x = 80% of 2 tokenize CPU(s) x the 1-core reference" in report
     assert "epoch gap 0.400 s = 1.60x the median time between batches (0.250 s)" in report
+    assert "CPU s by process" not in report  # none sampled
+    rows[-1].cpu_by_process = {"MapWorker(MapBatches(Tokenize))": 30.5, "raylet": 4.25}
+    assert (
+        "    CPU s by process (34.8 in all): MapWorker(MapBatches(Tokenize)) 30.5, raylet 4.2"
+        in bench_pipeline.format_rows(rows)
+    )
+
+
+@pytest.mark.parametrize(
+    ("cmdline", "driver", "label"),
+    [
+        (["ray::MapWorker(MapBatches(Tokenize))"], False, "MapWorker(MapBatches(Tokenize))"),
+        (["ray::ReadRowFile->SplitBlocks(2) extra"], False, "ReadRowFile->SplitBlocks(2)"),
+        (["/site-packages/ray/core/src/ray/raylet/raylet", "--flag"], False, "raylet"),
+        (["python", "-m", "rayjobs.cli", "bench"], True, "driver (consumers)"),
+        ([], False, "?"),
+    ],
+)
+def test_process_labels_of_the_cpu_table(cmdline, driver, label):
+    from rayjobs import bench_pipeline
+
+    assert bench_pipeline.process_label(cmdline, driver) == label
 
 
 @pytest.mark.parametrize(
