@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -203,7 +203,8 @@ class RowFileDatasource(Datasource):
     """A list of ``FileRead``s of one dataset's files → rows with ``_path``, ``_row`` and
     ``_skip`` (see module note), in the list's order: a read task per read (fewer where Ray asks
     for fewer, each then reading consecutive ones). ``chunk_bytes``: how much of a file a read
-    task parses at a time (default ``formats.CHUNK_BYTES``)."""
+    task parses at a time (default ``formats.CHUNK_BYTES``). ``sizes``: each file's bytes, where
+    the caller has them already (else each file is stat'ed here)."""
 
     def __init__(
         self,
@@ -215,6 +216,7 @@ class RowFileDatasource(Datasource):
         binary: str = "error",
         on_bad_row: str = "error",
         chunk_bytes: int | None = None,
+        sizes: Mapping[str, int] | None = None,
     ):
         super().__init__()
         self.reads = list(reads)
@@ -226,7 +228,10 @@ class RowFileDatasource(Datasource):
             "on_bad_row": on_bad_row,
             "chunk_bytes": chunk_bytes,
         }
-        self.sizes = {path: os.path.getsize(path) for path in {r.path for r in self.reads}}
+        paths = {r.path for r in self.reads}
+        self.sizes = (
+            {p: sizes[p] for p in paths} if sizes else {p: os.path.getsize(p) for p in paths}
+        )
 
     def get_name(self) -> str:
         return "RowFile"
@@ -276,13 +281,15 @@ def read_dataset(
     *,
     chunk_bytes: int | None = None,
     label_selector: dict[str, str] | None = None,
+    sizes: Mapping[str, int] | None = None,
 ) -> ray.data.Dataset:
     """The raw rows of one dataset spec (files or a Hugging Face dataset). With ``order_seed``,
     its files are read in a random order: a shuffle of the read tasks, so, unlike an all-to-all
     shuffle of blocks, nothing waits for the whole dataset to be read. ``chunk_bytes``: see
     ``RowFileDatasource`` (``rayjobs.bench_read`` compares sizes). ``label_selector``: the node
     labels the read tasks require (``ray.data_label_selector``; a Hugging Face dataset is handed
-    over by ``ray.data.from_huggingface``, which takes none)."""
+    over by ``ray.data.from_huggingface``, which takes none). ``sizes``: see
+    ``RowFileDatasource``."""
     if spec.format == HF:
         rows = _read_huggingface(spec)
         return rows if order_seed is None else rows.randomize_block_order(seed=order_seed)
@@ -290,7 +297,11 @@ def read_dataset(
     if order_seed is not None:
         files = [files[i] for i in np.random.default_rng(order_seed).permutation(len(files))]
     return read_file_list(
-        spec, [FileRead(f) for f in files], chunk_bytes=chunk_bytes, label_selector=label_selector
+        spec,
+        [FileRead(f) for f in files],
+        chunk_bytes=chunk_bytes,
+        label_selector=label_selector,
+        sizes=sizes,
     )
 
 
@@ -300,8 +311,10 @@ def read_file_list(
     *,
     chunk_bytes: int | None = None,
     label_selector: dict[str, str] | None = None,
+    sizes: Mapping[str, int] | None = None,
 ) -> ray.data.Dataset:
-    """The rows ``reads`` keep of a file-based dataset's files, as one Ray Data read."""
+    """The rows ``reads`` keep of a file-based dataset's files, as one Ray Data read
+    (``sizes``: see ``RowFileDatasource``)."""
     datasource = RowFileDatasource(
         reads,
         format=spec.format,
@@ -310,6 +323,7 @@ def read_file_list(
         binary=spec.binary,
         on_bad_row=spec.on_bad_row,
         chunk_bytes=chunk_bytes,
+        sizes=sizes,
     )
     return ray.data.read_datasource(datasource, label_selector=label_selector or None)
 

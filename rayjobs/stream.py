@@ -105,8 +105,14 @@ class Estimate:
     rows_per_byte: float | None = None
     """Rows per byte of the files parsed for the sample (to size a dataset whose rows are not
     counted)."""
-    size: int | None = None
-    """Bytes in the dataset's files (stat'ed once, here)."""
+    file_sizes: dict[str, int] | None = None
+    """Bytes of each of the dataset's files (stat'ed once, here; the reads are planned with
+    them); None for a Hugging Face dataset."""
+
+    @property
+    def size(self) -> int | None:
+        """Bytes in the dataset's files."""
+        return sum(self.file_sizes.values()) if self.file_sizes is not None else None
 
 
 def estimate(config: Config, count_rows: bool) -> dict[str, Estimate]:
@@ -123,9 +129,11 @@ def estimate(config: Config, count_rows: bool) -> dict[str, Estimate]:
                 f"dataset {spec.name!r}: no samples in its first {SAMPLE_ROWS} rows after "
                 "templating (see on_bad_row and the overflow policy); it cannot be streamed"
             )
-        count = read_dataset(spec, **on_data_nodes(config)).count() if count_rows else None
-        size = sum(os.path.getsize(f) for f in spec.files) if spec.files else None
-        estimates[spec.name] = Estimate(float(lengths.mean()), count, density, size)
+        sizes = {f: os.path.getsize(f) for f in spec.files} if spec.files else None
+        count = None
+        if count_rows:
+            count = read_dataset(spec, sizes=sizes, **on_data_nodes(config)).count()
+        estimates[spec.name] = Estimate(float(lengths.mean()), count, density, sizes)
     return estimates
 
 
@@ -257,7 +265,7 @@ def pass_reads(
             from_row=head.below_row
             if head and (epoch, copy) == (0, 0) and path == head.path
             else None,
-        )  # fmt: skip
+        )
         for epoch, passes_ in enumerate(reads)
         for copy, read in enumerate(passes_)
         for path in read.files
@@ -265,13 +273,18 @@ def pass_reads(
 
 
 def _run_stream(
-    spec: DatasetConfig, reads: list[list[Pass]], where: dict[str, Any], head: Head | None
+    spec: DatasetConfig,
+    reads: list[list[Pass]],
+    where: dict[str, Any],
+    head: Head | None,
+    sizes: dict[str, int] | None = None,
 ) -> ray.data.Dataset:
     """One dataset's rows for the whole run (see ``pass_reads``): one read operator however many
     epochs and passes (each pass reads the files in a fresh random order: no all-to-all shuffle,
-    which would wait for the whole dataset); the packer's window shuffles the samples."""
+    which would wait for the whole dataset); the packer's window shuffles the samples.
+    ``sizes``: the files' bytes (``Estimate.file_sizes``)."""
     if spec.format != HF:
-        return read_file_list(spec, pass_reads(spec, reads, head), **where)
+        return read_file_list(spec, pass_reads(spec, reads, head), sizes=sizes, **where)
     parts = [  # a Hugging Face dataset: a read per pass, joined
         _tagged(_read_hf(spec, read, where), epoch, copy, where)
         for epoch, passes_ in enumerate(reads)
@@ -536,7 +549,8 @@ def packed_rows(config: Config, pad_id: int, ledger: Any = None) -> ray.data.Dat
     where = on_data_nodes(config)
     streams, expected = [], []
     for index, spec in enumerate(config.datasets):
-        streams.append(_run_stream(spec, reads[index], where, heads.get(spec.name)))
+        sizes = estimates[spec.name].file_sizes
+        streams.append(_run_stream(spec, reads[index], where, heads.get(spec.name), sizes))
         expected.append(fractions[index] * _rows_hint(estimates[spec.name]))
     rows = streams[0]
     mean_tokens = float(np.mean([e.mean_tokens for e in estimates.values()]))
@@ -558,7 +572,8 @@ def packed_rows(config: Config, pad_id: int, ledger: Any = None) -> ray.data.Dat
     parts = []
     for name, head in heads.items():
         spec, first = specs[name]
-        parts.append(read_file_list(spec, [_head_read(spec, head, first)], **where))
+        read = _head_read(spec, head, first)
+        parts.append(read_file_list(spec, [read], sizes=estimates[name].file_sizes, **where))
     warm = parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
     window = window_rows(config.packing.warmup_tokens // WARMUP_CALLS, mean_tokens)
     warm = _packed(tokenized(warm, config, ledger, tasks=True), config, pad_id, ledger, window, 0)

@@ -353,17 +353,31 @@ def test_a_runs_reads_of_a_dataset_are_its_passes_file_by_file(tmp_path):
             assert 0.4 < len(seen) / len(everything) < 0.6, (epoch, copy)
 
 
-def test_a_datasets_whole_run_is_one_read_operator(ray_local, capsys):
+def test_a_datasets_whole_run_is_one_read_operator(ray_local, capsys, monkeypatch):
     """However many epochs and passes (three epochs of 2–13 reads each here), each dataset is one
     read operator in the job's plan (plus one for its warm-up head), not one per pass joined by
-    unions: Ray Data's scheduling loop costs driver CPU in proportion to its operators."""
+    unions: Ray Data's scheduling loop costs driver CPU in proportion to its operators. Planning
+    it stats each file once (the estimate's sizes serve every read)."""
+    import os
+    from collections import Counter
+
+    stats = Counter()
+    getsize = os.path.getsize
+
+    def counted(path):
+        stats[str(path)] += 1
+        return getsize(path)
+
     config = _config(
         weights=[0.5, 0.3, 0.2],
         mix={"by": "tokens", "epoch_tokens": 1_600_000},
         packing={"seq_len": 1024, "window_tokens": 50_000, "warmup_tokens": 16_000},
         train={"epochs": 3},
     )
+    monkeypatch.setattr(os.path, "getsize", counted)  # (the config stat'ed its files to load)
     rows = stream.packed_rows(config, pad_id=0)
+    files = {f for spec in config.datasets for f in spec.files}
+    assert {f: stats[f] for f in files} == dict.fromkeys(files, 1)
     rows.explain()
     plan = capsys.readouterr().out.split("-------- Physical Plan (Optimized) --------")[1]
     operators = [line.strip().removeprefix("+- ").split("[")[0] for line in plan.splitlines()]
