@@ -19,7 +19,7 @@ read → mix → Tokenize pool → PackStream pool) into two consumers standing 
   is the step plus any wait for data, and ``paced_gap_s`` (the time between a consumer's last
   batch of epoch 0 and its first of epoch 1, the worse consumer) is compared with
   ``paced_median_s``;
-- ``peak_rss_mb``: peak resident memory of all Ray processes and the driver, sampled every 0.2 s,
+- ``peak_rss_mb``: peak resident memory of all Ray processes and the driver, sampled every 0.5 s,
   plus the object store in use at that moment;
 - ``tokenize_cpu_s`` / ``pack_cpu_s``: CPU seconds of the Tokenize and PackStream stages (their
   stage timers, all actors; the tokenizer's threads included);
@@ -70,6 +70,10 @@ class PipelineRow:
     paced_step_s: float | None = None
     paced_median_s: float | None = None
     paced_gap_s: float | None = None
+    tokens: int = 0
+    """Non-pad tokens the consumers took (both epochs)."""
+    reference_min: float = 0.0
+    reference_max: float = 0.0
     cpu_by_process: dict[str, float] = field(default_factory=dict)
     """CPU seconds of each kind of process from job start to the last batch (``process_label``)."""
 
@@ -88,38 +92,56 @@ def write_shards(data_dir: Path, out: Path, scale: int) -> dict[str, Path]:
     return folders
 
 
+SAMPLE_S = 0.5
+"""Seconds between the memory and CPU sampler's sweeps over the processes."""
+
+LABEL_SWEEPS = 4
+"""A process's title is read again every this many sweeps (a Ray worker's title names the task it
+runs, so it changes; reading every title at every sweep cost the driver a twentieth of a core)."""
+
+
 class _Memory(threading.Thread):
     """Samples the RSS of every Ray process and this driver, and the object store in use; and
-    each process's CPU time, for ``cpu_by_process``."""
+    each process's CPU time, for ``cpu_by_process``. The sampler runs in the driver, beside the
+    consumers, so it is kept cheap: a sweep every ``SAMPLE_S``, titles every ``LABEL_SWEEPS``."""
 
     def __init__(self) -> None:
         super().__init__(daemon=True)
         self.peak_mb, self.running = 0.0, True
         self.first_cpu: dict[int, float] = {}  # pid → CPU s at its first sample (0: started later)
         self.last_cpu: dict[int, tuple[str, float]] = {}  # pid → (label, CPU s at its last sample)
+        self.labels: dict[int, str | None] = {}  # pid → label; None: not a Ray process
 
     def run(self) -> None:
         import psutil
 
         me = psutil.Process().pid
-        first = True
+        sweep = 0
         while self.running:
             rss = 0
-            for process in psutil.process_iter(["name", "cmdline", "memory_info", "cpu_times"]):
-                command = " ".join(process.info["cmdline"] or [])
-                if "ray" in command or process.pid == me:
-                    rss += process.info["memory_info"].rss if process.info["memory_info"] else 0
-                    times = process.info["cpu_times"]
-                    if times is None:
+            for process in psutil.process_iter():
+                try:
+                    if process.pid not in self.labels or sweep % LABEL_SWEEPS == 0:
+                        cmdline = process.cmdline()
+                        ray_process = "ray" in " ".join(cmdline) or process.pid == me
+                        self.labels[process.pid] = (
+                            process_label(cmdline, process.pid == me) if ray_process else None
+                        )
+                    label = self.labels[process.pid]
+                    if label is None:
                         continue
-                    cpu = times.user + times.system
-                    self.first_cpu.setdefault(process.pid, cpu if first else 0.0)
-                    label = process_label(process.info["cmdline"] or [], process.pid == me)
-                    self.last_cpu[process.pid] = (label, cpu)
-            first = False
+                    with process.oneshot():
+                        rss += process.memory_info().rss
+                        times = process.cpu_times()
+                except psutil.Error:  # it ended (or cannot be read) between listing and reading
+                    continue
+                cpu = times.user + times.system
+                self.first_cpu.setdefault(process.pid, cpu if sweep == 0 else 0.0)
+                self.last_cpu[process.pid] = (label, cpu)
+            sweep += 1
             store = _object_store_used()
             self.peak_mb = max(self.peak_mb, (rss + store) / 2**20)
-            time.sleep(0.2)
+            time.sleep(SAMPLE_S)
 
     def cpu_by_process(self) -> dict[str, float]:
         """CPU seconds spent while sampling, by process label, largest first."""
@@ -216,6 +238,7 @@ def run_scale(config, scale: int, step_s: float = 0.0) -> dict:
         "steady_tokens_per_s": (sum(map(sum, tokens)) - first_tokens(stamps, tokens))
         / max(1e-9, times[-1] - times[0]),
         "last_batch_s": times[-1] - started,
+        "tokens": sum(map(sum, tokens)),
         "median_batch_s": statistics.median(medians),
         "epoch_gap_s": max(gaps),
         "peak_rss_mb": memory.peak_mb,
@@ -225,16 +248,20 @@ def run_scale(config, scale: int, step_s: float = 0.0) -> dict:
     }
 
 
-def reference_tokens_per_s(config) -> float:
+REFERENCE_REPEATS = 5
+"""Passes over the 1× data of each reference measurement (one pass is about half a CPU second)."""
+
+
+def reference_rates(config, repeats: int = REFERENCE_REPEATS) -> list[float]:
     """The job's templates and tokenizer alone on one core: a 1-CPU Ray task whose tokenizer runs
-    one thread (``tokenize.THREADS_ENV``), over one copy of the data, CPU time (so a busy machine
-    does not lower it)."""
+    one thread (``tokenize.THREADS_ENV``), ``repeats`` passes over one copy of the data, each
+    pass's tokens per CPU second (CPU time, so a busy machine does not lower it)."""
     import ray
 
     from rayjobs.tokenize import THREADS_ENV
 
     @ray.remote(num_cpus=1, runtime_env={"env_vars": {THREADS_ENV: "1"}})
-    def measure(config) -> float:
+    def measure(config, repeats: int) -> list[float]:
         import pyarrow as pa
 
         from rayjobs.sources import read_dataset
@@ -246,11 +273,24 @@ def reference_tokens_per_s(config) -> float:
             for spec in config.datasets
         ]
         tokenize(tables[0].slice(0, 8))  # the tokenizer's thread pool is built here
-        started = time.process_time()
-        tokens = sum(int(tokenize(t).column("num_tokens").to_numpy().sum()) for t in tables)
-        return tokens / (time.process_time() - started)
+        rates = []
+        for _ in range(repeats):
+            started = time.process_time()
+            tokens = sum(int(tokenize(t).column("num_tokens").to_numpy().sum()) for t in tables)
+            rates.append(tokens / (time.process_time() - started))
+        return rates
 
-    return ray.get(measure.remote(config))
+    return ray.get(measure.remote(config, repeats))
+
+
+def reference(rates: list[float]) -> float:
+    """The reference rate: the median of every pass measured before and after the runs (this
+    machine's speed drifts by a third over minutes; one short pass was as likely an outlier).
+
+    >>> reference([250.0, 240.0, 400.0, 260.0, 255.0, 245.0])
+    252.5
+    """
+    return statistics.median(rates)
 
 
 def bench_pipeline(
@@ -271,7 +311,7 @@ def bench_pipeline(
     ray.data.DataContext.get_current().enable_progress_bars = False  # the table is the output
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        reference = None
+        rates: list[float] = []
         for scale in scales:
             folders = write_shards(data_dir, Path(tmp) / f"{scale}x", scale)
             config = config_from_dict(
@@ -289,11 +329,12 @@ def bench_pipeline(
             )
             load_tokenizer(config)
             init_ray(config)
-            if reference is None:
-                reference = reference_tokens_per_s(config)
+            if not rates:
+                first_config = config
+                rates += reference_rates(first_config)
             measured = run_scale(config, scale)
             actors = config.ray.tokenize_concurrency or max(1, int(cluster_cpus(config)) // 2)
-            rows.append(PipelineRow(scale, reference_tokens_per_s=reference,
+            rows.append(PipelineRow(scale, reference_tokens_per_s=0.0,
                                     tokenize_cpus=actors * TOKENIZE_CPUS, **measured))  # fmt: skip
         if pace:
             last = rows[-1]
@@ -303,6 +344,10 @@ def bench_pipeline(
             last.paced_step_s = step
             last.paced_median_s = paced["median_batch_s"]
             last.paced_gap_s = paced["epoch_gap_s"]
+        rates += reference_rates(first_config)
+    for row in rows:
+        row.reference_tokens_per_s = reference(rates)
+        row.reference_min, row.reference_max = min(rates), max(rates)
     return rows
 
 
@@ -322,10 +367,11 @@ def format_rows(rows: list[PipelineRow]) -> str:
     lines.append("")
     for r in rows:
         busy = r.tokenize_cpu_s / max(1e-9, r.last_batch_s) / r.tokenize_cpus
+        per_cpu_s = r.tokens / max(1e-9, r.tokenize_cpu_s)
         lines.append(
             f"{r.scale}x: tokenize {r.tokenize_cpu_s:,.1f} CPU s ({busy:.0%} of its "
-            f"{r.tokenize_cpus} CPU(s) from job start to the last batch), "
-            f"pack {r.pack_cpu_s:,.1f} CPU s"
+            f"{r.tokenize_cpus} CPU(s) from job start to the last batch; {per_cpu_s:,.0f} tokens "
+            f"per CPU s), pack {r.pack_cpu_s:,.1f} CPU s"
         )
         if r.cpu_by_process:
             top = list(r.cpu_by_process.items())[:CPU_TABLE_PROCESSES]
@@ -348,6 +394,12 @@ def format_rows(rows: list[PipelineRow]) -> str:
         f"{last.steady_tokens_per_s / (last.tokenize_cpus * last.reference_tokens_per_s):.0%}"
         f" of {last.tokenize_cpus} tokenize CPU(s) x the 1-core reference"
     )
+    if last.reference_max:
+        lines.append(
+            f"1-core reference: {last.reference_tokens_per_s:,.0f} tokens/s, the median of "
+            f"{2 * REFERENCE_REPEATS} passes before and after the runs "
+            f"({last.reference_min:,.0f}-{last.reference_max:,.0f})"
+        )
     if last.paced_gap_s is not None:
         lines.append(
             f"paced at {last.scale}x (step {last.paced_step_s:.3f} s a batch): epoch gap "

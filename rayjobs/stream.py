@@ -21,11 +21,13 @@ window would also be the first batch's latency (no row leaves before its window 
 the head of the first epoch, ``packing.warmup_tokens`` taken from the first file each dataset reads,
 is a warm-up lane of its own: read, tokenized and packed by tasks (which give their CPUs back when
 the lane is done) in windows a quarter of its size, and joined to the main lane by a union; the
-main lane reads everything else. Packed rows leave in blocks of about 1 MiB (``block_rows``): the
+main lane reads everything else. Packed rows leave in blocks of about 1 MiB (``BLOCK_BYTES``): the
 trainers' ``streaming_split(equal=True)`` hands a block to one rank only while the blocks it still
-holds can even the ranks out, so one block per window would hold the first batch back. The packing
-bench measures this packer at the job's window against global best-fit decreasing; the pipeline
-bench measures the latency.
+holds can even the ranks out, so one block per window would hold the first batch back. The packer
+tasks cut them as they put them in the object store (the plan's ``target_max_block_size``), not a
+repartition operator after them: that copied every packed row once more, in another process. The
+packing bench measures this packer at the job's window against global best-fit decreasing; the
+pipeline bench measures the latency.
 
 Mixing. Each dataset is its own stream per epoch: every sample once (no weights), or, with weights,
 whole shuffled passes plus a random subsample, reading ``MIX_MARGIN`` (10%) more than its share of
@@ -77,6 +79,10 @@ TOKENIZE_CPUS = 1
 """Logical CPUs of a Tokenize actor, and the threads its tokenizer may use (``Tokenize``)."""
 
 BLOCK_BYTES = 1 << 20
+"""Bytes per block of packed rows (32 rows at seq_len 2048). Small blocks matter because the
+trainers' ``streaming_split(equal=True)`` hands a block to one rank only while the blocks it still
+holds can even the ranks out: one block per window would hold the first batch back until a second
+window is packed (or the stream ends)."""
 
 MIX_MARGIN = 0.1
 """Weighted mixing reads each dataset this much more than its share of an epoch, so that estimates
@@ -567,7 +573,7 @@ def packed_rows(config: Config, pad_id: int, ledger: Any = None) -> ray.data.Dat
         window, packers,
     )  # fmt: skip
     if not heads:
-        return packed
+        return _packed_blocks(packed)
     specs = {spec.name: (spec, reads[i][0][0]) for i, spec in enumerate(config.datasets)}
     parts = []
     for name, head in heads.items():
@@ -577,7 +583,15 @@ def packed_rows(config: Config, pad_id: int, ledger: Any = None) -> ray.data.Dat
     warm = parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
     window = window_rows(config.packing.warmup_tokens // WARMUP_CALLS, mean_tokens)
     warm = _packed(tokenized(warm, config, ledger, tasks=True), config, pad_id, ledger, window, 0)
-    return warm.union(packed)
+    return _packed_blocks(warm.union(packed))
+
+
+def _packed_blocks(rows: ray.data.Dataset) -> ray.data.Dataset:
+    """``rows`` with every task's output cut into blocks of about ``BLOCK_BYTES``. The setting is
+    the plan's (Ray Data plans a dataset with one context): it is what shapes the packers'
+    output, and changes nothing before them (raw-row and tokenized blocks are smaller)."""
+    rows.context.target_max_block_size = BLOCK_BYTES
+    return rows
 
 
 def budgets(
@@ -599,8 +613,8 @@ def _packed(
     samples: ray.data.Dataset, config: Config, pad_id: int, ledger: Any, window: int, actors: int
 ) -> ray.data.Dataset:
     """Tokenized samples → packed rows through a pool of up to ``actors`` PackStream actors (0:
-    tasks, the warm-up lane), one call per ``window`` samples, cut into blocks of ``block_rows``
-    rows."""
+    tasks, the warm-up lane), one call per ``window`` samples (``_packed_blocks`` cuts the
+    blocks)."""
     kwargs = {
         "seq_len": config.packing.seq_len,
         "strategy": config.packing.strategy,
@@ -609,16 +623,7 @@ def _packed(
         "ledger": ledger,
         "budget": config.mix.by if config.datasets[0].weight is not None else None,
     }
-    packed = _stage(samples, PackStream, kwargs, window, config, num_cpus=0.5, actors=actors)
-    return packed.repartition(target_num_rows_per_block=block_rows(config.packing.seq_len))
-
-
-def block_rows(seq_len: int) -> int:
-    """Rows per block of packed rows: about ``BLOCK_BYTES`` (four int32 columns). Small blocks
-    matter because the trainers' ``streaming_split(equal=True)`` hands a block to one rank only
-    while the blocks it still holds can even the ranks out: one block per window would hold the
-    first batch back until a second window is packed (or the stream ends)."""
-    return max(1, BLOCK_BYTES // (4 * 4 * seq_len))
+    return _stage(samples, PackStream, kwargs, window, config, num_cpus=0.5, actors=actors)
 
 
 def pack_batch(

@@ -170,3 +170,14 @@ def test_epoch_gap_is_the_wait_before_the_first_batch_of_epoch_1(stamps, expecte
     from rayjobs import bench_pipeline
 
     assert bench_pipeline.epoch_gap(stamps) == expected
+
+
+def test_pipeline_bench_examples():
+    """The pipeline bench's docstring examples (epoch gap, process labels, the reference's
+    median) hold."""
+    import doctest
+
+    from rayjobs import bench_pipeline
+
+    results = doctest.testmod(bench_pipeline)
+    assert results.attempted >= 5 and results.failed == 0

@@ -147,11 +147,18 @@ def _sources_of_documents(config) -> dict[tuple[int, ...], str]:
     }
 
 
-def test_weighted_stream_realizes_its_shares(ray_local):
+def test_weighted_stream_realizes_its_shares(ray_local, monkeypatch):
     """0.5/0.3/0.2 by tokens on real data (#9, acceptance 7): each epoch's realized token shares
     within 1 point of the weights, and every tenth of an epoch's packed rows within 5 points,
-    though one dataset is repeated and two subsampled."""
+    though one dataset is repeated and two subsampled. The packed rows arrive in blocks of about
+    ``BLOCK_BYTES``, each packer call's rows cut into several (so ``streaming_split`` can hand
+    the first rows to a rank at once)."""
+    import ray
+    from ray.data.block import BlockAccessor
+
     from rayjobs.pipeline import start_job
+
+    monkeypatch.setattr(stream, "BLOCK_BYTES", 1 << 18)  # 16 rows of 1024 tokens a block
 
     config = _config(
         weights=[0.5, 0.3, 0.2],
@@ -162,7 +169,18 @@ def test_weighted_stream_realizes_its_shares(ray_local):
         train={"epochs": 1},
     )
     job = start_job(config, prefix="test")
-    rows = job.rows.take_all()
+    blocks = [
+        BlockAccessor.for_block(ray.get(entry.ref))
+        for bundle in job.rows.iter_internal_ref_bundles()
+        for entry in bundle.blocks
+        if entry.metadata.num_rows  # (a packer call can hold no row of an epoch)
+    ]
+    rows = [row for block in blocks for row in block.iter_rows(public_row_format=True)]
+    row_bytes = max(block.size_bytes() / block.num_rows() for block in blocks)
+    assert max(block.size_bytes() for block in blocks) <= 1.5 * (1 << 18) + row_bytes
+    calls = sum(c["calls"] for c in job.snapshot()["pack"].values())
+    # uncut, a call's rows would be one block (or none)
+    assert len(blocks) > 1.5 * calls, "guard: the packer calls' rows were cut into blocks"
     mixes = job.mixes(job.snapshot())
     assert len(mixes) == 1
     for mix in mixes:
@@ -385,5 +403,9 @@ def test_a_datasets_whole_run_is_one_read_operator(ray_local, capsys, monkeypatc
     assert len(reads) == 3 + 3, plan
     # two unions: the warm-up heads joined, the warm-up lane joined to the main lane
     assert operators.count("UnionOperator") == 2, plan
+    # The packer tasks cut their rows into blocks (``_packed_blocks``): no repartition after
+    # them, which copied every packed row once more (the plan is printed root first).
+    below_packers = plan.split("MapBatches(PackStream)")[0]
+    assert "Repartition" not in below_packers and "PackStream" in plan, plan
     fractions = stream.epoch_fractions(config, stream.estimate(config, count_rows=True))
     assert min(fractions) > 2, "guard: every dataset read in several passes an epoch"
