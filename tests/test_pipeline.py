@@ -125,7 +125,10 @@ def test_ledger_matches_the_rows(packed_run):
     # guard: the exactly-once checks above ran with two tokenize and two packer actors
     assert sum(snapshot["actors"]["Tokenize"].values()) >= 2
     assert sum(snapshot["actors"]["PackStream"].values()) >= 2
-    assert lower_bound <= len(rows) <= lower_bound + pack["calls"]  # at most a row per call
+    # Each call packs its window alone: its own rounding up (under a row) and, now and then, a
+    # second part-filled row where best fit could not merge two tails (12 or 13 rows over the
+    # bound in 12 calls, in six runs); a row per document would be 700.
+    assert lower_bound <= len(rows) <= lower_bound + 1.5 * pack["calls"]
 
 
 def test_overflow_drop_counts_and_split_keeps_every_token(ray_local):
