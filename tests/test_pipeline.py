@@ -127,7 +127,7 @@ def test_ledger_matches_the_rows(packed_run):
     assert sum(snapshot["actors"]["PackStream"].values()) >= 2
     # Each call packs its window alone: its own rounding up (under a row) and, now and then, a
     # second part-filled row where best fit could not merge two tails (12 or 13 rows over the
-    # bound in 12 calls, in six runs); a row per document would be 700.
+    # bound in 12 calls, in eight runs); a row per document would be 700.
     assert lower_bound <= len(rows) <= lower_bound + 1.5 * pack["calls"]
 
 
