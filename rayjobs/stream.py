@@ -572,27 +572,23 @@ def packed_rows(config: Config, pad_id: int, ledger: Any = None) -> ray.data.Dat
         tokenized(rows, config, ledger), config, pad_id, ledger,
         window, packers,
     )  # fmt: skip
-    if not heads:
-        return _packed_blocks(packed)
-    specs = {spec.name: (spec, reads[i][0][0]) for i, spec in enumerate(config.datasets)}
-    parts = []
-    for name, head in heads.items():
-        spec, first = specs[name]
-        read = _head_read(spec, head, first)
-        parts.append(read_file_list(spec, [read], sizes=estimates[name].file_sizes, **where))
-    warm = parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
-    window = window_rows(config.packing.warmup_tokens // WARMUP_CALLS, mean_tokens)
-    warm = _packed(tokenized(warm, config, ledger, tasks=True), config, pad_id, ledger, window, 0)
-    return _packed_blocks(warm.union(packed))
-
-
-def _packed_blocks(rows: ray.data.Dataset) -> ray.data.Dataset:
-    """``rows`` with every task's output cut into blocks of about ``BLOCK_BYTES``. The setting is
-    the plan's (Ray Data plans a dataset with one context): it shapes the packers' output, and
-    caps the raw-row and tokenized blocks before them too (a zero-copy slice of a larger one; a
-    256-row tokenized batch is ~0.5 MiB at the demo's lengths)."""
-    rows.context.target_max_block_size = BLOCK_BYTES
-    return rows
+    if heads:
+        specs = {spec.name: (spec, reads[i][0][0]) for i, spec in enumerate(config.datasets)}
+        parts = []
+        for name, head in heads.items():
+            spec, first = specs[name]
+            read = _head_read(spec, head, first)
+            parts.append(read_file_list(spec, [read], sizes=estimates[name].file_sizes, **where))
+        warm = parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
+        window = window_rows(config.packing.warmup_tokens // WARMUP_CALLS, mean_tokens)
+        warm = tokenized(warm, config, ledger, tasks=True)
+        packed = _packed(warm, config, pad_id, ledger, window, 0).union(packed)
+    # Every task's output cut into blocks of about BLOCK_BYTES. The setting is the plan's (Ray Data
+    # plans a dataset with one context): it shapes the packers' output, and caps the raw-row and
+    # tokenized blocks before them too (a zero-copy slice of a larger one; a 256-row tokenized
+    # batch is ~0.5 MiB at the demo's lengths).
+    packed.context.target_max_block_size = BLOCK_BYTES
+    return packed
 
 
 def budgets(
@@ -614,8 +610,8 @@ def _packed(
     samples: ray.data.Dataset, config: Config, pad_id: int, ledger: Any, window: int, actors: int
 ) -> ray.data.Dataset:
     """Tokenized samples → packed rows through a pool of up to ``actors`` PackStream actors (0:
-    tasks, the warm-up lane), one call per ``window`` samples (``_packed_blocks`` cuts the
-    blocks)."""
+    tasks, the warm-up lane), one call per ``window`` samples (``packed_rows`` sets the block
+    size)."""
     kwargs = {
         "seq_len": config.packing.seq_len,
         "strategy": config.packing.strategy,

@@ -403,7 +403,7 @@ def test_a_datasets_whole_run_is_one_read_operator(ray_local, capsys, monkeypatc
     assert len(reads) == 3 + 3, plan
     # two unions: the warm-up heads joined, the warm-up lane joined to the main lane
     assert operators.count("UnionOperator") == 2, plan
-    # The packer tasks cut their rows into blocks (``_packed_blocks``): no repartition after
+    # The packer tasks cut their rows into blocks (``BLOCK_BYTES``): no repartition after
     # them, which copied every packed row once more (the plan is printed root first).
     below_packers = plan.split("MapBatches(PackStream)")[0]
     assert "Repartition" not in below_packers and "PackStream" in plan, plan
