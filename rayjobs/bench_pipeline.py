@@ -309,9 +309,8 @@ def bench_pipeline(
     from rayjobs.stream import TOKENIZE_CPUS, cluster_cpus
 
     ray.data.DataContext.get_current().enable_progress_bars = False  # the table is the output
-    rows = []
+    runs = []  # (scale, tokenize CPUs, what run_scale measured), in scale order
     with tempfile.TemporaryDirectory() as tmp:
-        rates: list[float] = []
         for scale in scales:
             folders = write_shards(data_dir, Path(tmp) / f"{scale}x", scale)
             config = config_from_dict(
@@ -329,26 +328,27 @@ def bench_pipeline(
             )
             load_tokenizer(config)
             init_ray(config)
-            if not rates:
+            if not runs:  # the reference's passes over one copy of the data: the first scale's
                 first_config = config
-                rates += reference_rates(first_config)
-            measured = run_scale(config, scale)
+                rates = reference_rates(first_config)
             actors = config.ray.tokenize_concurrency or max(1, int(cluster_cpus(config)) // 2)
-            rows.append(PipelineRow(scale, reference_tokens_per_s=0.0,
-                                    tokenize_cpus=actors * TOKENIZE_CPUS, **measured))  # fmt: skip
+            runs.append((scale, actors * TOKENIZE_CPUS, run_scale(config, scale)))
         if pace:
-            last = rows[-1]
+            last = runs[-1][2]
             batch_tokens = BATCH_ROWS * 2048 * 0.99
-            step = batch_tokens / (pace * last.steady_tokens_per_s / 2)  # 2 consumers
-            paced = run_scale(config, last.scale, step_s=step)
-            last.paced_step_s = step
-            last.paced_median_s = paced["median_batch_s"]
-            last.paced_gap_s = paced["epoch_gap_s"]
+            step = batch_tokens / (pace * last["steady_tokens_per_s"] / 2)  # 2 consumers
+            paced = run_scale(config, runs[-1][0], step_s=step)
+            last |= {
+                "paced_step_s": step,
+                "paced_median_s": paced["median_batch_s"],
+                "paced_gap_s": paced["epoch_gap_s"],
+            }
         rates += reference_rates(first_config)
-    for row in rows:
-        row.reference_tokens_per_s = reference(rates)
-        row.reference_min, row.reference_max = min(rates), max(rates)
-    return rows
+    return [
+        PipelineRow(scale, reference_tokens_per_s=reference(rates), tokenize_cpus=cpus,
+                    reference_min=min(rates), reference_max=max(rates), **measured)
+        for scale, cpus, measured in runs
+    ]  # fmt: skip
 
 
 def format_rows(rows: list[PipelineRow]) -> str:
