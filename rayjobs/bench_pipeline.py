@@ -27,10 +27,15 @@ read → mix → Tokenize pool → PackStream pool) into two consumers standing 
   batch, by kind (an actor's class, a task's name, ``raylet``, …): where the cores went besides
   tokenization;
 - ``reference_tokens_per_s``: the same tokenizer and templates alone on one core (a 1-CPU Ray task
-  with the tokenizer's thread pool at one thread, before the pipeline starts) over the 1× data;
-  ``tokenize_cpus``: the CPUs the job gives tokenization (Tokenize actors at most × 1 CPU each;
-  ``--tokenize-actors`` sets it), so ``steady / (tokenize_cpus × reference)`` is the share of the
-  tokenizers' capacity the whole path delivers.
+  with the tokenizer's thread pool at one thread, nothing else running) over the 1× data, tokens
+  per second of wall time, the median of passes before and after the runs;
+  ``reference_cpu_tokens_per_s``: the same passes per CPU second; ``tokenize_cpus``: the CPUs the
+  job gives tokenization (Tokenize actors at most × 1 CPU each; ``--tokenize-actors`` sets it), so
+  ``steady / (tokenize_cpus × reference)`` is the share of the tokenizers' capacity the whole path
+  delivers. Both are wall-clock rates: on a virtual machine the host takes some of each vCPU's
+  time (``steal``, in ``/proc/stat``), from the pipeline and the reference alike, and CPU time
+  leaves that out; ``steal_share`` (during the run) and ``reference_steal_share`` (during the
+  reference's passes) say how much it took.
 
 Ratios between scales are measured in the same run, on the same machine.
 """
@@ -74,6 +79,11 @@ class PipelineRow:
     """Non-pad tokens the consumers took (both epochs)."""
     reference_min: float = 0.0
     reference_max: float = 0.0
+    reference_cpu_tokens_per_s: float = 0.0
+    """The reference's passes per CPU second (their median)."""
+    steal_share: float | None = None
+    """Share of the host's CPU time stolen by the hypervisor from job start to the last batch."""
+    reference_steal_share: float | None = None
     cpu_by_process: dict[str, float] = field(default_factory=dict)
     """CPU seconds of each kind of process from job start to the last batch (``process_label``)."""
 
@@ -207,12 +217,35 @@ def first_tokens(stamps: list[list], tokens: list[list]) -> int:
     return tokens[first][0] if tokens[first] else 0
 
 
+def cpu_ticks() -> tuple[int, int] | None:
+    """(stolen, all) CPU ticks of this host since boot (``/proc/stat``; None where there is none):
+    the time a hypervisor ran something else on this machine's vCPUs."""
+    try:
+        with open("/proc/stat") as stat:
+            ticks = [int(v) for v in stat.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (ticks[7] if len(ticks) > 7 else 0), sum(ticks[:8])
+
+
+def steal_between(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """The share of CPU time stolen between two ``cpu_ticks``.
+
+    >>> steal_between((10, 1000), (40, 1200))
+    0.15
+    """
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
+
+
 def run_scale(config, scale: int, step_s: float = 0.0) -> dict:
     """Stream two epochs of the config into two consumers; timings from job start."""
     from rayjobs.pipeline import start_job
 
     memory = _Memory()
     memory.start()
+    ticks = cpu_ticks()
     started = time.perf_counter()
     job = start_job(config, prefix=f"bench-{scale}x")
     iterators = job.rows.streaming_split(2, equal=True)
@@ -226,6 +259,7 @@ def run_scale(config, scale: int, step_s: float = 0.0) -> dict:
         thread.start()
     for thread in threads:
         thread.join()
+    steal = steal_between(ticks, cpu_ticks())
     memory.running = False
     memory.join()
     times = sorted(t for consumer in stamps for t, _, _ in consumer)
@@ -245,6 +279,7 @@ def run_scale(config, scale: int, step_s: float = 0.0) -> dict:
         "tokenize_cpu_s": sum(c["cpu_seconds"] for c in snapshot["tokenize"].values()),
         "pack_cpu_s": sum(c["cpu_seconds"] for c in snapshot["pack"].values()),
         "cpu_by_process": memory.cpu_by_process(),
+        "steal_share": steal,
     }
 
 
@@ -252,10 +287,12 @@ REFERENCE_REPEATS = 5
 """Passes over the 1× data of each reference measurement (one pass is about half a CPU second)."""
 
 
-def reference_rates(config, repeats: int = REFERENCE_REPEATS) -> list[float]:
+def reference_rates(config, repeats: int = REFERENCE_REPEATS) -> list[tuple[float, float]]:
     """The job's templates and tokenizer alone on one core: a 1-CPU Ray task whose tokenizer runs
     one thread (``tokenize.THREADS_ENV``), ``repeats`` passes over one copy of the data, each
-    pass's tokens per CPU second (CPU time, so a busy machine does not lower it)."""
+    pass's (tokens per second, tokens per CPU second). Nothing else runs meanwhile (the pipeline
+    is not started or has ended), so the first is what one core delivers on this machine, the
+    time its host takes from it included, as it is from the pipeline."""
     import ray
 
     from rayjobs.tokenize import THREADS_ENV
@@ -275,9 +312,10 @@ def reference_rates(config, repeats: int = REFERENCE_REPEATS) -> list[float]:
         tokenize(tables[0].slice(0, 8))  # the tokenizer's thread pool is built here
         rates = []
         for _ in range(repeats):
-            started = time.process_time()
+            wall, cpu = time.perf_counter(), time.process_time()
             tokens = sum(int(tokenize(t).column("num_tokens").to_numpy().sum()) for t in tables)
-            rates.append(tokens / (time.process_time() - started))
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+            rates.append((tokens / wall, tokens / cpu))
         return rates
 
     return ray.get(measure.remote(config, repeats))
@@ -291,6 +329,13 @@ def reference(rates: list[float]) -> float:
     252.5
     """
     return statistics.median(rates)
+
+
+def measure_reference(config, repeats: int = REFERENCE_REPEATS) -> tuple[list[tuple], float | None]:
+    """``reference_rates`` and the share of CPU time stolen while they ran."""
+    ticks = cpu_ticks()
+    rates = reference_rates(config, repeats)
+    return rates, steal_between(ticks, cpu_ticks())
 
 
 def bench_pipeline(
@@ -330,7 +375,7 @@ def bench_pipeline(
             init_ray(config)
             if not runs:  # the reference's passes over one copy of the data: the first scale's
                 first_config = config
-                rates = reference_rates(first_config)
+                rates, steal_before = measure_reference(first_config)
             actors = config.ray.tokenize_concurrency or max(1, int(cluster_cpus(config)) // 2)
             runs.append((scale, actors * TOKENIZE_CPUS, run_scale(config, scale)))
         if pace:
@@ -343,10 +388,15 @@ def bench_pipeline(
                 "paced_median_s": paced["median_batch_s"],
                 "paced_gap_s": paced["epoch_gap_s"],
             }
-        rates += reference_rates(first_config)
+        after, steal_after = measure_reference(first_config)
+        rates += after
+    wall, cpu = [rate for rate, _ in rates], [rate for _, rate in rates]
+    steals = [share for share in (steal_before, steal_after) if share is not None]
     return [
-        PipelineRow(scale, reference_tokens_per_s=reference(rates), tokenize_cpus=cpus,
-                    reference_min=min(rates), reference_max=max(rates), **measured)
+        PipelineRow(scale, reference_tokens_per_s=reference(wall), tokenize_cpus=cpus,
+                    reference_min=min(wall), reference_max=max(wall),
+                    reference_cpu_tokens_per_s=reference(cpu),
+                    reference_steal_share=statistics.mean(steals) if steals else None, **measured)
         for scale, cpus, measured in runs
     ]  # fmt: skip
 
@@ -398,7 +448,15 @@ def format_rows(rows: list[PipelineRow]) -> str:
         lines.append(
             f"1-core reference: {last.reference_tokens_per_s:,.0f} tokens/s, the median of "
             f"{2 * REFERENCE_REPEATS} passes before and after the runs "
-            f"({last.reference_min:,.0f}-{last.reference_max:,.0f})"
+            f"({last.reference_min:,.0f}-{last.reference_max:,.0f}); "
+            f"{last.reference_cpu_tokens_per_s:,.0f} per CPU second"
+        )
+    steals = [(f"{r.scale}x", r.steal_share) for r in rows]
+    steals.append(("the reference", last.reference_steal_share))
+    if any(share is not None for _, share in steals):
+        lines.append(
+            "CPU time taken by the host (steal): "
+            + ", ".join(f"{share:.1%} during {what}" for what, share in steals if share is not None)
         )
     if last.paced_gap_s is not None:
         lines.append(

@@ -132,6 +132,20 @@ def test_pipeline_bench_shards_and_report(tmp_path):
     assert "steady throughput at 30x = 80% of 2 tokenize CPU(s) x the 1-core reference" in report
     assert "epoch gap 0.400 s = 1.60x the median time between batches (0.250 s)" in report
     assert "CPU s by process" not in report  # none sampled
+    assert "steal" not in report  # no /proc/stat: no steal figures
+    for row, steal in zip(rows, (0.02, 0.115), strict=True):
+        row.steal_share = steal
+    rows[-1].reference_steal_share, rows[-1].reference_max = 0.031, 650.0
+    rows[-1].reference_min, rows[-1].reference_cpu_tokens_per_s = 420.0, 530.0
+    report = bench_pipeline.format_rows(rows)
+    assert (
+        "1-core reference: 500 tokens/s, the median of 10 passes before and after the runs "
+        "(420-650); 530 per CPU second" in report
+    )
+    assert (
+        "CPU time taken by the host (steal): 2.0% during 1x, 11.5% during 30x, 3.1% during the "
+        "reference" in report
+    )
     rows[-1].cpu_by_process = {"MapWorker(MapBatches(Tokenize))": 30.5, "raylet": 4.25}
     assert (
         "    CPU s by process (34.8 in all): MapWorker(MapBatches(Tokenize)) 30.5, raylet 4.2"
