@@ -73,14 +73,7 @@ from rayjobs.tokenize import TRIPLE_COLUMNS, Tokenize
 SAMPLE_ROWS = 2048
 """Rows of each dataset tokenized in the driver to estimate its mean sample length."""
 
-TOKENIZE_BATCH_ROWS = 1024
-"""Rows per Tokenize call in the main lane. Each call reports to the ledger and waits for its
-answer (exactly-once accounting), and costs Ray Data's executor a task event: larger calls give
-the tokenizer more of its core. The first rows do not wait for them (the warm-up lane)."""
-
-WARMUP_TOKENIZE_BATCH_ROWS = 256
-"""Rows per Tokenize call in the warm-up lane: its first packer call waits for a quarter of the
-lane, tokenized by tasks in calls of this size."""
+TOKENIZE_BATCH_ROWS = 256
 
 TOKENIZE_CPUS = 1
 """Logical CPUs of a Tokenize actor, and the threads its tokenizer may use (``Tokenize``)."""
@@ -449,8 +442,9 @@ def tokenized(
     }
     ceiling = config.ray.tokenize_concurrency or max(1, int(cluster_cpus(config)) // 2)
     actors = 0 if tasks else ceiling
-    batch_rows = WARMUP_TOKENIZE_BATCH_ROWS if tasks else TOKENIZE_BATCH_ROWS
-    return _stage(rows, Tokenize, kwargs, batch_rows, config, num_cpus=TOKENIZE_CPUS, actors=actors)
+    return _stage(
+        rows, Tokenize, kwargs, TOKENIZE_BATCH_ROWS, config, num_cpus=TOKENIZE_CPUS, actors=actors
+    )
 
 
 def _stage(

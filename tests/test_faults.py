@@ -73,17 +73,6 @@ def _counts(snapshot: dict) -> dict:
     return {"tokenize": tokenize, "pack": pack}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _small_tokenize_batches():
-    """Tokenize calls of 256 rows (the job's are 1024): the 700 rows make several, so the
-    second exists."""
-    from rayjobs import stream
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(stream, "TOKENIZE_BATCH_ROWS", 256)
-        yield
-
-
 @pytest.fixture(scope="module")
 def clean(ray_local):
     return _run(_config())
