@@ -118,9 +118,10 @@ class _Memory(threading.Thread):
     def __init__(self) -> None:
         super().__init__(daemon=True)
         self.peak_mb, self.running = 0.0, True
-        self.first_cpu: dict[int, float] = {}  # pid → CPU s at its first sample (0: started later)
-        self.last_cpu: dict[int, tuple[str, float]] = {}  # pid → (label, CPU s at its last sample)
+        self.last_cpu: dict[int, float] = {}  # pid → CPU s at its last sample
         self.labels: dict[int, str | None] = {}  # pid → label; None: not a Ray process
+        self.totals: dict[str, float] = {}  # label → CPU s while sampling
+        self.last_task: dict[int, str] = {}  # pid → the last label it had other than IDLE
 
     def run(self) -> None:
         import psutil
@@ -145,20 +146,37 @@ class _Memory(threading.Thread):
                         times = process.cpu_times()
                 except psutil.Error:  # it ended (or cannot be read) between listing and reading
                     continue
-                cpu = times.user + times.system
-                self.first_cpu.setdefault(process.pid, cpu if sweep == 0 else 0.0)
-                self.last_cpu[process.pid] = (label, cpu)
+                self.account(process.pid, label, times.user + times.system, sweep == 0)
             sweep += 1
             store = _object_store_used()
             self.peak_mb = max(self.peak_mb, (rss + store) / 2**20)
             time.sleep(SAMPLE_S)
 
+    def account(self, pid: int, label: str, cpu: float, first_sweep: bool = False) -> None:
+        """A process's CPU time at a sweep: what it used since its last sample goes to its label
+        then. A task worker's title is ``IDLE`` between tasks, and its tasks are often shorter
+        than a sweep: its CPU goes to the last task seen on it (a Ray worker idle for a whole
+        sweep uses about 1% of a core), to ``IDLE`` only before it has run one.
+
+        >>> memory = _Memory()
+        >>> for pid, label, cpu in [(7, "IDLE", 1.0), (7, "ReadRowFile", 1.5), (7, "IDLE", 2.5),
+        ...                         (8, "Ledger", 0.25), (8, "Ledger", 0.5)]:
+        ...     memory.account(pid, label, cpu)
+        >>> memory.cpu_by_process()
+        {'ReadRowFile': 1.5, 'IDLE': 1.0, 'Ledger': 0.5}
+        """
+        if label == "IDLE":
+            label = self.last_task.get(pid, label)
+        else:
+            self.last_task[pid] = label
+        # (a process first seen at the first sweep counts from there; one started later, from 0)
+        start = self.last_cpu.get(pid, cpu if first_sweep else 0.0)
+        self.totals[label] = self.totals.get(label, 0.0) + cpu - start
+        self.last_cpu[pid] = cpu
+
     def cpu_by_process(self) -> dict[str, float]:
         """CPU seconds spent while sampling, by process label, largest first."""
-        totals: dict[str, float] = {}
-        for pid, (label, cpu) in self.last_cpu.items():
-            totals[label] = totals.get(label, 0.0) + cpu - self.first_cpu.get(pid, 0.0)
-        return dict(sorted(totals.items(), key=lambda item: -item[1]))
+        return dict(sorted(self.totals.items(), key=lambda item: -item[1]))
 
 
 def process_label(cmdline: list[str], driver: bool = False) -> str:
