@@ -189,11 +189,15 @@ def process_label(cmdline: list[str], driver: bool = False) -> str:
     'raylet'
     >>> process_label(["python", "-m", "rayjobs.cli"], driver=True)
     'driver (consumers)'
+    >>> process_label(["python3.11", "/site-packages/ray/_private/workers/default_worker.py"])
+    'worker start-up'
     """
     if driver:
         return "driver (consumers)"
     if cmdline and cmdline[0].startswith("ray::"):
         return cmdline[0].removeprefix("ray::").split(" ")[0]
+    if any(part.endswith("default_worker.py") for part in cmdline):
+        return "worker start-up"  # a Ray worker before its title: importing, connecting
     return Path(cmdline[0]).name if cmdline else "?"
 
 

@@ -160,6 +160,7 @@ def test_pipeline_bench_shards_and_report(tmp_path):
         (["ray::ReadRowFile->SplitBlocks(2) extra"], False, "ReadRowFile->SplitBlocks(2)"),
         (["/site-packages/ray/core/src/ray/raylet/raylet", "--flag"], False, "raylet"),
         (["python", "-m", "rayjobs.cli", "bench"], True, "driver (consumers)"),
+        (["python3.11", "/x/ray/_private/workers/default_worker.py"], False, "worker start-up"),
         ([], False, "?"),
     ],
 )
