@@ -6,6 +6,8 @@ read → mix → Tokenize pool → PackStream pool) into two consumers standing 
 (``streaming_split(2, equal=True)``), and reports from job start:
 
 - ``first_batch_s``: seconds until the first packed batch reaches a consumer;
+  ``every_first_batch_s``: until every consumer has had its first (trainers that step together
+  start when the last of them has one);
 - ``tokens_per_s``: non-pad tokens consumed per second from job start to the last batch (start-up
   included); ``steady_tokens_per_s``: the same from the first batch to the last (the steady state;
   ``last_batch_s`` is when the last batch came). A packer call emits its whole window at once, so
@@ -79,6 +81,8 @@ class PipelineRow:
     """Non-pad tokens the consumers took (both epochs)."""
     reference_min: float = 0.0
     reference_max: float = 0.0
+    every_first_batch_s: float | None = None
+    """Seconds from job start until every consumer has had its first batch."""
     reference_cpu_tokens_per_s: float = 0.0
     """The reference's passes per CPU second (their median)."""
     steal_share: float | None = None
@@ -290,6 +294,7 @@ def run_scale(config, scale: int, step_s: float = 0.0) -> dict:
     return {
         "samples_per_epoch": snapshot["pack"][0]["num_documents"],
         "first_batch_s": times[0] - started,
+        "every_first_batch_s": max(consumer[0][0] for consumer in stamps) - started,
         "tokens_per_s": sum(map(sum, tokens)) / max(1e-9, times[-1] - started),
         "steady_tokens_per_s": (sum(map(sum, tokens)) - first_tokens(stamps, tokens))
         / max(1e-9, times[-1] - times[0]),
@@ -461,6 +466,12 @@ def format_rows(rows: list[PipelineRow]) -> str:
             f"\n{last.scale}x vs {first.scale}x: first batch {first_batch:.2f}x, "
             f"peak memory {memory:.2f}x"
         )
+        if first.every_first_batch_s and last.every_first_batch_s:
+            lines.append(
+                f"first batch at every consumer: {first.every_first_batch_s:.1f} s at "
+                f"{first.scale}x, {last.every_first_batch_s:.1f} s at {last.scale}x "
+                f"({last.every_first_batch_s / first.every_first_batch_s:.2f}x)"
+            )
     lines.append(
         f"steady throughput at {last.scale}x = "
         f"{last.steady_tokens_per_s / (last.tokenize_cpus * last.reference_tokens_per_s):.0%}"

@@ -129,6 +129,12 @@ def test_pipeline_bench_shards_and_report(tmp_path):
     rows[-1].paced_step_s, rows[-1].paced_median_s, rows[-1].paced_gap_s = 0.2, 0.25, 0.4
     report = bench_pipeline.format_rows(rows)
     assert "30x vs 1x: first batch 1.20x, peak memory 1.30x" in report
+    assert "at every consumer" not in report  # not measured
+    rows[0].every_first_batch_s, rows[1].every_first_batch_s = 12.5, 28.0
+    assert (
+        "first batch at every consumer: 12.5 s at 1x, 28.0 s at 30x (2.24x)"
+        in bench_pipeline.format_rows(rows)
+    )
     assert "steady throughput at 30x = 80% of 2 tokenize CPU(s) x the 1-core reference" in report
     assert "epoch gap 0.400 s = 1.60x the median time between batches (0.250 s)" in report
     assert "CPU s by process" not in report  # none sampled
