@@ -88,6 +88,7 @@ class PipelineRow:
     steal_share: float | None = None
     """Share of the host's CPU time stolen by the hypervisor from job start to the last batch."""
     reference_steal_share: float | None = None
+    """The same during the reference's passes (the mean of the passes before and after)."""
     cpu_by_process: dict[str, float] = field(default_factory=dict)
     """CPU seconds of each kind of process from job start to the last batch (``process_label``)."""
 
@@ -237,6 +238,19 @@ def epoch_gap(stamps: list[tuple[float, int, int]]) -> tuple[float, float]:
     return (statistics.median(waits) if waits else 0.0), gap
 
 
+def every_first(stamps: list[list], started: float) -> float | None:
+    """Seconds from ``started`` until every consumer had its first batch; None if one had none.
+
+    >>> every_first([[(3.0, 0, 0), (4.0, 0, 0)], [(7.5, 0, 0)]], started=1.0)
+    6.5
+    >>> every_first([[(3.0, 0, 0)], []], started=1.0) is None
+    True
+    """
+    if not all(stamps):
+        return None
+    return max(consumer[0][0] for consumer in stamps) - started
+
+
 def first_tokens(stamps: list[list], tokens: list[list]) -> int:
     """Tokens of the first batch consumed (it arrived at the start of the steady state)."""
     first = min(range(len(stamps)), key=lambda i: stamps[i][0][0] if stamps[i] else float("inf"))
@@ -294,7 +308,7 @@ def run_scale(config, scale: int, step_s: float = 0.0) -> dict:
     return {
         "samples_per_epoch": snapshot["pack"][0]["num_documents"],
         "first_batch_s": times[0] - started,
-        "every_first_batch_s": max(consumer[0][0] for consumer in stamps) - started,
+        "every_first_batch_s": every_first(stamps, started),
         "tokens_per_s": sum(map(sum, tokens)) / max(1e-9, times[-1] - started),
         "steady_tokens_per_s": (sum(map(sum, tokens)) - first_tokens(stamps, tokens))
         / max(1e-9, times[-1] - times[0]),
