@@ -16,6 +16,7 @@ data side (CPU nodes; numpy, pyarrow, Ray Data; never torch):
 train side (GPU nodes; torch):
     masks.py       document_ids → dense mask (SDPA) and BlockMask (FlexAttention)
     collate.py     packed rows → tensors on the rank's device
+    ahead.py       a rank's read-ahead: batches taken in a thread, not by Ray's prefetch
     model.py       the demo decoder, Hugging Face causal LMs (PackedLM), the chunked loss
     train.py       the TorchTrainer loop: equal batches per rank, guard, checkpoint; and
                    ``train_batches``, the same batches for users' own loops (README)

@@ -3,7 +3,8 @@
 For each scale the bench writes the real alpaca and hh chat sets repeated ``scale`` times as JSONL
 shards (one file per copy), streams two epochs through the job's own data path (``start_job``:
 read → mix → Tokenize pool → PackStream pool) into two consumers standing in for trainers
-(``streaming_split(2, equal=True)``), and reports from job start:
+(``streaming_split(2, equal=True)``; each takes its batches as ``train.rank_batches`` does,
+read ahead in a thread with Ray's prefetch off, ``rayjobs.ahead``), and reports from job start:
 
 - ``first_batch_s``: seconds until the first packed batch reaches a consumer;
   ``every_first_batch_s``: until every consumer has had its first (trainers that step together
@@ -217,7 +218,11 @@ def _object_store_used() -> int:
 def _consume(iterator, stamps: list, tokens: list, step_s: float = 0.0) -> None:
     """Take every batch of one split, recording (arrival, highest epoch, lowest epoch) and its
     tokens; with ``step_s`` spend that long on each batch, as a trainer's step would."""
-    for batch in iterator.iter_batches(batch_size=BATCH_ROWS, drop_last=True):
+    from rayjobs.ahead import read_ahead
+
+    # As the trainers take theirs (train.rank_batches): read ahead in a thread, not Ray's prefetch.
+    batches = iterator.iter_batches(batch_size=BATCH_ROWS, drop_last=True, prefetch_batches=0)
+    for batch in read_ahead(batches):
         stamps.append((time.perf_counter(), int(batch["epoch"].max()), int(batch["epoch"].min())))
         tokens.append(int(batch["num_tokens"].sum()))
         if step_s:

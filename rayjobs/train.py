@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from rayjobs import dpo, masks, seeds
+from rayjobs.ahead import read_ahead
 from rayjobs.collate import collate
 from rayjobs.config import Config, HFModelConfig, TrainConfig
 from rayjobs.dpo import ROLE_CHOSEN
@@ -86,19 +87,28 @@ def rank_batches(
     Before each step all ranks all-reduce (MIN) a "have a batch" flag; a batch held when another
     rank is out is not trained on and is counted in ``guard.dropped``.
     """
-    batches = iter(
+    # Ray's own prefetch off, batches read ahead in a thread instead (rayjobs.ahead says why).
+    batches = read_ahead(
         shard.iter_torch_batches(
-            batch_size=batch_size, drop_last=True, collate_fn=lambda b: collate(b, device)
+            batch_size=batch_size,
+            drop_last=True,
+            collate_fn=lambda b: collate(b, device),
+            prefetch_batches=0,
         )
     )
-    while True:
-        batch = next(batches, None)
-        have = _all_reduce(torch.tensor(int(batch is not None), device=device), dist.ReduceOp.MIN)
-        if not int(have):
-            if guard is not None:
-                guard.dropped += batch is not None
-            return
-        yield batch
+    try:
+        while True:
+            batch = next(batches, None)
+            have = _all_reduce(
+                torch.tensor(int(batch is not None), device=device), dist.ReduceOp.MIN
+            )
+            if not int(have):
+                if guard is not None:
+                    guard.dropped += batch is not None
+                return
+            yield batch
+    finally:
+        batches.close()  # stops the read-ahead thread when a rank stops early
 
 
 def train_batches(
