@@ -327,13 +327,13 @@ def format_verdict(
     )
 
 
-def time_pipeline(data_dir: Path) -> dict[str, float]:
-    """Stage timers of the real Ray pipeline over every bench set that needs no rendering (GPT-2,
-    seq_len 2048): seconds in Tokenize calls vs packing (driver plan, plan join, row assembly)."""
+def pipeline_config(data_dir: Path):
+    """The config ``time_pipeline`` runs: every bench set that is one sample per row through the
+    SFT path (not ``hh_dpo_text``, rendered by the bench itself, nor the preference triples, which
+    need ``task: dpo``), GPT-2, planned mode at seq_len 2048."""
     from rayjobs.config import config_from_dict
-    from rayjobs.pipeline import start_job
 
-    config = config_from_dict(
+    return config_from_dict(
         {
             "datasets": [
                 {
@@ -345,13 +345,20 @@ def time_pipeline(data_dir: Path) -> dict[str, float]:
                     "text_split": text_split,
                 }
                 for name, relative, fmt, template, column_map, text_split in BENCH_SETS
-                if name != "hh_dpo_text"
+                if name != "hh_dpo_text" and template != "preference"
             ],
             "tokenizer": {"path": str(data_dir / "tokenizers/gpt2")},
             "packing": {"mode": "planned", "seq_len": 2048, "window": 4096},
         }
     )
-    job = start_job(config, prefix="bench")
+
+
+def time_pipeline(data_dir: Path) -> dict[str, float]:
+    """Stage timers of the real Ray pipeline over every bench set that needs no rendering (GPT-2,
+    seq_len 2048): seconds in Tokenize calls vs packing (driver plan, plan join, row assembly)."""
+    from rayjobs.pipeline import start_job
+
+    job = start_job(pipeline_config(data_dir), prefix="bench")
     epochs = job.epochs
     plans = []
     for epoch in range(3):

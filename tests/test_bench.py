@@ -103,6 +103,17 @@ def test_bench_cli_on_real_sets(tmp_path, capsys):
     assert "stream (the streaming path's packer, windows of 200,000 tokens)" in printed
 
 
+def test_the_stage_timers_config_holds_every_sft_set_and_validates():
+    # `bench packing` without --no-pipeline runs this config; preference triples in it made the
+    # config invalid (they need task: dpo), so the bench failed after its packing table.
+    config = bench.pipeline_config(DATA)
+    names = {spec.name for spec in config.datasets}
+    templates = {name: template for name, _, _, template, _, _ in bench.BENCH_SETS}
+    assert names == {n for n, t in templates.items() if t != "preference"} - {"hh_dpo_text"}
+    assert "preference" in templates.values()  # guard: there was a set to leave out
+    assert all(spec.files for spec in config.datasets)  # the bundled files are there
+
+
 def test_bench_rejects_unknown_set(capsys):
     assert (
         main(["bench", "packing", "--data", "nope", "--data-dir", str(DATA), "--no-pipeline"]) == 2
