@@ -8,7 +8,8 @@ the current block to the batcher it tops that window up, waiting for the next bl
 gets no batch, though it holds rows for several, until the stream yields one more block for it.
 At the start of a run that block is the main lane's first window (``rayjobs.stream``): measured
 with ``rayjobs bench pipeline`` at 30x, one consumer's first batch came after 28.4 s, the other's
-after 10.5 s with the same blocks in hand; with ``prefetch_batches=0`` both after 10.9 s.
+after 10.5 s, though both had their warm-up blocks (32 + 3 rows, 2 + 33) at 12.3 s; with
+``prefetch_batches=0`` both first batches came after 10.9 s.
 
 So the consumers here iterate with ``prefetch_batches=0`` (a batch waits for exactly the blocks
 it is cut from) and take batches ``depth`` ahead in a thread of their own (``read_ahead``), which
@@ -40,6 +41,8 @@ def read_ahead(batches: Iterable[T], depth: int = READ_AHEAD) -> Iterator[T]:
     [0, 1, 2, 3, 4]
     >>> list(read_ahead(iter([]), depth=1))
     []
+    >>> list(read_ahead(range(3), depth=0))  # no thread: the plain loop
+    [0, 1, 2]
     """
     if depth <= 0:
         yield from batches

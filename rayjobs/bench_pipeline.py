@@ -54,6 +54,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from rayjobs.ahead import read_ahead
+
 BATCH_ROWS = 4
 
 CPU_TABLE_PROCESSES = 8
@@ -218,8 +220,6 @@ def _object_store_used() -> int:
 def _consume(iterator, stamps: list, tokens: list, step_s: float = 0.0) -> None:
     """Take every batch of one split, recording (arrival, highest epoch, lowest epoch) and its
     tokens; with ``step_s`` spend that long on each batch, as a trainer's step would."""
-    from rayjobs.ahead import read_ahead
-
     # As the trainers take theirs (train.rank_batches): read ahead in a thread, not Ray's prefetch.
     batches = iterator.iter_batches(batch_size=BATCH_ROWS, drop_last=True, prefetch_batches=0)
     for batch in read_ahead(batches):

@@ -21,7 +21,7 @@ GATE_S = 5
 
 def test_ahead_doctests():
     results = doctest.testmod(ahead)
-    assert results.attempted >= 2 and results.failed == 0
+    assert results.attempted >= 3 and results.failed == 0
 
 
 def test_an_error_reaches_the_consumer_after_the_batches_before_it():
@@ -43,13 +43,14 @@ def test_leaving_the_loop_early_stops_the_thread():
             pulled.append(i)
             yield i
 
+    before = set(threading.enumerate())
     batches = ahead.read_ahead(source(), depth=2)
     assert [next(batches) for _ in range(3)] == [0, 1, 2]
+    mine = [t for t in set(threading.enumerate()) - before if t.name == "rayjobs-read-ahead"]
+    assert len(mine) == 1  # guard: the read-ahead ran in a thread of its own
     batches.close()
-    for thread in threading.enumerate():
-        if thread.name == "rayjobs-read-ahead":
-            thread.join(timeout=30)
-            assert not thread.is_alive()
+    mine[0].join(timeout=30)
+    assert not mine[0].is_alive()
     # Three taken, two queued, one in the thread's hand, at most one more started.
     assert 3 <= len(pulled) <= 3 + 2 + 2
 
