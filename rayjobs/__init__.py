@@ -27,7 +27,7 @@ on top:
     export.py      ``rayjobs export``: packed rows as Parquet + manifest
     inspect.py     ``rayjobs inspect``: the data side's figures, a decoded packed row, plots
     submit.py      ``rayjobs submit`` / status / logs / stop through Ray's Jobs API
-    bench.py, bench_pipeline.py, bench_attention.py, cli.py
+    bench.py, bench_pipeline.py, bench_attention.py, bench_read.py, bench_train.py, cli.py
 """
 
 import importlib

@@ -9,6 +9,7 @@ rayjobs bench pipeline [--scales N ...] [--window-tokens N] [--tokenize-actors N
                        [--data-dir DIR] [--json OUT]
 rayjobs bench read [--size-mb N] [--json OUT]
 rayjobs bench attention [--seq-len N ...] [--mean-length L] [--json OUT]     (CUDA GPU)
+rayjobs bench train --export DIR [--rows N] [--variants V ...] [--json OUT] ...  (bench_train.py)
 rayjobs submit CONFIG [dotted.key=value ...] [--address URL] [--no-wait] [--json] (Ray Jobs API)
 rayjobs status JOB [--address URL] [--json]  |  logs JOB [--follow]  |  stop JOB   (submit.py)
 """
@@ -87,10 +88,12 @@ def _parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmarks")
     bench.add_argument(
         "what",
-        choices=["packing", "pipeline", "attention", "read"],
+        choices=["packing", "pipeline", "attention", "read", "train"],
         help="packing: efficiency and speed on real data; pipeline: the streaming path end to "
         "end at growing data sizes; attention: the document mask on a CUDA GPU, FlexAttention "
-        "vs dense SDPA; read: peak memory of one read task on a large JSONL file",
+        "vs dense SDPA; read: peak memory of one read task on a large JSONL file; train: "
+        "training steps on an export's packed rows vs the same samples padded "
+        "(`rayjobs bench train --help`)",
     )
     bench.add_argument(
         "--size-mb", type=int, default=1024, help="read: the JSONL file's size (MiB)"
@@ -338,6 +341,11 @@ def _inspect(args: argparse.Namespace, config: Any) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["bench", "train"]:  # its own options (model shape, steps): bench_train.py
+        from rayjobs import bench_train
+
+        return bench_train.main(argv[2:])
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     if args.command in ("status", "logs", "stop"):

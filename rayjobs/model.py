@@ -5,6 +5,9 @@ document-causal mask from ``rayjobs.masks`` (built once per forward, shared by a
 angles come from ``position_ids``, which restart at 0 in every document. ``attention="sdpa"`` uses
 PyTorch SDPA with the dense mask and works everywhere (FlexAttention has no backward on CPU in
 torch 2.13); ``attention="flex"`` uses FlexAttention with a BlockMask, compiled on CUDA.
+``attention="causal"`` is plain causal SDPA (``is_causal``, no mask built, flash kernels on GPU):
+exact only for unpacked rows, one document per row with its padding at the end, the baseline that
+``rayjobs bench train`` measures packing against.
 Preference (DPO) rows (``rayjobs.dpo``) also pass ``parent_ids``, so a response sees its prompt
 document besides its own (``masks``' note); every forward takes it as an optional argument,
 ``None`` for SFT rows.
@@ -85,11 +88,13 @@ def _attend_fn(
     if attention == "sdpa":
         mask = masks.document_causal_mask(document_ids, parent_ids)[:, None]
         return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    if attention == "causal":  # one document per row, right-padded: no mask to build
+        return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
     if attention == "flex":
         block_mask = masks.block_mask(document_ids, parent_ids=parent_ids)
         flex = flex_attention if document_ids.device.type == "cpu" else _compiled_flex_attention()
         return lambda q, k, v: flex(q, k, v, block_mask=block_mask)
-    raise ValueError(f"attention must be 'sdpa' or 'flex', got {attention!r}.")
+    raise ValueError(f"attention must be 'sdpa', 'flex' or 'causal', got {attention!r}.")
 
 
 def _rope(
@@ -314,8 +319,8 @@ class PackedLM(nn.Module):
             self._logit_scale = getattr(config, "logit_scale", None)
             self._logits_scaling = getattr(config, "logits_scaling", None)
             self._softcap = getattr(config, "final_logit_softcapping", None)
-        elif attention not in ("sdpa", "flex"):
-            raise ValueError(f"attention must be 'sdpa' or 'flex', got {attention!r}.")
+        elif attention not in ("sdpa", "flex", "causal"):
+            raise ValueError(f"attention must be 'sdpa', 'flex' or 'causal', got {attention!r}.")
 
     @property
     def attention(self) -> str:

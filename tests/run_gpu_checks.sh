@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# The GPU checks: tests/test_cuda.py and `rayjobs bench attention`, on one CUDA GPU. Needs only
-# torch, numpy, pyarrow and pytest (no Ray or pydantic; the Hugging Face flex check also needs
-# transformers and is skipped without it), so it runs from a bare checkout
-# on a GPU machine. Logs and the bench's JSON go to $1 (default: gpu-checks/).
+# The GPU checks: tests/test_cuda.py, `rayjobs bench attention` and `rayjobs bench train`, on one
+# CUDA GPU. Needs only torch, numpy, pyarrow and pytest (no Ray or pydantic; the Hugging Face flex
+# check also needs transformers and is skipped without it), so it runs from a bare checkout
+# on a GPU machine. Logs and the benches' JSON go to $1 (default: gpu-checks/).
+# bench train reads an export made beforehand where Ray is installed (default gpu-checks/export,
+# or $2), and carried to the GPU machine with the checkout:
+#   rayjobs export configs/bench_train.yaml --out gpu-checks/export
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-gpu-checks}
@@ -16,5 +19,14 @@ python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py 2>&1 | tee "$out
 tests=$?
 python3 -m rayjobs.bench_attention --json "$out/attention.json" 2>&1 | tee "$out/bench_attention.log"
 bench=$?
-echo "tests exit $tests, bench exit $bench"
-exit $(( tests || bench ))
+export_dir=${2:-gpu-checks/export}
+if [ -f "$export_dir/manifest.json" ]; then
+  python3 -m rayjobs.bench_train --export "$export_dir" --json "$out/train.json" 2>&1 \
+    | tee "$out/bench_train.log"
+  train=$?
+else
+  echo "no export at $export_dir: rayjobs export configs/bench_train.yaml --out $export_dir" >&2
+  train=1
+fi
+echo "tests exit $tests, bench attention exit $bench, bench train exit $train"
+exit $(( tests || bench || train ))

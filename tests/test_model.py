@@ -103,7 +103,7 @@ def test_flex_forward_matches_sdpa():
 
 def test_unknown_attention_is_rejected():
     row = _pack(_documents([3]), seq_len=4)
-    with pytest.raises(ValueError, match="'sdpa' or 'flex'"):
+    with pytest.raises(ValueError, match="'sdpa', 'flex' or 'causal'"):
         _tiny_decoder()(
             row["input_ids"], row["position_ids"], row["document_ids"], attention="flash"
         )
@@ -154,5 +154,5 @@ def test_packed_lm_is_the_decoder_with_its_loss():
             total, count = packed(*inputs, row["labels"])
             assert int(count) == int(expected[1])
             torch.testing.assert_close(total, expected[0], atol=1e-4, rtol=0)
-    with pytest.raises(ValueError, match="'sdpa' or 'flex'"):
+    with pytest.raises(ValueError, match="'sdpa', 'flex' or 'causal'"):
         PackedLM(model, "flash")
