@@ -93,6 +93,11 @@ def read_export(folder: str | Path) -> tuple[dict[str, np.ndarray], int]:
     return rows, rows["input_ids"].shape[1]
 
 
+def vocab_size_of(rows: dict[str, np.ndarray]) -> int:
+    """The decoder's vocabulary for ``rows``: the largest token id + 1, rounded up to 128."""
+    return -(-(int(rows["input_ids"].max()) + 1) // 128) * 128
+
+
 def unpack(rows: dict[str, np.ndarray], pad_id: int = 0) -> dict[str, np.ndarray]:
     """The documents of packed ``rows``, one per row, right-padded to the longest: the columns
     an unpacked trainer would see (``labels`` are each document's own, already shifted;
@@ -186,17 +191,30 @@ def bench_train(
     warmup: int = 3,
     device: torch.device | None = None,
 ) -> list[TrainRow]:
-    """One ``TrainRow`` per variant, the baseline ``padded_sdpa`` first (default variants: all
-    three on CUDA, the two SDPA ones on CPU)."""
-    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """``bench_rows`` over the packed rows of the export in ``export``."""
     rows, _ = read_export(export)
+    return bench_rows(rows, rows_per_step, variants, config, max_steps, warmup, device)
+
+
+def bench_rows(
+    rows: dict[str, np.ndarray],
+    rows_per_step: int = 4,
+    variants: tuple[str, ...] | None = None,
+    config: DecoderConfig | None = None,
+    max_steps: int | None = None,
+    warmup: int = 3,
+    device: torch.device | None = None,
+) -> list[TrainRow]:
+    """One ``TrainRow`` per variant, the baseline ``padded_sdpa`` first (default variants: all
+    three on CUDA, the two SDPA ones on CPU), for ``rows`` as ``read_export`` returns them."""
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if variants is None:
         variants = VARIANTS if device.type == "cuda" else VARIANTS[:2]
     variants = ("padded_sdpa", *(v for v in variants if v != "padded_sdpa"))
     for variant in variants:
         if variant not in VARIANTS:
             raise ValueError(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
-    vocab_size = -(-(int(rows["input_ids"].max()) + 1) // 128) * 128
+    vocab_size = vocab_size_of(rows)
     config = config or DecoderConfig(vocab_size=vocab_size, dim=768, n_layers=8, n_heads=12)
     if config.vocab_size < vocab_size:
         raise ValueError(f"vocab_size {config.vocab_size} < the export's {vocab_size}")
@@ -206,7 +224,7 @@ def bench_train(
         steps = step_batches(rows, rows_per_step, variant)[:max_steps]
         if len(steps) <= warmup:
             raise ValueError(
-                f"{export}: {len(steps)} steps of {rows_per_step} rows, not more than "
+                f"the export makes {len(steps)} steps of {rows_per_step} rows, not more than "
                 f"--warmup {warmup}; export more epochs or lower --rows"
             )
         losses, times, peak = train_variant(variant, steps, config, device)
@@ -265,15 +283,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="OUT", help="also write the rows as JSON to OUT")
     args = parser.parse_args(argv)
     rows, seq_len = read_export(args.export)
-    vocab_size = -(-(int(rows["input_ids"].max()) + 1) // 128) * 128
+    vocab_size = vocab_size_of(rows)
     config = DecoderConfig(
         vocab_size=vocab_size, dim=args.dim, n_layers=args.layers, n_heads=args.heads
     )
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    parameters = sum(p.numel() for p in Decoder(config).parameters())
-    results = bench_train(
-        args.export, args.rows, args.variants, config, args.steps, args.warmup, device
-    )
+    with torch.device("meta"):  # shapes only: no weights allocated to count them
+        parameters = sum(p.numel() for p in Decoder(config).parameters())
+    results = bench_rows(rows, args.rows, args.variants, config, args.steps, args.warmup, device)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(
         f"{name}, torch {torch.__version__}, decoder {parameters / 1e6:.0f}M parameters "

@@ -1,12 +1,14 @@
 """``rayjobs bench train`` on CPU: the padded baseline holds exactly the packed steps' documents,
 and training either layout from the same weights gives the same loss at every step."""
 
+import json
+
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
 
-from rayjobs import bench_train
+from rayjobs import bench_train, cli
 from rayjobs.export import to_arrow
 from rayjobs.model import DecoderConfig
 from rayjobs.rows import IGNORE_INDEX, assemble
@@ -81,10 +83,6 @@ def test_too_few_steps_and_a_missing_export_say_what_to_do(tmp_path):
 
 
 def test_the_command_prints_the_table_and_writes_json(tmp_path, capsys):
-    import json
-
-    from rayjobs import cli
-
     _write_export(tmp_path)
     argv = ["bench", "train", "--export", str(tmp_path), "--rows", "2", "--warmup", "1"]
     argv += ["--dim", "32", "--layers", "1", "--heads", "2", "--json", str(tmp_path / "out.json")]
