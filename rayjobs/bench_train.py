@@ -32,6 +32,7 @@ import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -182,18 +183,9 @@ def train_variant(
     return losses, times, peak
 
 
-def bench_train(
-    export: str | Path,
-    rows_per_step: int = 4,
-    variants: tuple[str, ...] | None = None,
-    config: DecoderConfig | None = None,
-    max_steps: int | None = None,
-    warmup: int = 3,
-    device: torch.device | None = None,
-) -> list[TrainRow]:
-    """``bench_rows`` over the packed rows of the export in ``export``."""
-    rows, _ = read_export(export)
-    return bench_rows(rows, rows_per_step, variants, config, max_steps, warmup, device)
+def bench_train(export: str | Path, **options: Any) -> list[TrainRow]:
+    """``bench_rows`` (``options``: its keyword arguments) over the packed rows in ``export``."""
+    return bench_rows(read_export(export)[0], **options)
 
 
 def bench_rows(
