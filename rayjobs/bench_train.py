@@ -262,7 +262,8 @@ def format_table(rows: list[TrainRow]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def make_parser() -> argparse.ArgumentParser:
+    """``rayjobs bench train``'s arguments (the README's usage block lists every flag)."""
     parser = argparse.ArgumentParser(prog="rayjobs bench train", description=__doc__.split("\n")[0])
     parser.add_argument("--export", required=True, help="folder written by `rayjobs export`")
     parser.add_argument("--rows", type=int, default=4, help="packed rows per step")
@@ -273,7 +274,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--json", metavar="OUT", help="also write the rows as JSON to OUT")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
     rows, seq_len = read_export(args.export)
     vocab_size = vocab_size_of(rows)
     config = DecoderConfig(

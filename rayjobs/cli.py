@@ -1,17 +1,24 @@
-"""Command line.
+"""Command line (the same usage as README.md, "Command line").
 
-rayjobs run CONFIG [dotted.key=value ...] [--address ADDR] [--json]
+rayjobs run CONFIG [dotted.key=value ...] [--address ADDR] [--json] [--resume [RUN]]
 rayjobs export CONFIG [dotted.key=value ...] --out DIR [--epochs N] [--overwrite] [--address ADDR]
 rayjobs inspect CONFIG [dotted.key=value ...] [--limit N] [--json] [--plot OUT.png] [--address ADDR]
-rayjobs bench packing [--data NAME ...] [--data-dir DIR] [--seq-len N ...] [--window N]
-                      [--window-tokens N] [--json OUT] [--no-pipeline]
+                                                     (--plot needs pip install -e '.[plot]')
+rayjobs bench packing [--data NAME|FILE ...] [--data-dir DIR] [--seq-len N ...] [--window N]
+                      [--window-tokens N] [--json OUT] [--no-pipeline]  (--data-dir: configs/data)
 rayjobs bench pipeline [--scales N ...] [--window-tokens N] [--tokenize-actors N] [--pace F]
                        [--data-dir DIR] [--json OUT]
-rayjobs bench read [--size-mb N] [--json OUT]
-rayjobs bench attention [--seq-len N ...] [--mean-length L] [--json OUT]     (CUDA GPU)
-rayjobs bench train --export DIR [--rows N] [--variants V ...] [--json OUT] ...  (bench_train.py)
-rayjobs submit CONFIG [dotted.key=value ...] [--address URL] [--no-wait] [--json] (Ray Jobs API)
-rayjobs status JOB [--address URL] [--json]  |  logs JOB [--follow]  |  stop JOB   (submit.py)
+                                                       (pipeline needs pip install -e '.[bench]')
+rayjobs bench read [--size-mb N] [--json OUT]       (peak memory of a read task; needs '.[bench]')
+rayjobs bench attention [--seq-len N ...] [--mean-length L] [--json OUT]        (needs a CUDA GPU)
+rayjobs bench train --export DIR [--rows N] [--variants V ...] [--steps N] [--warmup N]
+                    [--dim D --layers L --heads H] [--json OUT]    (packed vs padded train steps)
+rayjobs submit CONFIG [dotted.key=value ...] [--address URL] [--working-dir DIR] [--no-wait]
+               [--json] [--allow-absolute] [--max-upload-mib N] [--submission-id ID]
+               [--runtime-env-json JSON]            (a Ray job on a cluster: "Run on a cluster")
+rayjobs status JOB [--address URL] [--json]
+rayjobs logs JOB [--address URL] [--follow]
+rayjobs stop JOB [--address URL]
 """
 
 from __future__ import annotations
@@ -29,7 +36,9 @@ USER_ERRORS = ("DataError", "SourceError", "ConfigError")
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rayjobs", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="rayjobs", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="build the packed pipeline and train on Ray")
     export = commands.add_parser("export", help="write the packed rows as Parquet + manifest.json")

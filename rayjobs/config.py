@@ -80,7 +80,7 @@ class DatasetConfig(_Strict):
     """For ``format: text``: one document per line, per blank-line separated paragraph, or per
     file."""
     files: tuple[str, ...] = ()
-    """Resolved file list (filled in by validation; not set by users)."""
+    """Resolved file list, filled in by validation (a config that sets it is refused)."""
 
     @field_validator("format")
     @classmethod
@@ -492,6 +492,11 @@ def _describe(error: ValidationError) -> str:
 
 def _resolve_dataset(spec: DatasetConfig, index: int, base_dir: Path) -> DatasetConfig:
     key = f"datasets.{index}.source"
+    if spec.files:  # the field exists so workers get the list validation resolved, once
+        raise ConfigError(
+            f"datasets.{index}.files: filled in from {key}, not set in a config; "
+            f"list the files in {key} instead"
+        )
     sources = [spec.source] if isinstance(spec.source, str) else list(spec.source)
     if spec.format == formats.HF:
         local = base_dir / sources[0]

@@ -144,3 +144,51 @@ def test_ray_log_lines_go_to_stderr_while_a_job_runs(capsys):
     assert "12 PYTHON worker processes" in err
     print_to_stdstream({**line, "lines": ["WARNING: again"]}, False)  # guard: stdout otherwise
     assert "again" in capsys.readouterr().out
+
+
+def _usage_lines() -> dict[str, str]:
+    """README's "Command line" block, each command's lines joined: ``{"run": "rayjobs run ...",
+    "bench train": ..., ...}`` (``bench`` commands keyed by their second word too)."""
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("## Command line\n\n```\n") + len("## Command line\n\n```\n")
+    commands: dict[str, str] = {}
+    key = ""
+    for line in readme[start : readme.index("```", start)].splitlines():
+        if line.startswith("rayjobs "):
+            words = line.split()
+            key = " ".join(words[1:3]) if words[1] == "bench" else words[1]
+        commands[key] = commands.get(key, "") + line + "\n"
+    return commands
+
+
+def test_readme_usage_is_the_help_text_and_lists_every_flag():
+    """The usage block in README.md is what ``rayjobs --help`` prints, and every flag each
+    command accepts appears on that command's lines (``bench`` flags on the bench lines;
+    ``bench train``'s own parser on its lines), so a flag added to the code without the README
+    fails here."""
+    import argparse
+
+    from rayjobs import bench_train, cli
+
+    usage = _usage_lines()
+    assert cli.__doc__.split("\n\n", 1)[1] == "".join(usage.values())
+    subcommands = next(
+        a for a in cli._parser()._actions if isinstance(a, argparse._SubParsersAction)
+    ).choices
+    checked = {name: subparser for name, subparser in subcommands.items() if name != "bench"} | {
+        "bench": subcommands["bench"],
+        "bench train": bench_train.make_parser(),
+    }
+    missing = []
+    for name, subparser in checked.items():
+        lines = (
+            "".join(v for k, v in usage.items() if k.startswith("bench "))
+            if name == "bench"
+            else usage[name]
+        )
+        for action in subparser._actions:
+            for flag in action.option_strings:
+                if flag.startswith("--") and flag != "--help" and flag not in lines:
+                    missing.append(f"{name} {flag}")
+    assert missing == []
+    assert len(checked) == 9  # run export inspect submit status logs stop, bench, bench train

@@ -78,6 +78,11 @@ BAD_CONFIGS = {
             "registered: 'alpaca', 'text', 'chat'",
         ],
     ),
+    "files_set_in_the_config": (
+        _dataset(files=["data/alpaca.json"]),
+        [],
+        ["datasets.0.files: filled in from datasets.0.source", "list the files in"],
+    ),
     "seq_len_zero": ({"packing": {"seq_len": 0}}, [], ["packing.seq_len", "greater than 0"]),
     "seq_len_negative": ({"packing": {"seq_len": -5}}, [], ["packing.seq_len", "-5"]),
     "duplicate_dataset_names": (
