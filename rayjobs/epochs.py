@@ -29,8 +29,8 @@ import ray.data
 
 from rayjobs import seeds
 from rayjobs.config import Config, ConfigError
-from rayjobs.metrics import PackCounts, StageTimer, report
-from rayjobs.mix import plan_epoch, with_shares
+from rayjobs.metrics import PackCounts, StageTimer, batch_key, report
+from rayjobs.mix import plan_epoch
 from rayjobs.pack import StreamPacker
 from rayjobs.rows import assemble, ranges
 from rayjobs.stream import flat_samples, pack_counts, samples_per_pack
@@ -58,6 +58,7 @@ class ExpandPlan:
             "add_pack",
             self.epoch,
             PackCounts(seconds=timer.seconds, cpu_seconds=timer.cpu_seconds),
+            batch_key("expand", [self.epoch], batch.column("uid")),
         )
         return expanded
 
@@ -88,7 +89,10 @@ class AssemblePacks:
         with StageTimer() as timer:
             rows = self._assemble(batch)
         counts = pack_counts(batch, rows, self.seq_len, timer)
-        report(self.ledger, "add_pack", self.epoch, counts, None, samples_per_pack(rows))
+        # One call is one emission group (map_groups): its number names the batch, so a group
+        # Ray runs again, or an epoch's dataset consumed twice, is counted once.
+        key = batch_key("assemble", [self.epoch], pc.unique(batch.column("group")))
+        report(self.ledger, "add_pack", self.epoch, counts, key, samples_per_pack(rows))
         return rows
 
     def _assemble(self, batch: pa.Table) -> dict[str, np.ndarray]:
@@ -160,18 +164,6 @@ class Epochs:
         uids = np.concatenate([uids for uids, _ in self.samples])[flat]
         lengths = np.concatenate([lengths for _, lengths in self.samples])[flat]
         return uids, lengths, dataset_ids
-
-    def realized_mix(self, epoch: int) -> dict[str, dict[str, float]]:
-        """Per dataset: samples, tokens and share (in ``mix.by`` units) of the epoch's plan."""
-        _, lengths, dataset_ids = self._occurrences(epoch)
-        realized = {
-            spec.name: {
-                "samples": int((dataset_ids == i).sum()),
-                "tokens": int(lengths[dataset_ids == i].sum()),
-            }
-            for i, spec in enumerate(self.config.datasets)
-        }
-        return with_shares(realized, self.config.mix.by)
 
     def pack_plan(self, epoch: int) -> dict[str, np.ndarray]:
         """Every occurrence's uid, pack, slot and emission group, sorted by uid."""
