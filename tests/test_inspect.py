@@ -251,13 +251,17 @@ def test_preview_of_a_real_packed_row(inspected):
     assert shown["num_documents"] == report["packed"]["samples_per_pack"]["max"] >= 2
     assert shown["trained_tokens"] == sum(d["trained_tokens"] for d in shown["documents"]) > 0
     assert shown["num_tokens"] + shown["padding"] == SEQ_LEN
+    checked = []
     for document in shown["documents"]:
         assert len(document["source"]) == 1, document  # found among the tokenized samples
         if document["source"] == ["hh_chat"]:
             assert "<|im_start|>assistant\n⟦" in document["text"]
+            checked.append("hh_chat")
         elif "### Response:\n" in document["text"] and document["tokens"] < SEQ_LEN:
             assert "### Response:\n⟦" in document["text"]  # the prompt is not trained
             assert document["text"].endswith("<|endoftext|>⟧")  # the response and EOS are
+            checked.append("alpaca")
+    assert checked, "guard: the preview held a document whose trained span was checked"
 
 
 def test_limit_reads_exactly_the_first_rows_of_each_dataset(ray_local, setup):

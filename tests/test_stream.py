@@ -362,6 +362,7 @@ def test_a_runs_reads_of_a_dataset_are_its_passes_file_by_file(tmp_path):
     head_rows = {(paths[1], r) for r in range(1, 41)}
     assert set(warm.column("_row").to_pylist()) == set(range(1, 41))
     assert warm.column("_epoch").to_pylist() == [0] * 40
+    assert set(keys) == {(e, c) for e in range(2) for c in range(3)}  # every pass gave rows
     for (epoch, copy), seen in keys.items():
         assert len(seen) == len(set(seen)), "a pass read a row twice"
         if copy < 2:
