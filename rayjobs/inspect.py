@@ -65,7 +65,7 @@ import pyarrow as pa
 
 from rayjobs import formats
 from rayjobs.config import Config, ConfigError, DatasetConfig
-from rayjobs.formats import BOM, HF, parse_rows
+from rayjobs.formats import BOM, HF
 from rayjobs.metrics import AccountingError
 from rayjobs.rows import IGNORE_INDEX
 
@@ -459,13 +459,9 @@ def _first_rows(spec: DatasetConfig, path: str, count: int) -> list[int]:
         "binary": spec.binary,
         "on_bad_row": "skip",
     }
-    read_rows = getattr(formats, "read_rows", None)
-    if read_rows is None:  # a parser of whole files
-        parsed = parse_rows(Path(path).read_bytes(), path, **options)
-        return sorted([*parsed.rows, *(bad.row for bad in parsed.bad)])[:count]
     rows: list[int] = []
     with open(path, "rb") as file:
-        for part in read_rows(file, path, **options):
+        for part in formats.read_rows(file, path, **options):
             rows += sorted([*part.rows, *(bad.row for bad in part.bad)])
             if len(rows) >= count:
                 break

@@ -94,10 +94,10 @@ MIX_BLOCKS = 16
 MIN_MIX_BLOCK_ROWS = 16
 
 WARMUP_CALLS = 4
+"""Packer calls over the warm-up lane: the first rows wait for a quarter of it."""
 
 WARMUP_CPUS = 0.25
 """Logical CPUs of a warm-up lane task (short, and the main lane's actors hold theirs)."""
-"""Packer calls over the warm-up lane: the first rows wait for a quarter of it."""
 
 
 @dataclass(frozen=True)
