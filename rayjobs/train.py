@@ -141,10 +141,19 @@ def train_batches(
         shard = ray.train.get_dataset_shard(name)
         for batch in rank_batches(shard, batch_size, device, guard):
             if attn_implementation is not None:
-                batch["attention_mask"] = masks.hf_attention_mask(
-                    batch["document_ids"], attn_implementation, dtype
-                )
+                batch["attention_mask"] = attention_mask(batch, attn_implementation, dtype)
             yield batch
+
+
+def attention_mask(
+    batch: dict[str, torch.Tensor], attn_implementation: str, dtype: torch.dtype = torch.float32
+) -> torch.Tensor | masks.BlockMask:
+    """``train_batches``' ``attention_mask``: the batch's document mask in the backend's form,
+    built on the batch's device; on preference rows (``task: dpo``) from ``parent_ids`` too, so
+    each response attends to its prompt (``rayjobs.dpo``)."""
+    return masks.hf_attention_mask(
+        batch["document_ids"], attn_implementation, dtype, parent_ids=batch.get("parent_ids")
+    )
 
 
 def resolve_attention(attention: str, device: torch.device) -> str:
@@ -609,10 +618,9 @@ def train_step(
                 if reference is None:
                     local_sum, _ = model(*columns)
                 else:
-                    roles = {k: batch[k] for k in ("parent_ids", "response_role")}
-                    chosen, rejected = model(*columns, **roles)
+                    chosen, rejected = dpo.packed_logps(model, batch)
                     with torch.no_grad():
-                        ref_chosen, ref_rejected = reference(*columns, **roles)
+                        ref_chosen, ref_rejected = dpo.packed_logps(reference, batch)
                     local_sum, _ = dpo.dpo_loss_sum(
                         chosen, rejected, ref_chosen, ref_rejected, beta
                     )

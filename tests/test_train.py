@@ -127,6 +127,27 @@ def test_flex_on_cpu_is_refused_with_a_reason():
         resolve_attention("flex", torch.device("cpu"))
 
 
+def test_train_batches_mask_lets_each_response_see_its_prompt():
+    """``train_batches(attn_implementation=...)`` on preference rows: the mask comes from
+    ``parent_ids`` too, so a response attends to its prompt and itself, never to the other
+    response. One literal triple: prompt [5, 6, 7], chosen [8, 9], rejected [10]; the row is
+    5 6 | 7 8 9 | 7 10 | padding (the prompt's last token heads each response)."""
+    from rayjobs import dpo
+    from rayjobs.collate import collate
+    from rayjobs.train import attention_mask
+
+    triple = dpo.Triple(np.array([5, 6, 7]), np.array([8, 9]), np.array([10]))
+    batch = collate(dpo.assemble_triples([triple], [np.array([0])], 10, pad_id=0))
+    assert batch["input_ids"][0, :7].tolist() == [5, 6, 7, 8, 9, 7, 10]
+    sdpa = attention_mask(batch, "sdpa")
+    assert sdpa.shape == (1, 1, 10, 10) and sdpa.dtype == torch.bool
+    seen = [torch.nonzero(sdpa[0, 0, q]).flatten().tolist() for q in range(7)]
+    assert seen == [[0], [0, 1], [0, 1, 2], [0, 1, 2, 3], [0, 1, 2, 3, 4], [0, 1, 5], [0, 1, 5, 6]]
+    assert torch.equal(attention_mask(batch, "eager")[0, 0] == 0, sdpa[0, 0])
+    sft = {k: v for k, v in batch.items() if k not in ("parent_ids", "response_role")}
+    assert attention_mask(sft, "sdpa")[0, 0, 5].nonzero().flatten().tolist() == [5]  # guard
+
+
 def _hf_config(**model):
     from conftest import ALPACA, GPT2
     from rayjobs.config import config_from_dict
