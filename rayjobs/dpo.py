@@ -1,7 +1,7 @@
 """Preference (DPO) triples in packed rows: overflow, row assembly, per-response log-probs, loss.
 
 A triple is a prompt (P tokens), a chosen response (C) and a rejected one (R). The data half
-(``fit_triple``, ``unit_lengths``, ``assemble_triples``) is numpy only, like ``rows`` and
+(``fit_triple``, ``assemble_triples``) is numpy only, like ``rows`` and
 ``pack``: data-side actors never load torch, so torch is imported inside the train-side functions
 (``token_logps``, ``response_logps``, ``packed_logps``, ``dpo_loss_sum``, ``dpo_loss``) only.
 
@@ -198,14 +198,6 @@ def fit_triple(
     )
 
 
-def unit_lengths(triples: Sequence[Triple]) -> np.ndarray:
-    """Unit length of each triple (P + C + R + 1), int64: the lengths ``pack.pack_lengths``
-    packs."""
-    return np.fromiter(
-        (len(p) + len(c) + len(r) + 1 for p, c, r in triples), dtype=np.int64, count=len(triples)
-    )
-
-
 def assemble_triples(
     triples: Sequence[Triple], bins: Sequence[np.ndarray], seq_len: int, pad_id: int
 ) -> dict[str, np.ndarray]:
@@ -220,7 +212,7 @@ def assemble_triples(
 
     Args:
         triples: the triples (each part a non-empty 1-D integer array), e.g. from ``fit_triple``.
-        bins: per row, indices into ``triples`` (``pack.pack_lengths`` over ``unit_lengths``).
+        bins: per row, indices into ``triples`` (``pack.pack_lengths`` over ``Triple.unit_length``).
         seq_len: length of every row.
         pad_id: token id that fills the tail of a row.
 

@@ -137,28 +137,6 @@ def read_tables(
     yield from _tables(dataset, path, parts)
 
 
-def file_tables(
-    data: bytes,
-    path: str,
-    *,
-    format: str,
-    dataset: str,
-    text_split: str = "paragraph",
-    binary: str = "error",
-    on_bad_row: str = "error",
-) -> Iterator[pa.Table]:
-    """One file's bytes → raw-row tables (what a read task emits; in-process, without Ray)."""
-    yield from read_tables(
-        pa.BufferReader(data),
-        path,
-        format=format,
-        dataset=dataset,
-        text_split=text_split,
-        binary=binary,
-        on_bad_row=on_bad_row,
-    )
-
-
 STREAM_BUFFER_BYTES = 1 << 20
 """Read-ahead buffer of a file opened as a stream."""
 

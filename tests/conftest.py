@@ -30,6 +30,17 @@ os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 
 
+def file_tables(data: bytes, path: str, **options):
+    """One file's bytes → the raw-row tables a read task emits (``sources.read_tables``, the
+    read task's own code), in-process, without Ray; lazy like a read task, so a bad row's error
+    is raised while iterating, after the tables before it."""
+    import pyarrow as pa
+
+    from rayjobs.sources import read_tables
+
+    return read_tables(pa.BufferReader(data), path, **options)
+
+
 class _FakeRemote:
     def __init__(self, calls: list):
         self.calls = calls

@@ -1,12 +1,13 @@
 """Bad input, class by class (issue #11): every bad row has a policy outcome.
 
-Each scenario is a real small file written to tmp_path, resolved by the real config code and read
-by the read task's own code (``sources.file_tables``, in-process), then tokenized by ``Tokenize``
-with the real GPT-2 tokenizer and a fake ledger. Under ``on_bad_row: skip`` the good rows come out
-tokenized (checked by their uids, which name file and row) and the bad ones are counted by reason,
-exactly; under ``error`` the first bad row stops the read or the tokenization with a message naming
-dataset, file, row and field or reason. One Ray test at the end runs a file mixing several classes
-through the real read path and the Tokenize actor pool and checks the counts reach the ledger once.
+Each scenario is a real small file written to tmp_path, resolved by the real config code and read by
+the read task's own code (``sources.read_tables``, in-process: ``conftest.file_tables``), then
+tokenized by ``Tokenize`` with the real GPT-2 tokenizer and a fake ledger. Under ``on_bad_row:
+skip`` the good rows come out tokenized (checked by their uids, which name file and row) and the bad
+ones are counted by reason, exactly; under ``error`` the first bad row stops the read or the
+tokenization with a message naming dataset, file, row and field or reason. One Ray test at the end
+runs a file mixing several classes through the real read path and the Tokenize actor pool and checks
+the counts reach the ledger once.
 """
 
 from __future__ import annotations
@@ -20,12 +21,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import GPT2
+from conftest import GPT2, file_tables
 from rayjobs import templates, tokenize
 from rayjobs.config import config_from_dict
 from rayjobs.formats import SKIP_REASONS, SourceError, parse_file
 from rayjobs.metrics import TokenizeCounts
-from rayjobs.sources import file_tables
 from rayjobs.tokenize import DataError, Tokenize, sample_uid
 
 PARSE_REASONS = ("invalid_json", "invalid_utf8", "ragged_csv_row")

@@ -1,5 +1,5 @@
 """Bounded-memory reading: a file read in parts of a few bytes gives exactly what the whole file
-gives (the read task's path, ``sources.read_tables``, against ``sources.file_tables`` on the bytes,
+gives (the read task's path, ``sources.read_tables``, against ``conftest.file_tables`` on the bytes,
 one part): the same raw-row tables (rows, records, row numbers, ``_skip`` reasons, block by block)
 under ``on_bad_row: skip``, the same error under ``error``. On the bundled real files and on small
 bad files read at every chunk size up to their length, so that every byte boundary falls inside a
@@ -18,10 +18,10 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import ALPACA, DATA, GPTEACHER, HH_CHAT, SHAKESPEARE, SHAREGPT
+from conftest import ALPACA, DATA, GPTEACHER, HH_CHAT, SHAKESPEARE, SHAREGPT, file_tables
 from rayjobs import formats
 from rayjobs.formats import BOM, SourceError, read_rows
-from rayjobs.sources import file_tables, read_tables
+from rayjobs.sources import read_tables
 
 
 class CountingFile(io.BytesIO):

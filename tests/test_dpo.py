@@ -93,7 +93,7 @@ def test_assembled_rows_are_exactly(name):
     assert all(value.dtype == np.int32 for value in rows.values())
     assert {key: value.tolist() for key, value in rows.items()} == expected
     # guards: the empty prompt document of B (P == 1) keeps its id, unit lengths are P + C + R + 1
-    assert dpo.unit_lengths(triples).tolist() == [7, 5] == [t.unit_length for t in triples]
+    assert [t.unit_length for t in triples] == [7, 5]
 
 
 def test_assembly_refuses_bad_bins_and_triples():
@@ -167,6 +167,11 @@ def test_overflow_refuses_split_and_empty_parts():
 # ---------------------------------------------------------------- real triples
 
 
+def _unit_lengths(triples: list[dpo.Triple]) -> np.ndarray:
+    """Each triple's unit length (P + C + R + 1): the lengths the packers pack."""
+    return np.array([t.unit_length for t in triples], dtype=np.int64)
+
+
 def _load_triples(count: int, seq_len: int) -> tuple[list[dpo.Triple], list[dpo.TripleOverflow]]:
     """The first ``count`` HH-RLHF (harmless) preference rows, GPT-2 tokens, EOS after each
     response, fitted to ``seq_len`` with ``truncate``."""
@@ -194,7 +199,7 @@ def _load_triples(count: int, seq_len: int) -> tuple[list[dpo.Triple], list[dpo.
 def packed() -> tuple[list[dpo.Triple], list[np.ndarray], dict[str, np.ndarray]]:
     """The first 40 real triples at seq_len 512, packed by best-fit decreasing over unit lengths."""
     triples, _ = _load_triples(40, SEQ_LEN)
-    bins = pack_lengths(dpo.unit_lengths(triples), SEQ_LEN)
+    bins = pack_lengths(_unit_lengths(triples), SEQ_LEN)
     return triples, bins, dpo.assemble_triples(triples, bins, SEQ_LEN, pad_id=EOS_ID)
 
 
@@ -328,7 +333,7 @@ def test_packing_real_triples_keeps_every_triple_whole():
     triples, cuts = _load_triples(40, seq_len)
     assert sum(cut.truncated_tokens > 0 for cut in cuts) >= 3  # guard: real truncation happened
     assert len(triples) + sum(cut.dropped for cut in cuts) == 40
-    lengths = dpo.unit_lengths(triples)
+    lengths = _unit_lengths(triples)
     bins = pack_lengths(lengths, seq_len)
     assert sorted(np.concatenate(bins).tolist()) == list(range(len(triples)))
     assert max(len(b) for b in bins) >= 2  # guard: triples share rows
@@ -453,7 +458,7 @@ def _check_packed_equals_alone(
 def fidelity_rows() -> tuple[list[dpo.Triple], list[np.ndarray], dict[str, np.ndarray]]:
     """The first 10 real triples at seq_len 512: 5 rows, 4 of them holding 2 or 3 triples."""
     triples, _ = _load_triples(10, SEQ_LEN)
-    bins = pack_lengths(dpo.unit_lengths(triples), SEQ_LEN)
+    bins = pack_lengths(_unit_lengths(triples), SEQ_LEN)
     assert len(bins) >= 2 and max(len(b) for b in bins) >= 2  # guard: triples share a row
     return triples, bins, dpo.assemble_triples(triples, bins, SEQ_LEN, pad_id=EOS_ID)
 
