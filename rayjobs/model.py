@@ -426,6 +426,29 @@ class PackedLM(nn.Module):
         return difference
 
 
+def _refuse_unknown_overrides(config: Any, overrides: dict[str, Any], unused: dict) -> None:
+    """Refuse ``train.model.config`` keys the model's config does not know. transformers drops
+    them silently: ``from_pretrained`` returns them unused (in transformers 5 a legacy key such as
+    ``rope_theta`` too: it moved into ``rope_parameters``), ``for_model`` stores them as attributes
+    no layer reads (a typo such as ``num_hiden_layers`` would train the default architecture)."""
+    try:
+        known = type(config)().to_dict()
+    except Exception:  # a config class without defaults: only what transformers left unused
+        known = config.to_dict()
+    unknown = sorted(
+        key
+        for key in overrides
+        if key != "model_type"
+        and (key in unused or (key not in known and key in config.to_dict()))
+        and key not in getattr(config, "attribute_map", {})
+    )
+    if unknown:
+        raise ValueError(
+            f"train.model.config: {', '.join(unknown)} not a setting of {type(config).__name__} "
+            f"here (transformers ignores such keys); see its documented fields"
+        )
+
+
 def build_hf_model(
     *,
     vocab_size: int,
@@ -457,16 +480,22 @@ def build_hf_model(
     overrides = dict(overrides or {})
     common = {"attn_implementation": attn_implementation, "dtype": torch.float32}
     if path is not None:
-        config = AutoConfig.from_pretrained(path, local_files_only=local_files_only, **overrides)
+        config, unused = AutoConfig.from_pretrained(
+            path, local_files_only=local_files_only, return_unused_kwargs=True, **overrides
+        )
+        _refuse_unknown_overrides(config, overrides, unused)
         model = AutoModelForCausalLM.from_pretrained(
             path, config=config, local_files_only=local_files_only, **common
         )
     else:
         settings = {"vocab_size": vocab_size, **(token_ids or {}), **overrides}
         if config_path is not None:
-            config = AutoConfig.from_pretrained(config_path, **settings)
+            config, unused = AutoConfig.from_pretrained(
+                config_path, return_unused_kwargs=True, **settings
+            )
         else:
-            config = AutoConfig.for_model(settings.pop("model_type"), **settings)
+            config, unused = AutoConfig.for_model(settings.pop("model_type"), **settings), {}
+        _refuse_unknown_overrides(config, overrides, unused)
         model = AutoModelForCausalLM.from_config(config, **common)
     model.train()
     embeddings = model.get_input_embeddings().num_embeddings

@@ -303,3 +303,30 @@ def test_build_refuses_a_model_too_small_for_the_tokenizer_or_seq_len():
         build_hf_model(vocab_size=200, seq_len=64, overrides=tiny)
     with pytest.raises(ValueError, match=r"max_position_embeddings \(64\) is below .*\(128\)"):
         build_hf_model(vocab_size=100, seq_len=128, overrides=tiny)
+
+
+@pytest.mark.parametrize("source", ["architecture", "config_path", "path"])
+def test_config_overrides_apply_or_are_refused_naming_the_key(tmp_path, source):
+    """``train.model.config`` keys on each way of building: a real setting takes effect; a typo
+    is refused by name instead of being dropped (which ``from_pretrained`` does silently) or
+    stored where no layer reads it (``for_model``). The legacy ``rope_theta`` (in
+    ``rope_parameters`` since transformers 5): ``for_model`` converts it, ``from_pretrained``
+    drops it, so there it is refused (set ``rope_parameters``)."""
+    tiny = dict(ARCHITECTURES["llama"])
+    kwargs = {"vocab_size": 100, "seq_len": 64}
+    if source != "architecture":
+        built = build_hf_model(**kwargs, overrides=tiny)
+        (built.save_pretrained if source == "path" else built.config.save_pretrained)(tmp_path)
+        kwargs[source] = str(tmp_path)
+        tiny = {}
+    model = build_hf_model(**kwargs, overrides={**tiny, "num_hidden_layers": 1})
+    assert model.config.num_hidden_layers == 1 == len(model.model.layers)  # applied
+    if source == "architecture":
+        model = build_hf_model(**kwargs, overrides={**tiny, "rope_theta": 1e6})
+        assert model.config.rope_parameters["rope_theta"] == 1e6
+    for bad in (
+        {"num_hiden_layers": 1},
+        *([{"rope_theta": 1e6}] if source != "architecture" else []),
+    ):
+        with pytest.raises(ValueError, match=f"train.model.config: {next(iter(bad))} not a"):
+            build_hf_model(**kwargs, overrides={**tiny, **bad})
