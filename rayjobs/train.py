@@ -560,6 +560,8 @@ class StepResult(NamedTuple):
     dpo: dict[str, float] | None = None
     """DPO: ``reward_margin``, ``reward_accuracy``, ``chosen_logps``, ``rejected_logps`` (means
     per triple over the step's triples on every rank) and ``triples`` (their count)."""
+    lr: float = 0.0
+    """The learning rate this step used (the scheduler has moved on to the next one since)."""
 
 
 def _triples(response_role: torch.Tensor) -> int:
@@ -634,6 +636,7 @@ def train_step(
     if spec.max_grad_norm is not None:
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), spec.max_grad_norm)
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    lr = optimizer.param_groups[0]["lr"]
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
@@ -647,7 +650,7 @@ def train_step(
             "rejected_logps": rejected,
             "triples": global_units,
         }
-    return StepResult(loss, tokens, grad_norm, metrics)
+    return StepResult(loss, tokens, grad_norm, metrics, lr)
 
 
 def train_loop(loop_config: dict[str, Any]) -> None:
@@ -726,7 +729,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
                     "step": state.steps,
                     "epoch": epoch,
                     "loss": step_loss,
-                    "lr": scheduler.get_last_lr()[0],
+                    "lr": result.lr,
                 }
                 if grad_norm is not None:
                     metrics["grad_norm"] = grad_norm

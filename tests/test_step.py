@@ -103,8 +103,8 @@ def test_accumulating_micro_batches_takes_the_step_of_one_larger_batch():
     counts = [(rows["labels"][i : i + 2] != IGNORE_INDEX).sum() for i in (0, 2)]
     assert counts[0] != counts[1]  # guard: a per-micro-batch mean would weigh tokens unequally
     whole, accumulated = _model(), _model()
-    loss_whole, tokens_whole, norm_whole, _ = _step(whole, [_batch(rows, 0, 4)])
-    loss_acc, tokens_acc, norm_acc, _ = _step(
+    loss_whole, tokens_whole, norm_whole, *_ = _step(whole, [_batch(rows, 0, 4)])
+    loss_acc, tokens_acc, norm_acc, *_ = _step(
         accumulated, [_batch(rows, 0, 2), _batch(rows, 2, 4)], grad_accum_steps=2
     )
     assert tokens_whole == tokens_acc == sum(counts)
@@ -112,6 +112,28 @@ def test_accumulating_micro_batches_takes_the_step_of_one_larger_batch():
     assert norm_acc == pytest.approx(norm_whole, rel=1e-5)
     for (name, a), b in zip(whole.named_parameters(), accumulated.parameters(), strict=True):
         torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_a_step_reports_the_learning_rate_it_used():
+    """The ``lr`` a step reports is the one it updated with, not the scheduler's next (with
+    ``get_last_lr()`` after ``scheduler.step()`` the first warm-up step reported 2/4 of the
+    peak while it had used 1/4). Warm-up over 4 steps, then cosine to 0 at step 8."""
+    rows = _rows(2, seed=2)
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, train.lr_lambda("cosine", warmup_steps=4, max_steps=8, min_ratio=0.0)
+    )
+    spec = TrainConfig(max_steps=8, warmup_steps=4)
+    used = []
+    for _ in range(8):
+        result = train_step(
+            model, optimizer, scheduler, [_batch(rows, 0, 2)], fsdp=False, bf16=False, spec=spec
+        )
+        used.append(round(result.lr, 6))
+    cosine = [round(0.05 * (1 + math.cos(math.pi * k / 4)), 6) for k in range(4)]
+    assert used == [0.025, 0.05, 0.075, 0.1, *cosine]
+    assert cosine[0] == 0.1 and optimizer.param_groups[0]["lr"] == 0.0  # guard: the decay's end
 
 
 def test_clipping_bounds_the_gradient_norm_of_the_update():
@@ -186,7 +208,7 @@ def _fsdp_worker(rank: int, port: int, kind: str, rows: dict, out: str) -> None:
     half = len(rows["input_ids"]) // 2
     mine = {k: v[rank * half : (rank + 1) * half] for k, v in rows.items()}
     group = [_batch(mine, 0, half // 2), _batch(mine, half // 2, half)]
-    loss, _, norm, _ = train_step(
+    loss, _, norm, *_ = train_step(
         model, optimizer, scheduler, group, fsdp=True, bf16=False, spec=spec
     )
     state, optimizer_state = _full_state(model, optimizer, fsdp=True)
@@ -211,7 +233,7 @@ def test_fsdp_over_two_processes_takes_the_single_process_step(kind, tmp_path):
     reference = _model(kind)
     assert len(transformer_blocks(reference)) == 2
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-    loss, _, norm, _ = _step(reference, [_batch(rows, 0, 8)], optimizer)
+    loss, _, norm, *_ = _step(reference, [_batch(rows, 0, 8)], optimizer)
     assert result["loss"] == pytest.approx(loss, abs=1e-5)
     assert result["norm"] == pytest.approx(norm, rel=1e-4)
     state = reference.state_dict()
