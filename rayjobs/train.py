@@ -683,9 +683,12 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     bf16 = use_bf16(spec.precision, device)
     seq_len = config.packing.seq_len
     series = TrainMetrics(loop_config.get("run_name", "rayjobs"), rank)
-    stopped_early = False  # max_steps reached: the stream may not have ended
+    # max_steps reached: the stream may not have ended. Already at the start when the workers
+    # restarted from a checkpoint of the last step (a failure after it): nothing left to train.
+    stopped_early = spec.max_steps is not None and state.steps >= spec.max_steps
+    # one stream of every epoch, or one dataset per epoch
     names = loop_config.get("datasets") or [f"train_epoch_{e}" for e in range(spec.epochs)]
-    for index, name in enumerate(names):  # one stream of every epoch, or one dataset per epoch
+    for index, name in enumerate([] if stopped_early else names):
         if index < state.dataset_index:
             continue  # consumed before the checkpoint this run resumed from
         skip = state.rows_consumed if index == state.dataset_index else 0

@@ -78,14 +78,18 @@ def test_killed_workers_and_a_resumed_run_continue_from_the_last_checkpoint(ray_
     with pytest.raises(ray.train.TrainingFailedError):
         run(config, hooks={"faults": faults, "trace": str(trace)})
     assert (tmp_path / "fault1").exists() and (tmp_path / "fault2").exists()
-    # The stopped run is resumed by name (``rayjobs run CONFIG --resume``: the latest run).
+    # The stopped run is resumed by name (``rayjobs run CONFIG --resume``: the latest run). In
+    # it rank 0 dies after the last step, 12 = max_steps, just checkpointed: the workers restart
+    # from checkpoint_step_12 with nothing left to train (they used to train a 13th step).
     name = resume_name(config, "latest")
-    summary = run(config, resume="latest", hooks={"trace": str(trace)})
+    last = {"rank": 0, "step": 12, "marker": str(tmp_path / "fault3")}
+    summary = run(config, resume="latest", hooks={"faults": [last], "trace": str(trace)})
     assert summary["run_name"] == name
+    assert (tmp_path / "fault3").exists()
 
     resumes = summary["resumes"]
-    assert [r["step"] for r in resumes] == [3, 6]
-    assert [r["rows_skipped_per_rank"] for r in resumes] == [3 * BATCH, 6 * BATCH]
+    assert [r["step"] for r in resumes] == [3, 6, 12]
+    assert [r["rows_skipped_per_rank"] for r in resumes] == [3 * BATCH, 6 * BATCH, 12 * BATCH]
     rows, losses = _trace(trace)
     # What the final model trained on: each attempt's steps up to the checkpoint the next one
     # resumed from (the steps after it were rolled back with the model).
@@ -100,6 +104,7 @@ def test_killed_workers_and_a_resumed_run_continue_from_the_last_checkpoint(ray_
     # The resumed run re-read its stream, skipping the rows consumed before its checkpoint.
     assert len(rows[("skip", 2)]) == 6 * BATCH * WORLD
     assert len(rows[("train", 2)]) == (12 - 6) * BATCH * WORLD
+    assert ("train", 3) not in rows and ("skip", 3) not in rows  # restarted at max_steps
 
     # Re-seen and never-seen packs per restart, against the bound: at most the rows skipped.
     measured = []
