@@ -12,7 +12,14 @@ every function here takes an optional ``parent_ids`` [B,S], the one other docume
 document may attend to, and the rule becomes: q attends kv iff q >= kv and
 (``document_ids[q] == document_ids[kv]`` or ``parent_ids[q] == document_ids[kv]``). With
 ``parent_ids=None`` (or ``parent_ids == document_ids``) that is exactly the rule above, so SFT and
-DPO rows share one definition. Every form below follows it:
+DPO rows share one definition.
+
+Sliding-window attention (Mistral, the sliding layers of Gemma 2/3, Qwen2 with
+``use_sliding_window``...) adds one more condition where a ``window`` is given: q attends kv only
+if ``position_ids[q] - position_ids[kv] < window``, transformers' own rule (``kv > q - window``)
+written with positions rather than row indices. Within a document the two are the same; a
+response of a preference row sits after the other response in the row but continues its prompt's
+positions, so positions give the distance it has unpacked. Every form below follows the rule:
 
 - ``document_causal_mask``: dense [B,S,S] boolean mask for SDPA (the CPU path; FlexAttention has no
   backward on CPU in torch 2.13).
@@ -52,35 +59,80 @@ def _check_parent_ids(document_ids: torch.Tensor, parent_ids: torch.Tensor | Non
         )
 
 
+def _check_window(
+    document_ids: torch.Tensor, position_ids: torch.Tensor | None, window: int | None
+) -> None:
+    if window is None:
+        return
+    if window < 1:
+        raise ValueError(f"a sliding window must be at least 1 token, got {window}.")
+    if position_ids is None or position_ids.shape != document_ids.shape:
+        raise ValueError(
+            "a sliding window needs position_ids of document_ids' shape "
+            f"{tuple(document_ids.shape)}, got "
+            f"{None if position_ids is None else tuple(position_ids.shape)}."
+        )
+
+
 def document_causal_mask(
-    document_ids: torch.Tensor, parent_ids: torch.Tensor | None = None
+    document_ids: torch.Tensor,
+    parent_ids: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Dense bool [B,S,S]: ``mask[b, q, kv]`` is True iff q >= kv and kv is in q's document (or,
-    when ``parent_ids`` [B,S] is given, in q's parent document; see the module note)."""
+    when ``parent_ids`` [B,S] is given, in q's parent document; see the module note), and, with a
+    ``window``, fewer than ``window`` positions (``position_ids`` [B,S]) before q."""
     _check_parent_ids(document_ids, parent_ids)
+    _check_window(document_ids, position_ids, window)
     seq_len = document_ids.shape[1]
     allowed = document_ids[:, :, None] == document_ids[:, None, :]
     if parent_ids is not None:
         allowed |= parent_ids[:, :, None] == document_ids[:, None, :]
     causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=document_ids.device).tril()
-    return allowed & causal
+    allowed &= causal
+    if window is not None:
+        allowed &= position_ids[:, :, None] - position_ids[:, None, :] < window
+    return allowed
 
 
 def additive_mask(
-    document_ids: torch.Tensor, dtype: torch.dtype, parent_ids: torch.Tensor | None = None
+    document_ids: torch.Tensor,
+    dtype: torch.dtype,
+    parent_ids: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Float [B,1,S,S] of ``dtype``: 0 where ``document_causal_mask`` allows attention, the dtype's
     most negative finite value elsewhere (finite, so a softmax over a row never sees inf - inf)."""
-    allowed = document_causal_mask(document_ids, parent_ids)[:, None]
+    allowed = document_causal_mask(document_ids, parent_ids, position_ids, window)[:, None]
     mask = torch.zeros(allowed.shape, dtype=dtype, device=document_ids.device)
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
 def document_mask_mod(
-    document_ids: torch.Tensor, parent_ids: torch.Tensor | None = None
+    document_ids: torch.Tensor,
+    parent_ids: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> MaskMod:
     """FlexAttention ``mask_mod`` for the document-causal rule over ``document_ids`` [B,S] (and
-    ``parent_ids`` [B,S] when given)."""
+    ``parent_ids`` [B,S] when given; with a ``window``, over ``position_ids`` [B,S] too)."""
+    _check_window(document_ids, position_ids, window)
+    unwindowed = _document_mask_mod(document_ids, parent_ids)
+    if window is None:
+        return unwindowed
+
+    def windowed_mask_mod(
+        b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+    ) -> torch.Tensor:
+        near = position_ids[b, q_idx] - position_ids[b, kv_idx] < window
+        return unwindowed(b, h, q_idx, kv_idx) & near
+
+    return windowed_mask_mod
+
+
+def _document_mask_mod(document_ids: torch.Tensor, parent_ids: torch.Tensor | None) -> MaskMod:
     _check_parent_ids(document_ids, parent_ids)
     if parent_ids is None:
 
@@ -108,10 +160,15 @@ def _compiled_create_block_mask() -> Callable[..., BlockMask]:
 
 
 def block_mask(
-    document_ids: torch.Tensor, block_size: int = 128, parent_ids: torch.Tensor | None = None
+    document_ids: torch.Tensor,
+    block_size: int = 128,
+    parent_ids: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> BlockMask:
-    """FlexAttention BlockMask for ``document_ids`` [B,S] (and ``parent_ids`` [B,S] when given),
-    on ``document_ids.device``, one mask per row.
+    """FlexAttention BlockMask for ``document_ids`` [B,S] (and ``parent_ids`` [B,S] when given;
+    ``position_ids`` and ``window`` as in ``document_causal_mask``), on ``document_ids.device``,
+    one mask per row.
 
     Call it on the rank, in the step: the result holds a closure over ``document_ids``.
     """
@@ -120,7 +177,7 @@ def block_mask(
         create_block_mask if document_ids.device.type == "cpu" else _compiled_create_block_mask()
     )
     return build(
-        document_mask_mod(document_ids, parent_ids),
+        document_mask_mod(document_ids, parent_ids, position_ids, window),
         B=batch_size,
         H=None,
         Q_LEN=seq_len,
@@ -139,17 +196,22 @@ def hf_attention_mask(
     implementation: str,
     dtype: torch.dtype = torch.float32,
     parent_ids: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor | BlockMask:
     """The document-causal mask as a Hugging Face model's ``attention_mask`` for ``implementation``
     (its ``config._attn_implementation``): a bool [B,1,S,S] for ``sdpa``, an additive [B,1,S,S] of
     ``dtype`` (the attention scores' dtype) for ``eager``, a BlockMask for ``flex_attention``;
-    ``parent_ids`` as in the module note."""
+    ``parent_ids``, ``position_ids`` and ``window`` as in the module note. For a model with
+    sliding-window layers, ``model.hf_model_mask`` gives each kind of layer its mask."""
     if implementation == "sdpa":
-        return document_causal_mask(document_ids, parent_ids)[:, None]
+        return document_causal_mask(document_ids, parent_ids, position_ids, window)[:, None]
     if implementation == "eager":
-        return additive_mask(document_ids, dtype, parent_ids)
+        return additive_mask(document_ids, dtype, parent_ids, position_ids, window)
     if implementation == "flex_attention":
-        return block_mask(document_ids, parent_ids=parent_ids)
+        return block_mask(
+            document_ids, parent_ids=parent_ids, position_ids=position_ids, window=window
+        )
     raise ValueError(
         f"attention implementation {implementation!r} has no document mask here; "
         f"use one of {', '.join(HF_ATTENTION)}"

@@ -277,6 +277,65 @@ def chunked_loss_sum(
     return total, labelled.sum()
 
 
+ATTENTION_LAYERS = ("full_attention", "sliding_attention")
+"""The kinds of attention layer (``config.layer_types``) whose document masks rayjobs builds."""
+
+
+def attention_layers(config: Any) -> tuple[int | None, tuple[str, ...] | None]:
+    """(sliding window, layer kinds) of a Hugging Face text config: the window is None when no
+    layer slides; the kinds are None for models that read one mask for every layer (Mistral,
+    Phi-3: all layers slide when ``sliding_window`` is set), else the kinds in
+    ``config.layer_types`` (Gemma 2/3, Qwen2/3...), whose forward takes a mask per kind.
+
+    Raises:
+        ValueError: for a kind of layer other than full or sliding-window attention (chunked,
+            linear or convolutional layers would mix the documents of a packed row).
+    """
+    window = getattr(config, "sliding_window", None)
+    kinds = getattr(config, "layer_types", None)
+    if kinds is None:
+        return window, None
+    kinds = tuple(dict.fromkeys(kinds))
+    unknown = [kind for kind in kinds if kind not in ATTENTION_LAYERS]
+    if unknown:
+        raise ValueError(
+            f"layer types {unknown}: rayjobs builds document masks for "
+            f"{' and '.join(ATTENTION_LAYERS)} layers only"
+        )
+    return (window if "sliding_attention" in kinds else None), kinds
+
+
+def hf_model_mask(
+    config: Any,
+    document_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    implementation: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    parent_ids: torch.Tensor | None = None,
+) -> Any:
+    """The ``attention_mask`` a Hugging Face model with ``config`` takes for packed rows: one
+    document mask (``masks.hf_attention_mask``) when every layer sees the same, windowed when all
+    layers slide, and ``{"full_attention": ..., "sliding_attention": ...}`` for models with both
+    kinds of layer (their forward takes a mask per kind of layer as it is). transformers would
+    take a single 4-D mask for every layer as it is, so without this the sliding layers of a
+    packed row attended to the whole document. A window of at least the row's length changes
+    nothing and is left out. ``implementation``: default ``config._attn_implementation``."""
+    implementation = implementation or config._attn_implementation
+    window, kinds = attention_layers(config)
+    if window is not None and window >= document_ids.shape[1]:
+        window = None
+
+    def mask(sliding: bool) -> Any:
+        return masks.hf_attention_mask(
+            document_ids, implementation, dtype, parent_ids, position_ids,
+            window if sliding else None,
+        )  # fmt: skip
+
+    if kinds is None or window is None:
+        return mask(window is not None)
+    return {kind: mask(kind == "sliding_attention") for kind in kinds}
+
+
 class PackedLM(nn.Module):
     """A causal LM on packed rows: forward takes a batch's columns and returns the summed loss and
     the count of labelled positions (divide by the *global* count for the per-token mean).
@@ -314,6 +373,7 @@ class PackedLM(nn.Module):
                     f"use one of {', '.join(masks.HF_ATTENTION)}"
                 )
             config = model.config.get_text_config()
+            attention_layers(config)  # refuses layers whose document mask it cannot build
             # What some architectures' *ForCausalLM.forward does to the head's output
             # (Cohere: logit_scale, Granite: logits_scaling, Gemma 2/3: final_logit_softcapping).
             self._logit_scale = getattr(config, "logit_scale", None)
@@ -346,8 +406,13 @@ class PackedLM(nn.Module):
         output = self.model.get_decoder()(
             input_ids=input_ids,
             position_ids=position_ids,
-            attention_mask=masks.hf_attention_mask(
-                document_ids, self.attention, dtype, parent_ids=parent_ids
+            attention_mask=hf_model_mask(
+                self.model.config.get_text_config(),
+                document_ids,
+                position_ids,
+                self.attention,
+                dtype,
+                parent_ids,
             ),
             use_cache=False,
         )
@@ -399,11 +464,16 @@ class PackedLM(nn.Module):
             return loss_sum(self.head(hidden), labels)
         return chunked_loss_sum(hidden, self.head, labels, self.loss_chunk_tokens)
 
-    def check_head(self, num_tokens: int = 16) -> float:
+    def check_head(self, num_tokens: int | None = None) -> float:
         """Largest difference between this module's logits and the model's own forward on one
         short sequence (one document, so the masks agree); raises ``ValueError`` above 1e-4 × the
         logits' scale: an architecture whose forward does more to its logits than ``head``
-        reproduces would otherwise train on a different loss than it reports."""
+        reproduces would otherwise train on a different loss than it reports. ``num_tokens``:
+        16, or 8 more than a sliding window of up to 1024 tokens, so the window's mask is checked
+        against the model's own too."""
+        if num_tokens is None:
+            window, _ = attention_layers(self.model.config.get_text_config())
+            num_tokens = max(16, window + 8) if window is not None and window <= 1024 else 16
         vocab_size = self.model.get_input_embeddings().num_embeddings
         device = self.model.get_input_embeddings().weight.device
         input_ids = (torch.arange(num_tokens, device=device)[None] * 7919) % vocab_size

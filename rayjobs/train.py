@@ -49,7 +49,7 @@ from rayjobs.collate import collate
 from rayjobs.config import Config, HFModelConfig, TrainConfig
 from rayjobs.dpo import ROLE_CHOSEN
 from rayjobs.metrics import TrainMetrics
-from rayjobs.model import Decoder, DecoderConfig, PackedLM, build_hf_model
+from rayjobs.model import Decoder, DecoderConfig, PackedLM, build_hf_model, hf_model_mask
 from rayjobs.rows import IGNORE_INDEX
 from rayjobs.tokenize import Tokenizer
 
@@ -116,6 +116,7 @@ def train_batches(
     batch_size: int = 8,
     *,
     attn_implementation: str | None = None,
+    model_config: Any = None,
     dtype: torch.dtype = torch.float32,
     device: torch.device | None = None,
     guard: _Guard | None = None,
@@ -131,7 +132,10 @@ def train_batches(
     ``attn_implementation`` (``sdpa``, ``eager`` or ``flex_attention``, as a Hugging Face model's
     ``config._attn_implementation``) the batch also holds ``attention_mask``: the document-causal
     mask in that backend's form, built on the device (``masks.hf_attention_mask``; ``dtype`` is the
-    eager path's score dtype). Pass it with ``position_ids`` to the model's forward.
+    eager path's score dtype). Pass it with ``position_ids`` to the model's forward. Give the
+    model's ``config`` as ``model_config`` when it may have sliding-window layers (Mistral, Gemma,
+    Qwen2 with ``use_sliding_window``): the mask is then the one each kind of layer needs
+    (``model.hf_model_mask``), and ``attn_implementation`` defaults to the config's.
     """
     import ray.train
     import ray.train.torch
@@ -140,17 +144,32 @@ def train_batches(
     for name in [datasets] if isinstance(datasets, str) else datasets:
         shard = ray.train.get_dataset_shard(name)
         for batch in rank_batches(shard, batch_size, device, guard):
-            if attn_implementation is not None:
-                batch["attention_mask"] = attention_mask(batch, attn_implementation, dtype)
+            if attn_implementation is not None or model_config is not None:
+                batch["attention_mask"] = attention_mask(
+                    batch, attn_implementation, dtype, model_config
+                )
             yield batch
 
 
 def attention_mask(
-    batch: dict[str, torch.Tensor], attn_implementation: str, dtype: torch.dtype = torch.float32
-) -> torch.Tensor | masks.BlockMask:
+    batch: dict[str, torch.Tensor],
+    attn_implementation: str | None,
+    dtype: torch.dtype = torch.float32,
+    model_config: Any = None,
+) -> Any:
     """``train_batches``' ``attention_mask``: the batch's document mask in the backend's form,
     built on the batch's device; on preference rows (``task: dpo``) from ``parent_ids`` too, so
-    each response attends to its prompt (``rayjobs.dpo``)."""
+    each response attends to its prompt (``rayjobs.dpo``); with a ``model_config``, windowed
+    (or one mask per kind of layer) as its sliding-window layers need."""
+    if model_config is not None:
+        return hf_model_mask(
+            model_config.get_text_config(),
+            batch["document_ids"],
+            batch["position_ids"],
+            attn_implementation,
+            dtype,
+            batch.get("parent_ids"),
+        )
     return masks.hf_attention_mask(
         batch["document_ids"], attn_implementation, dtype, parent_ids=batch.get("parent_ids")
     )

@@ -330,3 +330,67 @@ def test_config_overrides_apply_or_are_refused_naming_the_key(tmp_path, source):
     ):
         with pytest.raises(ValueError, match=f"train.model.config: {next(iter(bad))} not a"):
             build_hf_model(**kwargs, overrides={**tiny, **bad})
+
+
+SLIDING = {  # window 16 < documents of 40-90 tokens
+    "mistral": ({"model_type": "mistral", "sliding_window": 16, "head_dim": 8}, None),
+    "qwen2": (  # layer 0 full, layer 1 sliding: a mask per kind of layer
+        {"model_type": "qwen2", "use_sliding_window": True, "max_window_layers": 1,
+         "sliding_window": 16},
+        ("full_attention", "sliding_attention"),
+    ),
+    "gemma3_text": (
+        {"model_type": "gemma3_text", "sliding_window": 16, "head_dim": 8,
+         "query_pre_attn_scalar": 8, "layer_types": ["sliding_attention", "full_attention"]},
+        ("sliding_attention", "full_attention"),
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("architecture", sorted(SLIDING))
+def test_sliding_window_layers_see_a_packed_document_as_they_see_it_alone(
+    documents, tokenizer, architecture, attention
+):
+    """Models with sliding-window layers (every layer: Mistral; some: Qwen2, Gemma 3): the
+    logits of each document of a packed row equal the model's own forward on the document alone
+    (its own sliding-window mask). transformers takes one 4-D mask as it is for every layer, so
+    the document mask alone gave the sliding layers whole documents: logits 3-5 off."""
+    from rayjobs.model import attention_layers, hf_model_mask
+
+    overrides, kinds = SLIDING[architecture]
+    torch.manual_seed(0)
+    model = build_hf_model(
+        vocab_size=tokenizer.vocab_size,
+        seq_len=SEQ_LEN,
+        overrides={**ARCHITECTURES["llama"], **overrides},
+        attn_implementation=attention,
+    ).eval()
+    assert attention_layers(model.config) == (16, kinds)
+    packed = PackedLM(model)
+    assert packed.check_head() <= 1e-4  # 24 tokens: past the window
+    row = _rows(documents, SEQ_LEN, tokenizer.pad_id)
+    inputs = row["input_ids"], row["position_ids"], row["document_ids"]
+    mask = hf_model_mask(model.config, row["document_ids"], row["position_ids"])
+    assert isinstance(mask, dict) == (kinds is not None)
+    with torch.no_grad():
+        logits = packed.logits(*inputs)
+        start, worst = 0, 0.0
+        for input_ids, _ in documents:
+            assert len(input_ids) > 2 * 16  # guard: every document outgrows the window
+            alone = model(input_ids=torch.from_numpy(input_ids).long()[None]).logits
+            end = start + len(input_ids)
+            worst = max(worst, float((logits[0, start:end] - alone[0]).abs().max()))
+            start = end
+    assert worst <= 1e-4, worst
+
+
+def test_layers_without_a_document_mask_are_refused():
+    """Chunked, linear or convolutional layers would mix a packed row's documents: refused."""
+    from types import SimpleNamespace
+
+    from rayjobs.model import attention_layers
+
+    config = SimpleNamespace(sliding_window=None, layer_types=["full_attention", "conv"])
+    with pytest.raises(ValueError, match=r"layer types \['conv'\]: rayjobs builds document"):
+        attention_layers(config)

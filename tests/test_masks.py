@@ -171,3 +171,54 @@ def test_hf_attention_masks_follow_the_same_rule():
     assert isinstance(block_mask, BlockMask) and block_mask.shape == (2, 1, 20, 20)
     with pytest.raises(ValueError, match="flash_attention_2"):
         masks.hf_attention_mask(document_ids, "flash_attention_2")
+
+
+# ---------------------------------------------------------------- sliding windows
+
+
+def test_a_sliding_window_keeps_the_last_positions_of_the_document():
+    """With ``window`` w a query sees its own document's last w positions (itself included), as
+    transformers' sliding layers do (``kv > q - w``); every form agrees with the dense mask. A
+    literal row: documents of 5 and 3 tokens, 2 of padding, window 3."""
+    document_ids = _document_ids([[5, 3]], seq_len=10)
+    position_ids = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1]])
+    dense = masks.document_causal_mask(document_ids, position_ids=position_ids, window=3)
+    seen = [torch.nonzero(dense[0, q]).flatten().tolist() for q in range(10)]
+    assert seen == [
+        [0],
+        [0, 1],
+        [0, 1, 2],
+        [1, 2, 3],
+        [2, 3, 4],
+        [5],
+        [5, 6],
+        [5, 6, 7],
+        [8],
+        [8, 9],
+    ]
+    sdpa = masks.hf_attention_mask(document_ids, "sdpa", position_ids=position_ids, window=3)
+    assert torch.equal(sdpa, dense[:, None])
+    additive = masks.hf_attention_mask(document_ids, "eager", position_ids=position_ids, window=3)
+    assert torch.equal(additive == 0, dense[:, None])
+    block = masks.block_mask(document_ids, block_size=2, position_ids=position_ids, window=3)
+    full, partial = _tiles_from_dense(dense, 2)
+    assert torch.equal(_tiles_from_block_mask(block)[0], full)
+    assert torch.equal(_tiles_from_block_mask(block)[1], partial)
+    assert not torch.equal(dense, masks.document_causal_mask(document_ids))  # guard: it cut
+    with pytest.raises(ValueError, match="a sliding window needs position_ids"):
+        masks.document_causal_mask(document_ids, window=3)
+
+
+def test_a_sliding_window_on_a_preference_row_counts_positions_not_places():
+    """A rejected response sits after the chosen one in the row but continues the prompt's
+    positions: its window reaches back into the prompt as it would unpacked. Prompt [a b c]
+    (document 0: a b at positions 0 1), chosen (c x y: 2 3 4), rejected (c z: 2 3), window 2."""
+    document_ids = torch.tensor([[0, 0, 1, 1, 1, 2, 2]])
+    parent_ids = torch.tensor([[0, 0, 0, 0, 0, 0, 0]])
+    position_ids = torch.tensor([[0, 1, 2, 3, 4, 2, 3]])
+    dense = masks.document_causal_mask(document_ids, parent_ids, position_ids, window=2)
+    seen = [torch.nonzero(dense[0, q]).flatten().tolist() for q in range(7)]
+    assert seen == [[0], [0, 1], [1, 2], [2, 3], [3, 4], [1, 5], [5, 6]]
+    mod = masks.document_mask_mod(document_ids, parent_ids, position_ids, window=2)
+    q, kv = torch.meshgrid(torch.arange(7), torch.arange(7), indexing="ij")
+    assert torch.equal(mod(torch.zeros_like(q), None, q, kv), dense[0])

@@ -148,6 +148,38 @@ def test_train_batches_mask_lets_each_response_see_its_prompt():
     assert attention_mask(sft, "sdpa")[0, 0, 5].nonzero().flatten().tolist() == [5]  # guard
 
 
+def test_train_batches_masks_follow_a_models_sliding_window_layers():
+    """``train_batches(model_config=...)``: a model whose layers all slide (Mistral) gets the
+    windowed mask, one with both kinds (Qwen2 here) a mask per kind; window 3, one row of
+    documents of 5 and 3 tokens."""
+    from transformers import AutoConfig
+
+    from rayjobs import masks
+    from rayjobs.train import attention_mask
+
+    batch = {
+        "document_ids": torch.tensor([[0, 0, 0, 0, 0, 1, 1, 1]]),
+        "position_ids": torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2]]),
+    }
+    full = masks.document_causal_mask(batch["document_ids"])[:, None]
+    windowed = masks.document_causal_mask(
+        batch["document_ids"], position_ids=batch["position_ids"], window=3
+    )[:, None]
+    assert not torch.equal(full, windowed)  # guard: the window cuts the first document
+    mistral = AutoConfig.for_model("mistral", sliding_window=3, attn_implementation="sdpa")
+    assert torch.equal(attention_mask(batch, None, model_config=mistral), windowed)
+    qwen2 = AutoConfig.for_model(
+        "qwen2", num_hidden_layers=2, use_sliding_window=True, max_window_layers=1,
+        sliding_window=3, attn_implementation="sdpa",
+    )  # fmt: skip
+    per_kind = attention_mask(batch, "sdpa", model_config=qwen2)
+    assert per_kind.keys() == {"full_attention", "sliding_attention"}
+    assert torch.equal(per_kind["full_attention"], full)
+    assert torch.equal(per_kind["sliding_attention"], windowed)
+    llama = AutoConfig.for_model("llama", attn_implementation="sdpa")
+    assert torch.equal(attention_mask(batch, None, model_config=llama), full)
+
+
 def _hf_config(**model):
     from conftest import ALPACA, GPT2
     from rayjobs.config import config_from_dict
