@@ -751,6 +751,16 @@ def _json_record(parsed: Parsed, row: int, record: Any) -> None:
     parsed.records.append(dumped)
 
 
+def _is_utf8(record: Any) -> bool:
+    """Whether a parsed JSON value's text is all UTF-8 (no lone surrogate such as ``"\\ud800"``,
+    which JSON can escape but no UTF-8 text holds)."""
+    try:
+        json.dumps(record, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _undecodable(record: Any) -> str:
     """``"field 'x': "`` for the first top-level field of a record that holds undecodable text."""
     if isinstance(record, dict):
@@ -774,13 +784,19 @@ def _jsonl(file: Readable, options: FileOptions, chunk_bytes: int) -> Iterator[P
                 parsed.add_bad(number, "invalid_utf8", f"line {number} is {problem}")
                 continue
             try:
-                json.loads(text)
+                record = json.loads(text)
             except json.JSONDecodeError as error:
                 parsed.add_bad(
                     number,
                     "invalid_json",
                     f"line {number} is not valid JSON: {error.msg} (column {error.colno})",
                 )
+                continue
+            if ("\\ud" in text or "\\uD" in text) and not _is_utf8(record):
+                # an escaped lone surrogate ("\ud800"): valid JSON, but no UTF-8 text a
+                # tokenizer takes (a .json list's records are refused the same way)
+                where = _undecodable(record)
+                parsed.add_bad(number, "invalid_utf8", f"line {number}: {where}not valid UTF-8")
                 continue
             parsed.rows.append(number)
             parsed.records.append(text)

@@ -103,6 +103,16 @@ CASES = {
         # line 1 is 56 bytes and a newline; the bad byte is at offset 41 of line 2: 57 + 41
         error=(2, ["[invalid_utf8]", "line 2 is not valid UTF-8 (byte 98 of the file)"]),
     ),
+    "jsonl_escaped_lone_surrogate": Case(  # valid JSON, no UTF-8 text (the tokenizer crashed)
+        "rows.jsonl",
+        _jsonl(GOOD)
+        + b'{"instruction": "Say hi.", "output": "bad \\ud800 x"}\n'
+        + b'{"instruction": "Say hi.", "output": "\\ud83d\\ude00"}\n',
+        good=[1, 3],
+        skipped={"invalid_utf8": 1},
+        error=(2, ["[invalid_utf8]", "line 2: field 'output': not valid UTF-8"]),
+        texts={3: "\U0001f600"},
+    ),
     "jsonl_u2028_u0085_and_crlf_inside_one_row_each": Case(
         "rows.jsonl",
         _jsonl(
