@@ -100,6 +100,9 @@ def plan_epoch(
     if by == "samples":
         total = epoch_samples or int(num_samples.sum())
         for i, count in enumerate(_targets(num_samples, shares, total)):
+            if not count:  # a small epoch's share that rounds to no sample
+                picks.append(np.zeros(0, dtype=np.int64))
+                continue
             rng = seeds.rng(seed, "mix_draw", epoch, i)
             picks.append(_draw(rng, num_samples[i], -(-count // num_samples[i]))[:count])
     elif by == "tokens":

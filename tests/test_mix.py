@@ -41,6 +41,14 @@ def test_by_samples_counts_are_exact():
     assert np.bincount(dataset_ids).tolist() == [2611, 1567, 1044]
 
 
+def test_a_share_that_rounds_to_no_sample_leaves_its_dataset_out():
+    """10 samples at weights 0.95 / 0.05: the second dataset's 0.5 sample rounds to none, the
+    epoch is all the first's (largest remainder); it raised on an empty concatenation."""
+    lengths = [np.full(100, 5), np.full(100, 5)]
+    dataset_ids, sample_ids = plan_epoch(lengths, [0.95, 0.05], by="samples", epoch_samples=10)
+    assert dataset_ids.tolist() == [0] * 10 and len(set(sample_ids.tolist())) == 10
+
+
 @pytest.mark.parametrize(
     "by,size", [("samples", {"epoch_samples": 1000}), ("tokens", {"epoch_tokens": 200_000})]
 )
