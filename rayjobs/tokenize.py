@@ -106,7 +106,7 @@ class Tokenizer:
         token = configured or own or fallback
         token_id = self.backend.token_to_id(token) if token else None
         if token_id is None:
-            if default is not None:
+            if default is not None and configured is None:  # one the config names must exist
                 return default
             raise ValueError(
                 f"tokenizer.{key}: token {token!r} is not in the vocabulary; "

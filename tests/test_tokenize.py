@@ -121,6 +121,15 @@ def test_tokenizer_matches_transformers_on_real_text_and_chat(gpt2_path):
     assert rendered > 100 and "<|endoftext|>" in expected, "guard: special tokens rendered"
 
 
+@pytest.mark.parametrize("key", ["eos_token", "pad_token"])
+def test_a_configured_special_token_missing_from_the_vocabulary_is_refused(gpt2_path, key):
+    """A token the config names must exist: a misspelt ``pad_token`` was replaced by EOS without
+    a word. Unset, the pad token falls back to EOS (GPT-2 has none)."""
+    with pytest.raises(ValueError, match=f"tokenizer.{key}: token '<pda>' is not in the vocab"):
+        Tokenizer(TokenizerConfig(path=gpt2_path, **{key: "<pda>"}))
+    assert Tokenizer(TokenizerConfig(path=gpt2_path)).pad_id == EOS
+
+
 def test_tokenizer_reads_a_folder_chat_template_and_added_tokens(tmp_path, gpt2_path):
     """A saved folder's own chat template (tokenizer_config or chat_template.jinja) and special
     tokens written as AddedToken dicts are read as transformers reads them."""
