@@ -192,8 +192,9 @@ def chat_messages(row: Mapping[str, Any], column_map: Mapping[str, str]) -> list
         messages = _field(row, "conversations", column_map, required=False)
     if messages is None:
         raise RowError(
-            "messages",
-            f"missing (nor 'conversations'); the row has columns {sorted(row)}",
+            _shown("messages", column_map),
+            f"missing (nor {_shown('conversations', column_map)!r}); the row has columns "
+            f"{sorted(row)}",
             reason="missing_field",
         )
     field = "conversations" if sharegpt else "messages"

@@ -186,6 +186,13 @@ ROW_ERRORS = {
         "output (column 'response')",
         "missing",
     ),
+    "chat_missing_mapped_column_names_field_and_column": (
+        templates.chat_messages,
+        {"messages": [USER]},
+        {"messages": "dialog"},
+        "messages (column 'dialog')",
+        "missing (nor 'conversations'); the row has columns ['messages']",
+    ),
     "alpaca_instruction_not_text": (
         templates.alpaca,
         {"instruction": 3, "output": "Hi!"},
