@@ -107,13 +107,23 @@ class Estimate:
     mean_tokens: float
     """Mean tokens per sample, from a tokenized sample of the dataset."""
     rows: int | None = None
-    """Rows in the dataset (counted only when weights need it)."""
+    """Raw rows in the dataset, bad ones included (counted only when weights need it)."""
     rows_per_byte: float | None = None
-    """Rows per byte of the files parsed for the sample (to size a dataset whose rows are not
+    """Raw rows per byte of the files parsed for the sample (to size a dataset whose rows are not
     counted)."""
     file_sizes: dict[str, int] | None = None
     """Bytes of each of the dataset's files (stat'ed once, here; the reads are planned with
     them); None for a Hugging Face dataset."""
+    samples_per_row: float = 1.0
+    """Samples the job makes of a raw row, measured on the sample: below 1 where rows are bad
+    (skipped) or dropped, above 1 where ``overflow: split`` cuts them. A weighted mix sizes a
+    dataset in samples: sized in rows, one with many bad rows was read too little for its share
+    (a ledger trims what is read beyond a share; it cannot add what was not read)."""
+
+    @property
+    def samples(self) -> float | None:
+        """Samples the dataset makes, estimated (None where its rows are not counted)."""
+        return None if self.rows is None else self.rows * self.samples_per_row
 
     @property
     def size(self) -> int | None:
@@ -128,7 +138,7 @@ def estimate(config: Config, count_rows: bool) -> dict[str, Estimate]:
     )
     estimates = {}
     for spec in config.datasets:
-        sample, density = _head(spec)
+        sample, density, raw_rows = _head(spec)
         lengths = tokenize(sample).column("num_tokens").to_numpy() if sample else np.empty(0)
         if not len(lengths):
             raise ValueError(
@@ -139,38 +149,47 @@ def estimate(config: Config, count_rows: bool) -> dict[str, Estimate]:
         count = None
         if count_rows:
             count = read_dataset(spec, sizes=sizes, **on_data_nodes(config)).count()
-        estimates[spec.name] = Estimate(float(lengths.mean()), count, density, sizes)
+        estimates[spec.name] = Estimate(
+            float(lengths.mean()), count, density, sizes, len(lengths) / raw_rows
+        )
     return estimates
 
 
-def _head(spec: DatasetConfig) -> tuple[pa.Table | None, float | None]:
-    """Up to ``SAMPLE_ROWS`` raw rows from the first files of a dataset, parsed in the driver (a
-    cost that does not grow with the number of files; a Hugging Face dataset goes through Ray),
-    and the rows per byte of the files parsed."""
+def _head(spec: DatasetConfig) -> tuple[pa.Table | None, float | None, float]:
+    """Up to ``SAMPLE_ROWS`` good rows from the first files of a dataset, parsed in the driver (a
+    cost that does not grow with the number of files; a Hugging Face dataset goes through Ray);
+    the raw rows per byte of the files parsed; and the raw rows, bad ones included, that the good
+    rows kept stand for (so samples per raw row = samples of the sample / this)."""
     if spec.format == HF:
         refs = read_dataset(spec).limit(SAMPLE_ROWS).to_arrow_refs()
-        return (pa.concat_tables(ray.get(refs)) if refs else None), None
-    tables, count, parsed_rows, parsed_bytes = [], 0, 0, 0
+        table = pa.concat_tables(ray.get(refs)) if refs else None
+        return table, None, float(table.num_rows if table is not None else 1)
+    tables, count, good_rows, bad_rows, parsed_bytes = [], 0, 0, 0, 0
     for path in spec.files:
-        rows, records, consumed = _parse_head(spec, path, SAMPLE_ROWS - count)
+        rows, records, consumed, bad = _parse_head(spec, path, SAMPLE_ROWS - count)
         keep = min(len(rows), SAMPLE_ROWS - count)
         tables.append(record_table(spec.name, [path] * keep, rows[:keep], records[:keep]))
         count += keep
-        parsed_rows += len(rows)
+        good_rows += len(rows)
+        bad_rows += bad
         parsed_bytes += consumed
         if count >= SAMPLE_ROWS:
             break
-    density = parsed_rows / parsed_bytes if parsed_bytes else None
-    return (pa.concat_tables(tables) if tables else None), density
+    density = (good_rows + bad_rows) / parsed_bytes if parsed_bytes else None
+    raw_rows = count * (good_rows + bad_rows) / good_rows if good_rows else 1.0
+    return (pa.concat_tables(tables) if tables else None), density, raw_rows
 
 
-def _parse_head(spec: DatasetConfig, path: str, limit: int) -> tuple[list[int], list[str], int]:
+def _parse_head(
+    spec: DatasetConfig, path: str, limit: int
+) -> tuple[list[int], list[str], int, int]:
     """The first good rows of one file, parsed in the driver a bounded part at a time
     (``formats.read_rows``, as a read task does) until more than ``limit`` are in, or the file
-    ends: (row numbers, records, bytes read for them). Start-up reads the head of a large first
-    file, never the whole of it."""
+    ends: (row numbers, records, bytes read for them, bad rows among them). Start-up reads the
+    head of a large first file, never the whole of it."""
     rows: list[int] = []
     records: list[str] = []
+    bad = 0
     codec = compression_of(path)
     with pa.OSFile(path) as raw:  # bytes read from disk: ``raw.tell()``, compressed or not
         file = pa.CompressedInputStream(raw, codec) if codec else raw
@@ -181,10 +200,11 @@ def _parse_head(spec: DatasetConfig, path: str, limit: int) -> tuple[list[int], 
         for part in parts:
             rows += part.rows
             records += part.records
+            bad += len(part.bad)
             if len(rows) > limit:
                 break
         consumed = raw.tell()
-    return rows, records, consumed
+    return rows, records, consumed, bad
 
 
 @dataclass(frozen=True)
@@ -379,7 +399,7 @@ def epoch_fractions(config: Config, estimates: dict[str, Estimate]) -> list[floa
     by_tokens = config.mix.by == "tokens"
     sizes = np.array(
         [
-            estimates[s.name].rows * (estimates[s.name].mean_tokens if by_tokens else 1.0)
+            estimates[s.name].samples * (estimates[s.name].mean_tokens if by_tokens else 1.0)
             for s in specs
         ]
     )
@@ -519,7 +539,10 @@ def warmup_heads(
     if not config.packing.warmup_tokens:
         return {}
     expected = {
-        spec.name: fraction * _rows_hint(estimates[spec.name]) * estimates[spec.name].mean_tokens
+        spec.name: fraction
+        * _rows_hint(estimates[spec.name])
+        * estimates[spec.name].samples_per_row
+        * estimates[spec.name].mean_tokens
         for spec, fraction in zip(config.datasets, fractions, strict=True)
     }
     total = sum(expected.values())
@@ -529,7 +552,7 @@ def warmup_heads(
             continue
         tokens = config.packing.warmup_tokens * expected[spec.name] / total
         wanted = int(np.ceil(tokens / estimates[spec.name].mean_tokens / (read.sample or 1.0)))
-        rows, _, _ = _parse_head(spec, read.files[0], wanted)
+        rows, _, _, _ = _parse_head(spec, read.files[0], wanted)
         if wanted and rows:
             below = rows[wanted] if wanted < len(rows) else rows[-1] + 1
             heads[spec.name] = Head(read.files[0], below, min(wanted, len(rows)))

@@ -131,6 +131,36 @@ def test_epoch_fractions(weights, by, sizes, expected):
     assert stream.epoch_fractions(config, estimates) == pytest.approx(expected)
 
 
+def test_a_dataset_of_bad_and_dropped_rows_is_sized_in_samples(tmp_path):
+    """Of every 4 raw rows 2 make samples, 1 is torn JSON (skipped by the parser) and 1 has an
+    empty output (skipped by the template): 0.5 samples per raw row, measured on the head. A
+    weighted mix sizes the dataset by it: in raw rows it was read for 75 samples of its 125."""
+    import json
+
+    good = json.dumps({"instruction": "Say hi.", "output": "Hi!"})
+    empty = json.dumps({"instruction": "Say hi.", "output": " "})
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(f'{good}\n{good}\n{{"torn\n{empty}\n' for _ in range(250)))
+    config = config_from_dict(
+        {
+            "datasets": [
+                {"name": "a", "source": str(path), "template": "alpaca", "on_bad_row": "skip"},
+                {"name": "b", "source": str(path), "template": "alpaca", "on_bad_row": "skip"},
+            ],
+            "tokenizer": {"path": str(GPT2)},
+        }
+    )
+    estimate = stream.estimate(config, count_rows=False)["a"]
+    assert estimate.samples_per_row == pytest.approx(0.5)
+    assert estimate.rows_per_byte * path.stat().st_size == pytest.approx(1000, rel=0.01)
+    weighted = _config(weights=[0.5, 0.25, 0.25], mix={"by": "samples"})
+    sized = {  # 100 raw rows each: 50 + 100 + 100 samples, shares 125 / 62.5 / 62.5
+        spec.name: stream.Estimate(1.0, rows=100, samples_per_row=0.5 if i == 0 else 1.0)
+        for i, spec in enumerate(weighted.datasets)
+    }
+    assert stream.epoch_fractions(weighted, sized) == pytest.approx([2.5, 0.625, 0.625])
+
+
 def _sources_of_documents(config) -> dict[tuple[int, ...], str]:
     """Every sample's token ids → its dataset, from an in-process tokenization of the same rows."""
     from rayjobs.sources import read_dataset
@@ -279,12 +309,12 @@ def test_start_up_parses_the_head_of_a_large_first_file_not_all_of_it(tmp_path, 
     [spec] = config.datasets
     with pytest.raises(SourceError, match="big.jsonl"):
         parse_file(path.read_bytes(), str(path), format="jsonl", dataset="big")
-    table, density = stream._head(spec)
+    table, density, _ = stream._head(spec)
     assert table.num_rows == stream.SAMPLE_ROWS
     assert table.column("_row").to_pylist() == list(range(1, stream.SAMPLE_ROWS + 1))
     per_row = len(json.dumps(rows[0])) + 1
     assert density == pytest.approx(1 / per_row, rel=0.05)
-    head_rows, _, consumed = stream._parse_head(spec, str(path), 100)
+    head_rows, _, consumed, _ = stream._parse_head(spec, str(path), 100)
     assert len(head_rows) > 100 and consumed < path.stat().st_size / 20
 
 
@@ -305,7 +335,7 @@ def test_a_compressed_first_file_is_parsed_decompressed(tmp_path):
             "tokenizer": {"path": str(GPT2)},
         }
     )
-    table, density = stream._head(config.datasets[0])
+    table, density, _ = stream._head(config.datasets[0])
     assert table.num_rows == stream.SAMPLE_ROWS
     assert json.loads(table.column("_record")[5].as_py()) == rows[5]
     assert density * path.stat().st_size == pytest.approx(len(rows), rel=0.1)
