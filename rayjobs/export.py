@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -76,10 +77,16 @@ def prepare_out(out: Path, overwrite: bool = False) -> None:
 
 
 def _export_entry(entry: Path) -> bool:
-    """Whether ``entry`` (in an export folder) is something an export writes."""
+    """Whether ``entry`` (in an export folder) is something an export writes: the manifest, or
+    an ``epoch=<number>`` folder of Parquet files only (a Hive-partitioned folder of the user's
+    own, ``epoch=2024/notes.csv``, is not)."""
     if entry.name == MANIFEST:
         return entry.is_file()
-    return entry.name.startswith("epoch=") and entry.is_dir() and not entry.is_symlink()
+    if not re.fullmatch(r"epoch=\d+", entry.name) or not entry.is_dir() or entry.is_symlink():
+        return False
+    return all(
+        f.is_file() and not f.is_symlink() and f.suffix == ".parquet" for f in entry.iterdir()
+    )
 
 
 def export(
@@ -90,9 +97,11 @@ def export(
     export there (see module note)."""
     from rayjobs.pipeline import start_job
 
+    if epochs is not None and epochs < 1:  # before anything is emptied
+        raise ConfigError(f"--epochs must be at least 1, got {epochs}")
     out = Path(out)
     prepare_out(out, overwrite)
-    if epochs:
+    if epochs is not None:
         config = config.model_copy(
             update={"train": config.train.model_copy(update={"epochs": epochs})}
         )

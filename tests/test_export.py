@@ -126,6 +126,30 @@ def test_overwrite_never_deletes_what_no_export_writes(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch=0", MANIFEST, "notes.txt"]
 
 
+@pytest.mark.parametrize(
+    "name, files",
+    [("epoch=2024", ["notes.csv"]), ("epoch=0", ["part-0.parquet", "notes.txt"]), ("epoch=x", [])],
+)
+def test_overwrite_keeps_epoch_folders_an_export_did_not_write(tmp_path, monkeypatch, name, files):
+    """Only ``epoch=<number>`` folders of Parquet files count as an earlier export's: a user's
+    own Hive-partitioned folder (``epoch=2024/notes.csv``) was emptied with the export."""
+    monkeypatch.setattr("rayjobs.pipeline.start_job", _no_job)
+    (tmp_path / name).mkdir()
+    for file in files:
+        (tmp_path / name / file).write_text("mine")
+    with pytest.raises(ConfigError, match=rf"holds \['{name}'\], which no export writes"):
+        export(None, tmp_path, overwrite=True)
+    assert sorted(p.name for p in (tmp_path / name).iterdir()) == sorted(files)
+
+
+@pytest.mark.parametrize("epochs", [0, -1])
+def test_export_epochs_below_one_are_refused_before_anything_is_emptied(tmp_path, epochs):
+    _earlier_export(tmp_path)
+    with pytest.raises(ConfigError, match=f"--epochs must be at least 1, got {epochs}"):
+        export(None, tmp_path, epochs, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch=0", MANIFEST]
+
+
 @pytest.mark.parametrize("flag, overwrite", [([], False), (["--overwrite"], True)])
 def test_cli_passes_overwrite_to_export(tmp_path, monkeypatch, flag, overwrite):
     import rayjobs.export
