@@ -200,7 +200,12 @@ def plan_submission(
             f"--runtime-env-json sets {', '.join(owned)}, which rayjobs submit sets itself "
             f"(the working directory, and the rayjobs package when it is not in it)"
         )
-    excludes = [*EXCLUDES, *extra.pop("excludes", [])]
+    own_excludes = extra.pop("excludes", [])
+    if not isinstance(own_excludes, list) or not all(isinstance(e, str) for e in own_excludes):
+        raise SubmitError(
+            f"--runtime-env-json: excludes must be a list of patterns, got {own_excludes!r}"
+        )
+    excludes = [*EXCLUDES, *own_excludes]
     ships_package = (wd / "rayjobs").resolve() == PACKAGE_DIR
     if not ships_package:
         excludes.append("/rayjobs/")  # py_modules carries the package; no other copy may shadow it
@@ -226,6 +231,10 @@ def plan_submission(
             else:
                 checker.files(key, str(source), spec.format)
     checker.folder_or_name("tokenizer.path", str(raw["tokenizer"]["path"]))
+    model = (raw.get("train") or {}).get("model") or {}
+    for name in ("path", "config_path"):  # a checkpoint or config.json to start from
+        if model.get("kind") == "hf" and model.get(name) is not None:
+            checker.folder_or_name(f"train.model.{name}", str(model[name]))
 
     total = sum(files.values())
     limit = int(max_upload_mib * 2**20)
@@ -569,6 +578,13 @@ def job_command(args: argparse.Namespace) -> int:
             print(f"rayjobs: job {job} had already ended: {status}", file=sys.stderr)
             return 0
         status = _wait(client, job, timeout=30.0)
+        if status not in TERMINAL:
+            print(
+                f"rayjobs: job {job} is still {status} 30 s after the stop request; "
+                f"see rayjobs status {job}",
+                file=sys.stderr,
+            )
+            return 1
         print(f"rayjobs: job {job} {status}", file=sys.stderr)
         return 0
     except Exception as error:  # noqa: BLE001 - unknown job, connection, auth: reported, exit 1

@@ -153,6 +153,31 @@ def test_inputs_outside_the_working_directory_are_refused_naming_key_and_path(tm
     assert f"datasets.0.source={outside}" in shlex.split(plan.entrypoint)
 
 
+def test_a_model_to_start_from_must_travel_with_the_job(tmp_path):
+    """``train.model.path`` / ``config_path`` (``kind: hf``) are inputs like the data: a
+    checkpoint under ``runs/`` (which the upload leaves out) is refused naming the key; without
+    the check the cluster took the missing folder for a Hub name."""
+    config = _project(tmp_path / "proj")
+    (tmp_path / "proj" / "runs" / "prev").mkdir(parents=True)
+    (tmp_path / "proj" / "runs" / "prev" / "config.json").write_text('{"model_type": "llama"}')
+    for key in ("path", "config_path"):
+        message = _refusal(
+            config, ["train.model.kind=hf", f"train.model.{key}=runs/prev"],
+            working_dir=tmp_path / "proj",
+        )  # fmt: skip
+        assert f"train.model.{key}: runs/prev" in message, message
+
+
+def test_runtime_env_excludes_must_be_a_list(tmp_path):
+    config = _project(tmp_path / "proj")
+    message = _refusal(config, runtime_env={"excludes": "data"}, working_dir=tmp_path / "proj")
+    assert "--runtime-env-json: excludes must be a list of patterns, got 'data'" in message
+    plan = submit.plan_submission(
+        config, runtime_env={"excludes": ["notes/"]}, working_dir=tmp_path / "proj"
+    )
+    assert "notes/" in plan.runtime_env["excludes"]
+
+
 def test_an_absolute_path_inside_the_working_directory_is_refused_with_the_relative_one(tmp_path):
     config = _project(tmp_path / "proj")
     data = (tmp_path / "proj" / "data" / "a.jsonl").resolve()
@@ -326,6 +351,20 @@ def test_status_logs_and_stop_wrap_the_jobs_api(monkeypatch, capsys):
     assert capsys.readouterr().out == "line 1\n"
     assert main(["stop", "raysubmit_test"]) == 0
     assert "had already ended: STOPPED" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("after, code", [("STOPPED", 0), ("RUNNING", 1)])
+def test_stop_exits_1_when_the_job_is_still_running_after_the_wait(
+    monkeypatch, capsys, after, code
+):
+    client = FakeClient("RUNNING")
+    client.stop_job = lambda job_id: True  # the stop request went out
+    _with_client(monkeypatch, client)
+    monkeypatch.setattr(submit, "_wait", lambda client, job, timeout: after)
+    assert main(["stop", "raysubmit_test"]) == code
+    err = capsys.readouterr().err
+    expected = "is still RUNNING 30 s after the stop request" if code else "raysubmit_test STOPPED"
+    assert expected in err
 
 
 def test_run_json_summary_is_the_last_line_whatever_ray_prints_on_shutdown(monkeypatch, capsys):
