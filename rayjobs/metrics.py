@@ -64,6 +64,10 @@ def report(ledger: Any, method: str, *args: Any) -> None:
         os._exit(1)
 
 
+FINAL_SUMMARY = "summary.json"
+"""The run summary's file in a finished run's final checkpoint (``train``): ``--resume latest``
+passes over runs that hold one (there is nothing left to resume)."""
+
 FAIL = "fail"
 """The ledger's answer that tells a reporting actor to die (fault injection)."""
 

@@ -27,6 +27,7 @@ from rayjobs import stream
 from rayjobs.config import Config, ConfigError
 from rayjobs.epochs import Epochs
 from rayjobs.metrics import (
+    FINAL_SUMMARY,
     AccountingError,
     Ledger,
     check_accounting,
@@ -170,8 +171,9 @@ can be resumed (Ray Train v2 resumes a run started again under the same name).""
 
 def resume_name(config: Config, resume: str) -> str:
     """The run ``--resume`` names: ``resume`` itself, or with ``latest`` the most recently
-    changed run under ``train.storage_path`` that has checkpoints. Raises ``ConfigError`` when a
-    local storage folder holds no such run."""
+    changed run under ``train.storage_path`` that has checkpoints and did not finish (a finished
+    run's final checkpoint holds its summary and nothing to resume from). Raises ``ConfigError``
+    when a local storage folder holds no such run."""
     storage = _storage(config.train.storage_path)
     if "://" in storage:
         if resume == "latest":
@@ -184,11 +186,20 @@ def resume_name(config: Config, resume: str) -> str:
     runs = [
         entry
         for entry in (os.scandir(storage) if os.path.isdir(storage) else ())
-        if os.path.exists(os.path.join(entry.path, RUN_SNAPSHOT))
+        if os.path.exists(os.path.join(entry.path, RUN_SNAPSHOT)) and not _finished(entry.path)
     ]
     if not runs:
-        raise ConfigError(f"--resume latest: no run with checkpoints under {storage}")
+        raise ConfigError(f"--resume latest: no unfinished run with checkpoints under {storage}")
     return max(runs, key=lambda e: os.path.getmtime(os.path.join(e.path, RUN_SNAPSHOT))).name
+
+
+def _finished(run_folder: str) -> bool:
+    """Whether a run folder holds a finished run's final checkpoint (``FINAL_SUMMARY``)."""
+    return any(
+        os.path.exists(os.path.join(entry.path, FINAL_SUMMARY))
+        for entry in os.scandir(run_folder)
+        if entry.is_dir()
+    )
 
 
 def run(

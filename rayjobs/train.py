@@ -48,7 +48,7 @@ from rayjobs.ahead import read_ahead
 from rayjobs.collate import collate
 from rayjobs.config import Config, HFModelConfig, TrainConfig
 from rayjobs.dpo import ROLE_CHOSEN
-from rayjobs.metrics import TrainMetrics
+from rayjobs.metrics import FINAL_SUMMARY, TrainMetrics
 from rayjobs.model import Decoder, DecoderConfig, PackedLM, build_hf_model, hf_model_mask
 from rayjobs.rows import IGNORE_INDEX
 from rayjobs.tokenize import Tokenizer
@@ -807,7 +807,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         save_model(packed, tokenizer, directory, model_state, write=rank == 0)
         checkpoint = None
         if rank == 0:
-            with open(os.path.join(directory, "summary.json"), "w") as f:
+            with open(os.path.join(directory, FINAL_SUMMARY), "w") as f:
                 json.dump(summary, f)
             checkpoint = ray.train.Checkpoint.from_directory(directory)
         ray.train.report(summary, checkpoint=checkpoint)

@@ -132,7 +132,7 @@ def test_killed_workers_and_a_resumed_run_continue_from_the_last_checkpoint(ray_
 
 def test_resume_names_a_run_that_has_checkpoints(tmp_path):
     config = _config(tmp_path / "runs")
-    with pytest.raises(ConfigError, match="no run with checkpoints"):
+    with pytest.raises(ConfigError, match="no unfinished run with checkpoints"):
         resume_name(config, "latest")
     for name in ("older", "newer", "no-checkpoints"):
         (tmp_path / "runs" / name).mkdir(parents=True)
@@ -142,5 +142,11 @@ def test_resume_names_a_run_that_has_checkpoints(tmp_path):
         os.utime(snapshot, (1e9 + when, 1e9 + when))
     assert resume_name(config, "older") == "older"
     assert resume_name(config, "latest") == "newer"
+    # A finished run (its final checkpoint holds the summary) has nothing to resume: latest
+    # passes over it, though it is newer; named, it is still found (and refused by the workers).
+    (tmp_path / "runs" / "newer" / "checkpoint_final").mkdir()
+    (tmp_path / "runs" / "newer" / "checkpoint_final" / "summary.json").write_text("{}")
+    assert resume_name(config, "latest") == "older"
+    assert resume_name(config, "newer") == "newer"
     with pytest.raises(ConfigError, match="no run 'no-checkpoints' with checkpoints"):
         resume_name(config, "no-checkpoints")
