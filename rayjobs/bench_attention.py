@@ -102,9 +102,12 @@ def bench_attention(
             "rayjobs bench attention needs a CUDA GPU (FlexAttention's training path)."
         )
     device = torch.device("cuda")
-    flex = torch.compile(flex_attention)
     rows: list[AttentionRow] = []
     for seq_len in seq_lens:
+        # A fresh compile per length: reused, the first length got a static kernel and the
+        # later ones a dynamic-shape recompile, so the lengths' timings were of different code.
+        torch._dynamo.reset()
+        flex = torch.compile(flex_attention)
         rows += _bench_seq_len(flex, seq_len, mean_length, seed, device)
         torch.cuda.empty_cache()  # the step's tensors are gone with the call
     return rows

@@ -6,6 +6,9 @@
 # bench train reads an export made beforehand where Ray is installed (default gpu-checks/export,
 # or $2), and carried to the GPU machine with the checkout:
 #   rayjobs export configs/bench_train.yaml --out gpu-checks/export
+# Each step has its own time limit (cold flex compiles take tens of seconds each), so a slow
+# step cannot use up the machine's call and leave the later ones unrun; every step runs whatever
+# the one before it did, and its log is written as it goes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-gpu-checks}
@@ -15,13 +18,17 @@ python3 - <<'PY' 2>&1 | tee "$out/device.txt"
 import torch
 print(torch.cuda.get_device_name(), "torch", torch.__version__, "cuda", torch.version.cuda)
 PY
-python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py 2>&1 | tee "$out/test_cuda.log"
+limit() { timeout -k 10 "$@"; }  # limit SECONDS command...: exit 124 when it ran out
+# -s: the tests print their measured differences (the README's figures)
+limit 260 python3 -m pytest -q -s -p no:cacheprovider -rs tests/test_cuda.py 2>&1 \
+  | tee "$out/test_cuda.log"
 tests=$?
-python3 -m rayjobs.bench_attention --json "$out/attention.json" 2>&1 | tee "$out/bench_attention.log"
+limit 100 python3 -m rayjobs.bench_attention --json "$out/attention.json" 2>&1 \
+  | tee "$out/bench_attention.log"
 bench=$?
 export_dir=${2:-gpu-checks/export}
 if [ -f "$export_dir/manifest.json" ]; then
-  python3 -m rayjobs.bench_train --export "$export_dir" --json "$out/train.json" 2>&1 \
+  limit 150 python3 -m rayjobs.bench_train --export "$export_dir" --json "$out/train.json" 2>&1 \
     | tee "$out/bench_train.log"
   train=$?
 else
