@@ -301,6 +301,18 @@ def test_bf16_autocast_flex_step_stays_close_to_fp32():
     assert abs(losses[True] - losses[False]) < 0.05, losses
 
 
+TINY_HF = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 2048,
+    "initializer_range": 0.2,  # random weights that make attention matter
+}
+"""A tiny Hugging Face decoder's shape (random init), the architecture's ``model_type`` added."""
+
+
 def test_hf_llama_flex_packed_loss_equals_each_document_alone():
     """A Hugging Face Llama (tiny, random) with ``attn_implementation="flex_attention"`` and the
     BlockMask from ``document_ids``: a packed row's loss equals its documents run alone (the
@@ -309,20 +321,10 @@ def test_hf_llama_flex_packed_loss_equals_each_document_alone():
     from rayjobs.model import PackedLM, build_hf_model
 
     torch.manual_seed(0)
-    llama = {
-        "model_type": "llama",
-        "hidden_size": 256,
-        "intermediate_size": 512,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 2048,
-        "initializer_range": 0.2,
-    }
     hf = build_hf_model(
         vocab_size=VOCAB_SIZE,
         seq_len=2048,
-        overrides=llama,
+        overrides={**TINY_HF, "model_type": "llama"},
         attn_implementation="flex_attention",
     )
     model = PackedLM(hf.to(CUDA), loss_chunk_tokens=0).eval()
@@ -351,10 +353,11 @@ def test_hf_llama_flex_packed_loss_equals_each_document_alone():
     alone_loss = alone_sum / alone_count
     alone_loss.backward()
     assert int(packed_count) == alone_count
-    loss_difference = abs(float(packed_loss) - float(alone_loss))
-    worst = max(float((packed_grads[n] - p.grad).abs().max()) for n, p in model.named_parameters())
+    loss_difference = abs(packed_loss.item() - alone_loss.item())
+    parameters = dict(model.named_parameters())
+    worst = max(float((g - parameters[n].grad).abs().max()) for n, g in packed_grads.items())
     print(f"hf llama flex: |Δloss| {loss_difference:.3g}, max |Δgrad| {worst:.3g}")
-    assert loss_difference <= 1e-5, (float(packed_loss), float(alone_loss))
+    assert loss_difference <= 1e-5, (packed_loss.item(), alone_loss.item())
     assert len(packed_grads) > 10 and worst <= 1e-4, worst
 
 
@@ -367,17 +370,11 @@ def test_hf_sliding_window_flex_documents_equal_the_model_alone():
 
     torch.manual_seed(0)
     qwen2 = {
+        **TINY_HF,
         "model_type": "qwen2",
-        "hidden_size": 256,
-        "intermediate_size": 512,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 2048,
         "use_sliding_window": True,
         "max_window_layers": 1,
         "sliding_window": 64,
-        "initializer_range": 0.2,
     }
     hf = build_hf_model(
         vocab_size=VOCAB_SIZE, seq_len=2048, overrides=qwen2, attn_implementation="flex_attention"
