@@ -523,11 +523,18 @@ def window_rows(window_tokens: int, mean_tokens: float) -> int:
 
 
 def _rows_hint(estimate: Estimate) -> float:
-    """Rows in a dataset: counted, else its bytes times the rows per byte of its first files."""
+    """Raw rows in a dataset: counted, else its bytes times the raw rows per byte of its first
+    files (what the streams are interleaved by: rows, before tokenization)."""
     if estimate.rows is not None:
         return float(estimate.rows)
     size = float(estimate.size or 1)
     return size * estimate.rows_per_byte if estimate.rows_per_byte else size
+
+
+def _samples_hint(estimate: Estimate) -> float:
+    """Samples a dataset makes: its raw rows times the samples per raw row of its first rows
+    (what shares and budgets count)."""
+    return _rows_hint(estimate) * estimate.samples_per_row
 
 
 def warmup_heads(
@@ -539,10 +546,7 @@ def warmup_heads(
     if not config.packing.warmup_tokens:
         return {}
     expected = {
-        spec.name: fraction
-        * _rows_hint(estimates[spec.name])
-        * estimates[spec.name].samples_per_row
-        * estimates[spec.name].mean_tokens
+        spec.name: fraction * _samples_hint(estimates[spec.name]) * estimates[spec.name].mean_tokens
         for spec, fraction in zip(config.datasets, fractions, strict=True)
     }
     total = sum(expected.values())
@@ -622,7 +626,7 @@ def budgets(
     by_tokens = config.mix.by == "tokens"
     return {
         (epoch, spec.name): fraction
-        * _rows_hint(estimates[spec.name])
+        * _samples_hint(estimates[spec.name])
         * (estimates[spec.name].mean_tokens if by_tokens else 1.0)
         for epoch in range(config.train.epochs)
         for spec, fraction in zip(config.datasets, fractions, strict=True)

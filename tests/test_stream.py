@@ -158,7 +158,11 @@ def test_a_dataset_of_bad_and_dropped_rows_is_sized_in_samples(tmp_path):
         spec.name: stream.Estimate(1.0, rows=100, samples_per_row=0.5 if i == 0 else 1.0)
         for i, spec in enumerate(weighted.datasets)
     }
-    assert stream.epoch_fractions(weighted, sized) == pytest.approx([2.5, 0.625, 0.625])
+    fractions = stream.epoch_fractions(weighted, sized)
+    assert fractions == pytest.approx([2.5, 0.625, 0.625])
+    budgets = stream.budgets(weighted, sized, fractions)  # what the ledger trims each read to
+    shares = [budgets[(0, spec.name)] for spec in weighted.datasets]
+    assert shares == pytest.approx([125, 62.5, 62.5])
 
 
 def _sources_of_documents(config) -> dict[tuple[int, ...], str]:
