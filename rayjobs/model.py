@@ -497,20 +497,38 @@ class PackedLM(nn.Module):
 
 
 def _refuse_unknown_overrides(config: Any, overrides: dict[str, Any], unused: dict) -> None:
-    """Refuse ``train.model.config`` keys the model's config does not know. transformers drops
-    them silently: ``from_pretrained`` returns them unused (in transformers 5 a legacy key such as
+    """Refuse ``train.model.config`` keys the model does not read. transformers drops them
+    silently: ``from_pretrained`` returns them unused (in transformers 5 a legacy key such as
     ``rope_theta`` too: it moved into ``rope_parameters``), ``for_model`` stores them as attributes
-    no layer reads (a typo such as ``num_hiden_layers`` would train the default architecture)."""
+    no layer reads (a typo such as ``num_hiden_layers`` would train the default architecture). A
+    key that is not among the config class's defaults but that the model's code names (Qwen2 and
+    Phi-3 read an optional ``head_dim``) is kept."""
+    import inspect
+    import re
+    import sys
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
     try:
         known = type(config)().to_dict()
     except Exception:  # a config class without defaults: only what transformers left unused
         known = config.to_dict()
+    stored = config.to_dict()
+    try:  # the causal LM class's module: the code that reads the config
+        source = inspect.getsource(
+            sys.modules[MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].__module__]
+        )
+    except (KeyError, OSError, TypeError):  # no such class here: its loading will say so
+        source = ""
     unknown = sorted(
         key
         for key in overrides
         if key != "model_type"
-        and (key in unused or (key not in known and key in config.to_dict()))
         and key not in getattr(config, "attribute_map", {})
+        and (
+            key in unused
+            or (key not in known and key in stored and not re.search(rf"\b{key}\b", source))
+        )
     )
     if unknown:
         raise ValueError(
@@ -553,7 +571,7 @@ def build_hf_model(
         config, unused = AutoConfig.from_pretrained(
             path, local_files_only=local_files_only, return_unused_kwargs=True, **overrides
         )
-        _refuse_unknown_overrides(config, overrides, unused)
+        _refuse_unknown_overrides(config, overrides, unused)  # before loading any weights
         model = AutoModelForCausalLM.from_pretrained(
             path, config=config, local_files_only=local_files_only, **common
         )

@@ -324,6 +324,11 @@ def test_config_overrides_apply_or_are_refused_naming_the_key(tmp_path, source):
     if source == "architecture":
         model = build_hf_model(**kwargs, overrides={**tiny, "rope_theta": 1e6})
         assert model.config.rope_parameters["rope_theta"] == 1e6
+        # not among Qwen2Config's defaults, but its attention reads it: kept
+        qwen2 = build_hf_model(**kwargs, overrides={**tiny, "model_type": "qwen2", "head_dim": 4})
+        assert (
+            qwen2.model.layers[0].self_attn.q_proj.out_features == 4 * tiny["num_attention_heads"]
+        )
     for bad in (
         {"num_hiden_layers": 1},
         *([{"rope_theta": 1e6}] if source != "architecture" else []),
