@@ -55,7 +55,8 @@ def _parser() -> argparse.ArgumentParser:
             help="config overrides, e.g. packing.seq_len=4096 train.max_steps=20",
         )
         command.add_argument(
-            "--address", help="Ray cluster address (default: $RAY_ADDRESS, else local)"
+            "--address",
+            help="Ray cluster address (default: ray.address, else $RAY_ADDRESS, else local)",
         )
     run.add_argument(
         "--json",

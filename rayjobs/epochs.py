@@ -33,7 +33,7 @@ from rayjobs.metrics import PackCounts, StageTimer, batch_key, report
 from rayjobs.mix import plan_epoch
 from rayjobs.pack import StreamPacker
 from rayjobs.rows import assemble, ranges
-from rayjobs.stream import flat_samples, pack_counts, samples_per_pack
+from rayjobs.stream import flat_samples, on_data_nodes, pack_counts, samples_per_pack
 
 PACK_STAGE_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**30), "MALLOC_TRIM_THRESHOLD_": str(2**32)}
 """Environment of the pack-stage actors: glibc keeps freed memory for the next call. Its default
@@ -216,6 +216,7 @@ class Epochs:
                 "epoch": epoch,
                 "ledger": self.ledger,
             },
+            **on_data_nodes(self.config),
         )
         return expanded.groupby("group").map_groups(
             AssemblePacks,
@@ -229,4 +230,5 @@ class Epochs:
                 "epoch": epoch,
                 "ledger": self.ledger,
             },
+            **on_data_nodes(self.config),
         )

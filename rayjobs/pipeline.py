@@ -65,7 +65,8 @@ def load_tokenizer(config: Config) -> Tokenizer:
 
 def tokenize(config: Config, ledger: Any = None) -> ray.data.Dataset:
     """Every dataset read, templated and tokenized once (lazy; ``Epochs`` materializes it)."""
-    raw = [read_dataset(spec) for spec in config.datasets]
+    where = stream.on_data_nodes(config)  # planned mode's reads keep to the data nodes too
+    raw = [read_dataset(spec, **where) for spec in config.datasets]
     rows = raw[0].union(*raw[1:]) if len(raw) > 1 else raw[0]
     return stream.tokenized(rows, config, ledger)
 

@@ -138,7 +138,7 @@ def estimate(config: Config, count_rows: bool) -> dict[str, Estimate]:
     )
     estimates = {}
     for spec in config.datasets:
-        sample, density, raw_rows = _head(spec)
+        sample, density, raw_rows = _head(spec, on_data_nodes(config))
         lengths = tokenize(sample).column("num_tokens").to_numpy() if sample else np.empty(0)
         if not len(lengths):
             raise ValueError(
@@ -155,13 +155,16 @@ def estimate(config: Config, count_rows: bool) -> dict[str, Estimate]:
     return estimates
 
 
-def _head(spec: DatasetConfig) -> tuple[pa.Table | None, float | None, float]:
+def _head(
+    spec: DatasetConfig, where: dict[str, Any] | None = None
+) -> tuple[pa.Table | None, float | None, float]:
     """Up to ``SAMPLE_ROWS`` good rows from the first files of a dataset, parsed in the driver (a
     cost that does not grow with the number of files; a Hugging Face dataset goes through Ray);
     the raw rows per byte of the files parsed; and the raw rows, bad ones included, that the good
-    rows kept stand for (so samples per raw row = samples of the sample / this)."""
+    rows kept stand for (so samples per raw row = samples of the sample / this). ``where``:
+    ``on_data_nodes``, for the read of a Hugging Face dataset."""
     if spec.format == HF:
-        refs = read_dataset(spec).limit(SAMPLE_ROWS).to_arrow_refs()
+        refs = read_dataset(spec, **(where or {})).limit(SAMPLE_ROWS).to_arrow_refs()
         table = pa.concat_tables(ray.get(refs)) if refs else None
         return table, None, float(table.num_rows if table is not None else 1)
     tables, count, good_rows, bad_rows, parsed_bytes = [], 0, 0, 0, 0

@@ -217,3 +217,56 @@ def test_the_warm_up_lane_takes_part_of_each_dataset():
         assert 10 < heads[spec.name].rows < rows / 2
     tokens = sum(heads[n].rows * estimates[n].mean_tokens for n in heads)
     assert tokens == pytest.approx(16_000, rel=0.05)
+
+
+def test_planned_mode_keeps_every_data_operator_on_the_data_nodes(monkeypatch):
+    """``ray.data_label_selector`` reaches planned mode's operators as stream mode's: each read,
+    the Tokenize pool, ``ExpandPlan`` and ``AssemblePacks`` ask Ray for a node with the label
+    (they ran anywhere: a packer could land beside a trainer). Checked on the arguments each
+    operator is built with, no cluster needed."""
+    from conftest import ALPACA, GPT2, HH_CHAT
+    from rayjobs import epochs, pipeline
+    from rayjobs.config import config_from_dict
+
+    selector = {"rayjobs.io/role": "data"}
+    config = config_from_dict(
+        {
+            "datasets": [
+                {"name": "a", "source": str(ALPACA), "template": "alpaca"},
+                {"name": "b", "source": str(HH_CHAT), "template": "chat"},
+            ],
+            "tokenizer": {"path": str(GPT2)},
+            "packing": {"mode": "planned"},
+            "ray": {"data_label_selector": selector},
+        }
+    )
+    calls = []
+
+    class Operator:  # stands in for a lazy Ray dataset: records each operator's arguments
+        def union(self, *others):
+            return self
+
+        def map_batches(self, fn, **kwargs):
+            calls.append((getattr(fn, "__name__", fn), kwargs.get("label_selector")))
+            return self
+
+        def groupby(self, key):
+            return self
+
+        def map_groups(self, fn, **kwargs):
+            return self.map_batches(fn, **kwargs)
+
+    reads = []
+    monkeypatch.setattr(
+        pipeline,
+        "read_dataset",
+        lambda spec, **kw: reads.append(kw.get("label_selector")) or Operator(),
+    )
+    monkeypatch.setattr("rayjobs.stream.cluster_cpus", lambda config=None: 4.0)
+    pipeline.tokenize(config)
+    planned = epochs.Epochs.__new__(epochs.Epochs)
+    planned.config, planned.ledger, planned.pad_id, planned.tokenized = config, None, 0, Operator()
+    monkeypatch.setattr(planned, "pack_plan", lambda epoch: {}, raising=False)
+    planned.packed(0)
+    assert reads == [selector, selector]
+    assert calls == [("Tokenize", selector), ("ExpandPlan", selector), ("AssemblePacks", selector)]
