@@ -121,11 +121,6 @@ class Estimate:
     (a ledger trims what is read beyond a share; it cannot add what was not read)."""
 
     @property
-    def samples(self) -> float | None:
-        """Samples the dataset makes, estimated (None where its rows are not counted)."""
-        return None if self.rows is None else self.rows * self.samples_per_row
-
-    @property
     def size(self) -> int | None:
         """Bytes in the dataset's files."""
         return sum(self.file_sizes.values()) if self.file_sizes is not None else None
@@ -137,8 +132,9 @@ def estimate(config: Config, count_rows: bool) -> dict[str, Estimate]:
         config.datasets, config.tokenizer, config.packing.seq_len, config.packing.overflow
     )
     estimates = {}
+    where = on_data_nodes(config)
     for spec in config.datasets:
-        sample, density, raw_rows = _head(spec, on_data_nodes(config))
+        sample, density, raw_rows = _head(spec, where)
         lengths = tokenize(sample).column("num_tokens").to_numpy() if sample else np.empty(0)
         if not len(lengths):
             raise ValueError(
@@ -148,7 +144,7 @@ def estimate(config: Config, count_rows: bool) -> dict[str, Estimate]:
         sizes = {f: os.path.getsize(f) for f in spec.files} if spec.files else None
         count = None
         if count_rows:
-            count = read_dataset(spec, sizes=sizes, **on_data_nodes(config)).count()
+            count = read_dataset(spec, sizes=sizes, **where).count()
         estimates[spec.name] = Estimate(
             float(lengths.mean()), count, density, sizes, len(lengths) / raw_rows
         )
@@ -402,7 +398,7 @@ def epoch_fractions(config: Config, estimates: dict[str, Estimate]) -> list[floa
     by_tokens = config.mix.by == "tokens"
     sizes = np.array(
         [
-            estimates[s.name].samples * (estimates[s.name].mean_tokens if by_tokens else 1.0)
+            _samples_hint(estimates[s.name]) * (estimates[s.name].mean_tokens if by_tokens else 1.0)
             for s in specs
         ]
     )
