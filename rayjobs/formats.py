@@ -741,33 +741,30 @@ class _JsonText:
 
 
 def _json_record(parsed: Parsed, row: int, record: Any) -> None:
-    dumped = json.dumps(record, ensure_ascii=False)
-    try:
-        dumped.encode("utf-8")
-    except UnicodeEncodeError:
+    dumped = _utf8_json(record)
+    if dumped is None:
         parsed.add_bad(row, "invalid_utf8", f"{_undecodable(record)}not valid UTF-8")
         return
     parsed.rows.append(row)
     parsed.records.append(dumped)
 
 
-def _is_utf8(record: Any) -> bool:
-    """Whether a parsed JSON value's text is all UTF-8 (no lone surrogate such as ``"\\ud800"``,
-    which JSON can escape but no UTF-8 text holds)."""
+def _utf8_json(record: Any) -> str | None:
+    """A parsed JSON value as JSON text, or None when its text is not all UTF-8 (a lone surrogate
+    such as ``"\\ud800"``, which JSON can escape but no UTF-8 text holds)."""
+    dumped = json.dumps(record, ensure_ascii=False)
     try:
-        json.dumps(record, ensure_ascii=False).encode("utf-8")
+        dumped.encode("utf-8")
     except UnicodeEncodeError:
-        return False
-    return True
+        return None
+    return dumped
 
 
 def _undecodable(record: Any) -> str:
     """``"field 'x': "`` for the first top-level field of a record that holds undecodable text."""
     if isinstance(record, dict):
         for key, value in record.items():
-            try:
-                json.dumps({key: value}, ensure_ascii=False).encode("utf-8")
-            except UnicodeEncodeError:
+            if _utf8_json({key: value}) is None:
                 return f"field {key!r}: "
     return ""
 
@@ -792,7 +789,7 @@ def _jsonl(file: Readable, options: FileOptions, chunk_bytes: int) -> Iterator[P
                     f"line {number} is not valid JSON: {error.msg} (column {error.colno})",
                 )
                 continue
-            if ("\\ud" in text or "\\uD" in text) and not _is_utf8(record):
+            if ("\\ud" in text or "\\uD" in text) and _utf8_json(record) is None:
                 # an escaped lone surrogate ("\ud800"): valid JSON, but no UTF-8 text a
                 # tokenizer takes (a .json list's records are refused the same way)
                 where = _undecodable(record)
