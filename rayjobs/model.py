@@ -511,7 +511,8 @@ def _refuse_unknown_overrides(config: Any, overrides: dict[str, Any], unused: di
 
     try:
         known = type(config)().to_dict()
-    except Exception:  # a config class without defaults: only what transformers left unused
+    except Exception:  # noqa: BLE001 - no defaults (e.g. Gemma4Assistant's strict dataclass):
+        # then only what transformers left unused is refused
         known = config.to_dict()
     stored = config.to_dict()
     try:  # the causal LM class's module: the code that reads the config
