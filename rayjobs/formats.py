@@ -60,7 +60,8 @@ over bytes already in memory, the parts merged.
 - CSV files go through pyarrow's streaming CSV reader in blocks of :data:`CSV_BLOCK_BYTES`, the
   block ``pyarrow.csv.read_csv`` uses by default and so the one whole-file reading used: a row must
   fit in about a block (pyarrow's limit), as before. The header is read with Python's ``csv``
-  from the first part (as many parts as it spans).
+  from the first part (as many parts as it spans; blank lines before it are passed over), and
+  pyarrow reads from the byte where it ends (a quoted name may span lines).
 - Under ``on_bad_row: error`` the first bad row stops the read, as before. Where the whole file can
   still be refused after a bad row (a JSON list's syntax, a CSV block or Parquet page pyarrow
   cannot read: :attr:`Format.late_file_errors`) the rest of the file is read first (nothing more is
@@ -456,24 +457,26 @@ def _csv(file: Readable, options: FileOptions, chunk_bytes: int) -> Iterator[Par
     import pyarrow as pa
     import pyarrow.csv as pacsv
 
-    head, names = _csv_head(file, chunk_bytes)
+    rest, names = _csv_head(file, chunk_bytes)
     if names is None:
         return
+    if not rest and not (rest := file.read(chunk_bytes)):
+        return  # a header and no rows (pyarrow calls an empty input an error)
     ragged: dict[int, str] = {}
 
     def on_ragged(row) -> str:
         if row.number is None:  # not known with threaded parsing, which is off below
             raise ValueError(f"a CSV row has {row.actual_columns} fields: {row.text!r:.80}")
-        ragged[row.number - 2] = (  # number counts the header as row 1
+        ragged[row.number - 1] = (  # number counts the first row after the header as 1
             f"{row.actual_columns} fields where the header has {row.expected_columns}: "
             f"{row.text!r:.80}"
         )
         return "skip"
 
     reader = pacsv.open_csv(
-        pa.PythonFile(_Joined(head, file), mode="r"),
+        pa.PythonFile(_Joined(rest, file), mode="r"),
         read_options=pacsv.ReadOptions(
-            use_threads=False, column_names=names, skip_rows=1, block_size=CSV_BLOCK_BYTES
+            use_threads=False, column_names=names, block_size=CSV_BLOCK_BYTES
         ),
         parse_options=pacsv.ParseOptions(newlines_in_values=True, invalid_row_handler=on_ragged),
         convert_options=pacsv.ConvertOptions(
@@ -484,7 +487,7 @@ def _csv(file: Readable, options: FileOptions, chunk_bytes: int) -> Iterator[Par
         ),
     )
     index = 0
-    for batch in reader:
+    while (batch := _csv_batch(reader, index)) is not None:
         parsed = Parsed()
         columns = [batch.column(name).to_pylist() for name in names]
         for cells in zip(*columns, strict=True):
@@ -510,9 +513,30 @@ def _csv(file: Readable, options: FileOptions, chunk_bytes: int) -> Iterator[Par
     yield parsed
 
 
+def _csv_batch(reader, row: int) -> Any:
+    """pyarrow's next CSV record batch (None at the end; ``row`` is the next row's number), its
+    error for a row longer than a block put into words: pyarrow cannot go on past such a row, so
+    the file is refused even under ``skip``."""
+    import pyarrow as pa
+
+    try:
+        return reader.read_next_batch()
+    except StopIteration:
+        return None
+    except pa.ArrowInvalid as error:
+        if "straddl" not in str(error):
+            raise
+        raise ValueError(
+            f"a CSV row (row {row} or a later one) is longer than the CSV reader's block "
+            f"({CSV_BLOCK_BYTES:,} bytes; pyarrow needs a row to fit in a block), so the file "
+            f"cannot be read past it; store such long values as JSONL or Parquet"
+        ) from None
+
+
 def _csv_head(file: Readable, chunk_bytes: int) -> tuple[bytes, list[str] | None]:
-    """(the start of a CSV file read so far, less a byte order mark; its column names, None for an
-    empty file): chunks are read until the header record is whole."""
+    """(the bytes of a CSV file after its header record, read so far; its column names, None for
+    a file with no header: empty or blank lines only): chunks are read until the header record is
+    whole. Blank lines before the header are passed over, as pyarrow and pandas do."""
     head, ended = b"", False
     while True:
         chunk = file.read(chunk_bytes)
@@ -520,37 +544,42 @@ def _csv_head(file: Readable, chunk_bytes: int) -> tuple[bytes, list[str] | None
         head += chunk
         if len(head) < len(BOM) and not ended:
             continue
-        header, whole = _csv_header(head.removeprefix(BOM), ended)
-        if whole:
-            return head.removeprefix(BOM), header
+        data = head.removeprefix(BOM)
+        header, end = _csv_header(data, ended)
+        if end is not None:
+            return data[end:], header
 
 
-def _csv_header(data: bytes, ended: bool = True) -> tuple[list[str] | None, bool]:
-    """(the column names of a CSV file starting with ``data``, None: no header, an empty file;
-    whether ``data`` holds the whole header record: ``ended`` says it is the whole file)."""
+def _csv_header(data: bytes, ended: bool = True) -> tuple[list[str] | None, int | None]:
+    """(the column names of a CSV file starting with ``data``, None: no header, the file is empty
+    or blank; the offset in ``data`` where the header record ends, None: ``data`` may not hold the
+    whole record, which goes on in the next chunk; ``ended`` says ``data`` is the whole file).
+    The header's end is a byte offset so that pyarrow reads the rows after it however many lines
+    the header spans (a quoted name may hold a newline)."""
     lines = io.BytesIO(data)
-    last = b""
+    last, end = b"", 0
     past_end = False
 
     def decoded() -> Iterator[str]:
-        nonlocal last, past_end
+        nonlocal last, end, past_end
         for line in lines:
             last = line
+            end += len(line)
             yield line.decode("utf-8", "surrogateescape")
         past_end = True
 
-    header = next(csv.reader(decoded()), None)
+    header = next((record for record in csv.reader(decoded()) if record), None)
     if not ended and (past_end or not last.endswith(b"\n")):
-        return None, False  # the record may go on in the next chunk
+        return None, None  # the record may go on in the next chunk
     if header is None:
-        return None, True
+        return None, end
     try:
         "".join(header).encode("utf-8")
     except UnicodeEncodeError:
         raise ValueError("the header row is not valid UTF-8") from None
     if len(set(header)) != len(header):
         raise ValueError(f"the header row repeats a column name: {header}")
-    return header, True
+    return header, end
 
 
 class _Joined(io.RawIOBase):

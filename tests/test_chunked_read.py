@@ -336,11 +336,38 @@ def test_csv_ragged_quoted_and_bad_cells_at_every_boundary(monkeypatch, block):
 
 
 @pytest.mark.parametrize(
-    "data",
-    [b"", BOM, b"\n", b"a,b,c\n", b"a,b,c", b'"a\nq",b\n1,2\n', b"a,a\n1,2\n", b"a,\xffb\n1,2\n"],
+    "data,records",
+    [
+        (b"", []),
+        (BOM, []),
+        (b"\n", []),
+        (b"\n\r\n", []),
+        (b"a,b,c\n", []),
+        (b"a,b,c", []),  # a header and no newline: no rows, as with one
+        (b"\n\na,b\n1,2\n", [{"a": "1", "b": "2"}]),  # blank lines before the header
+        (b'"a\nq",b\n1,2\n3,4', [{"a\nq": "1", "b": "2"}, {"a\nq": "3", "b": "4"}]),
+        (b"a,a\n1,2\n", "the header row repeats a column name: ['a', 'a']"),
+        (b"a,\xffb\n1,2\n", "the header row is not valid UTF-8"),
+    ],
 )
-def test_csv_headers_at_every_boundary(data):
-    _every_chunk_size(data, "csv")
+def test_csv_headers_at_every_boundary(data, records):
+    """The header is found however the file is cut, and the rows after it are read from where it
+    ends: after blank lines, and after a quoted name that spans lines (which once became a row)."""
+    outcome = _every_chunk_size(data, "csv")
+    if isinstance(records, str):
+        assert outcome[0] == "error" and records in outcome[2], outcome
+    else:
+        assert [json.loads(r) for r in _column(outcome, "_record")] == records
+        assert _column(outcome, "_row") == list(range(len(records)))
+
+
+def test_a_csv_row_longer_than_a_block_fails_the_file_saying_so(monkeypatch):
+    monkeypatch.setattr(formats, "CSV_BLOCK_BYTES", 1024)
+    data = b"a,b\n1,2\n3,4\n5," + b"x" * 3000 + b"\n7,8\n"
+    outcome = _assert_same(data, "csv", 64)
+    assert outcome[0] == "error", outcome
+    message = "a CSV row (row 2 or a later one) is longer than the CSV reader's block (1,024 bytes"
+    assert message in outcome[2]
 
 
 def test_parquet_binary_values_in_batches_of_one_row(tmp_path):
