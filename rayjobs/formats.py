@@ -401,6 +401,8 @@ def _holds_binary(arrow_type) -> bool:
     checks = ("is_binary", "is_large_binary", "is_fixed_size_binary", "is_binary_view")
     if any(getattr(pa.types, check, lambda _: False)(arrow_type) for check in checks):
         return True
+    if pa.types.is_dictionary(arrow_type):  # e.g. a pandas categorical of bytes
+        return _holds_binary(arrow_type.value_type)
     return any(_holds_binary(arrow_type.field(i).type) for i in range(arrow_type.num_fields))
 
 
@@ -437,8 +439,17 @@ def table_records(table, rows: list[int], binary: str) -> Parsed:
             parsed.add_bad(row, "invalid_utf8", f"field {name!r}: not valid UTF-8 ({error.reason})")
             continue
         parsed.rows.append(row)
-        parsed.records.append(json.dumps(record, ensure_ascii=False, default=str))
+        parsed.records.append(json.dumps(record, ensure_ascii=False, default=_json_str))
     return parsed
+
+
+def _json_str(value: Any) -> str:
+    """A value JSON has no type for, as text (a timestamp, a decimal); bytes are never made text
+    (``str`` would give ``"b'...'"``): a binary column that :func:`binary_columns` missed fails
+    loudly."""
+    if isinstance(value, bytes | bytearray | memoryview):
+        raise TypeError(f"a binary value {bytes(value)[:20]!r} in a column not known to be binary")
+    return str(value)
 
 
 def _decoded(value: Any) -> Any:
@@ -447,7 +458,7 @@ def _decoded(value: Any) -> Any:
         return value.decode("utf-8")
     if isinstance(value, dict):
         return {key: _decoded(item) for key, item in value.items()}
-    if isinstance(value, list):
+    if isinstance(value, list | tuple):  # a map's entries come as (key, value) tuples
         return [_decoded(item) for item in value]
     return value
 

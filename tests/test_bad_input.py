@@ -358,16 +358,39 @@ def test_error_names_dataset_file_row_and_reason(tmp_path, tokenizer_config, cas
     assert "\n" not in message  # the CLI shows the first line of a wrapped error
 
 
+@pytest.mark.parametrize("encoding", ["plain", "dictionary"])  # dictionary: a pandas categorical
 @pytest.mark.parametrize("on_bad_row", ["error", "skip"])
-def test_parquet_binary_column_is_refused_by_default(tmp_path, tokenizer_config, on_bad_row):
+def test_parquet_binary_column_is_refused_by_default(
+    tmp_path, tokenizer_config, on_bad_row, encoding
+):
+    """Never trained as the text ``b'Hi!'`` (a dictionary-encoded column once was)."""
     path = tmp_path / "rows.parquet"
-    _parquet({"instruction": pa.array(["Say hi."]), "output": pa.array([b"Hi!"])})(path)
+    output = pa.array([b"Hi!"])
+    output = output.dictionary_encode() if encoding == "dictionary" else output
+    _parquet({"instruction": pa.array(["Say hi."]), "output": output})(path)
     config = _config(tmp_path, path.name, on_bad_row=on_bad_row)
     with pytest.raises(SourceError) as caught:
         _tokenize(config)
     message = str(caught.value)
     for part in (f"dataset 'd', file {path}:", "column(s) ['output'] hold binary", "binary: utf8"):
         assert part in message
+
+
+def test_binary_inside_dictionaries_maps_and_lists_is_decoded_with_binary_utf8(tmp_path):
+    path = tmp_path / "rows.parquet"
+    columns = {
+        "text": pa.array([b"caf\xc3\xa9"]).dictionary_encode(),
+        "meta": pa.array([[("k", b"v")]], type=pa.map_(pa.string(), pa.binary())),
+        "tags": pa.array([[b"a", b"b"]]),
+    }
+    _parquet(columns)(path)
+    data = path.read_bytes()
+    _, records = parse_file(data, str(path), format="parquet", dataset="d", binary="utf8")
+    assert [json.loads(r) for r in records] == [
+        {"text": "café", "meta": [["k", "v"]], "tags": ["a", "b"]}
+    ]
+    with pytest.raises(SourceError, match=r"column\(s\) \['text', 'meta', 'tags'\] hold binary"):
+        parse_file(data, str(path), format="parquet", dataset="d")
 
 
 def test_csv_cells_are_kept_as_written(tmp_path):
