@@ -424,14 +424,24 @@ def check_binary(schema, binary: str) -> list[str]:
 def table_records(table, rows: list[int], binary: str) -> Parsed:
     """An Arrow table's rows as records (Parquet files and Hugging Face datasets); ``rows`` are
     their row numbers. Binary columns are refused, or decoded as UTF-8 with ``binary: utf8`` (see
-    module note); other non-JSON values (timestamps, decimals) become their ``str``.
+    module note); other non-JSON values (timestamps, decimals) become their ``str``. A string
+    column holding bytes that are not UTF-8 (Arrow does not check what writers put there) is
+    decoded row by row too, so those rows are ``invalid_utf8`` bad rows, not a failed file.
 
     Raises:
         ValueError: a binary column under ``binary: error``.
     """
+    import pyarrow as pa
+
     decode = check_binary(table.schema, binary)
+    try:
+        records = table.to_pylist()
+    except UnicodeDecodeError:  # a string column holding bytes that are not UTF-8 (a bad writer)
+        table = table.cast(pa.schema([f.with_type(_as_binary(f.type)) for f in table.schema]))
+        decode = binary_columns(table.schema)  # decoded row by row: a bad row is skippable
+        records = table.to_pylist()
     parsed = Parsed()
-    for row, record in zip(rows, table.to_pylist(), strict=True):
+    for row, record in zip(rows, records, strict=True):
         try:
             for name in decode:
                 record[name] = _decoded(record[name])
@@ -441,6 +451,27 @@ def table_records(table, rows: list[int], binary: str) -> Parsed:
         parsed.rows.append(row)
         parsed.records.append(json.dumps(record, ensure_ascii=False, default=_json_str))
     return parsed
+
+
+def _as_binary(arrow_type):
+    """``arrow_type`` with its strings, at any depth, as binary (the same bytes, not checked)."""
+    import pyarrow as pa
+
+    if pa.types.is_string(arrow_type):
+        return pa.binary()
+    if pa.types.is_large_string(arrow_type):
+        return pa.large_binary()
+    if pa.types.is_map(arrow_type):
+        return pa.map_(_as_binary(arrow_type.key_type), _as_binary(arrow_type.item_type))
+    if pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type):
+        field = arrow_type.value_field
+        kind = pa.list_ if pa.types.is_list(arrow_type) else pa.large_list
+        return kind(field.with_type(_as_binary(field.type)))
+    if pa.types.is_struct(arrow_type):
+        return pa.struct([field.with_type(_as_binary(field.type)) for field in arrow_type])
+    if pa.types.is_dictionary(arrow_type):
+        return pa.dictionary(arrow_type.index_type, _as_binary(arrow_type.value_type))
+    return arrow_type
 
 
 def _json_str(value: Any) -> str:

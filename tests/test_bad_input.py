@@ -157,6 +157,19 @@ CASES = {
         extra={"binary": "utf8"},
         texts={0: "café", 2: "5"},
     ),
+    "parquet_string_column_holding_invalid_utf8": Case(  # Arrow does not check writers' bytes
+        "rows.parquet",
+        _parquet(
+            {
+                "instruction": pa.array(["Say hi.", "Say hi.", "Add."]),
+                "output": pa.array([b"caf\xc3\xa9", b"caf\xe9", b"5"]).view(pa.string()),
+            }
+        ),
+        good=[0, 2],
+        skipped={"invalid_utf8": 1},
+        error=(1, ["[invalid_utf8]", "field 'output': not valid UTF-8"]),
+        texts={0: "café", 2: "5"},
+    ),
     "json_list_invalid_utf8_value": Case(
         "rows.json",
         b'[{"instruction": "Say hi.", "output": "caf\xe9"}, ' + json.dumps(ADD).encode() + b"]",
