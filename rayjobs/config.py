@@ -60,7 +60,8 @@ class DatasetConfig(_Strict):
     (instruction/input/output), ``chat`` (``messages`` or ShareGPT ``conversations``), ``text``
     (raw text, every token trained)."""
     column_map: dict[str, str] = Field(default_factory=dict)
-    """Template field → dataset column, e.g. ``{output: response}``."""
+    """Template field → dataset column, e.g. ``{output: response}``; the keys must be fields the
+    template reads (``templates.TEMPLATE_FIELDS``)."""
     train_on_input: bool = False
     """Also train on prompt / user tokens (default: only responses / assistant turns)."""
     weight: float | None = Field(default=None, gt=0)
@@ -93,6 +94,17 @@ class DatasetConfig(_Strict):
     @classmethod
     def _known_template(cls, value: str) -> str:
         return _registered(value, templates.TEMPLATES, "template")
+
+    @model_validator(mode="after")
+    def _column_map_names_template_fields(self) -> DatasetConfig:
+        fields = templates.TEMPLATE_FIELDS.get(self.template)
+        unknown = sorted(set(self.column_map) - fields) if fields is not None else []
+        if unknown:
+            raise ValueError(
+                f"column_map key(s) {unknown} name no field of template {self.template!r}, "
+                f"which reads {sorted(fields)} (column_map maps a template field to a column)"
+            )
+        return self
 
 
 class TokenizerConfig(_Strict):

@@ -28,13 +28,16 @@ raises ``RowError`` naming the field and a reason of ``formats.SKIP_REASONS``; t
 - ``missing_field``: a required field absent or null (alpaca ``instruction``/``output``, text
   ``text``, chat ``messages`` or ``conversations``), or a conversation with no assistant turn;
 - ``wrong_type``: the row is not an object, a text field is not a string, turns are not a list of
-  ``{role, content}`` with a known role and text content;
+  ``{role, content}`` with a known role and text content, or a turn carries an OpenAI
+  ``tool_calls`` / ``function_call``. Design note: turns reach the chat template as role and
+  content only, so such a turn would train as an empty assistant turn with its call lost; it is
+  refused rather than trained wrong (ShareGPT's ``function_call`` role, whose call is the text,
+  is fine);
 - ``empty_field``: a required text field that is empty or only whitespace, or an empty list of
   turns. Design note: such a sample trains on nothing but EOS (an empty output) or teaches an
   answer to no question (an empty instruction); Axolotl and TRL users filter them out, so a
   dataset that has them learns that it has them. Optional fields may be empty as before: alpaca
-  ``input`` (no ``### Input:`` block then), chat ``system``, and a turn's ``content`` (tool-call
-  turns are often empty);
+  ``input`` (no ``### Input:`` block then), chat ``system``, and a turn's ``content``;
 - ``template_error``: the chat template is not prefix-stable on the row (``Tokenizer.render_chat``
   reports a chat template that raises the same way).
 
@@ -71,6 +74,9 @@ SHAREGPT_ROLES = {
 }
 
 Message = dict[str, str]
+TOOL_CALL_KEYS = ("tool_calls", "function_call")
+"""OpenAI turn keys holding a function call: a turn that has one is refused (``wrong_type``), as
+rendering it from role and content alone would train an empty assistant turn."""
 RenderChat = Callable[[list[Message], bool], str]
 """(messages, add_generation_prompt) → rendered text."""
 
@@ -110,18 +116,27 @@ Template = Callable[
 TEMPLATES: dict[str, Template] = {}
 """Templates by name; ``datasets[].template`` must name one."""
 
+TEMPLATE_FIELDS: dict[str, frozenset[str]] = {}
+"""The fields each template reads (where it declares them): the keys ``datasets[].column_map``
+may have, so a misspelt optional field (``inputs`` for ``input``) is refused, not ignored."""
+
 PREFERENCE_TEMPLATES = frozenset({"preference"})
 """The templates that return a ``Preference``: the ones ``task: dpo`` takes (and ``sft`` does
 not)."""
 
 
-def register_template(name: str) -> Callable[[Template], Template]:
-    """Decorator: make ``template(row, column_map, render_chat)`` available as ``name``."""
+def register_template(
+    name: str, fields: tuple[str, ...] | None = None
+) -> Callable[[Template], Template]:
+    """Decorator: make ``template(row, column_map, render_chat)`` available as ``name``;
+    ``fields`` are the fields it reads (the keys ``column_map`` may have; None: not checked)."""
 
     def register(template: Template) -> Template:
         if name in TEMPLATES:
             raise ValueError(f"template {name!r} is already registered")
         TEMPLATES[name] = template
+        if fields is not None:
+            TEMPLATE_FIELDS[name] = frozenset(fields)
         return template
 
     return register
@@ -142,11 +157,8 @@ def _field(
     column = column_map.get(name, name)
     value = row.get(column)
     if value is None and required:
-        raise RowError(
-            _shown(name, column_map),
-            f"missing; the row has columns {sorted(row)}",
-            reason="missing_field",
-        )
+        problem = "null" if column in row else f"missing; the row has columns {sorted(row)}"
+        raise RowError(_shown(name, column_map), problem, reason="missing_field")
     return value
 
 
@@ -163,7 +175,7 @@ def _text_field(
     return value
 
 
-@register_template("alpaca")
+@register_template("alpaca", fields=("instruction", "input", "output"))
 def alpaca(
     row: Mapping[str, Any], column_map: Mapping[str, str], render_chat: RenderChat | None = None
 ) -> list[Segment]:
@@ -176,7 +188,7 @@ def alpaca(
     return [Segment(prompt, False), Segment(output, True)]
 
 
-@register_template("text")
+@register_template("text", fields=("text",))
 def text(
     row: Mapping[str, Any], column_map: Mapping[str, str], render_chat: RenderChat | None = None
 ) -> list[Segment]:
@@ -204,7 +216,9 @@ def chat_messages(row: Mapping[str, Any], column_map: Mapping[str, str]) -> list
         raise RowError(field, "empty: expected a non-empty list of turns", reason="empty_field")
     normalised: list[Message] = []
     system = row.get(column_map.get("system", "system"))
-    if isinstance(system, str) and system:
+    if system is not None and not isinstance(system, str):
+        raise RowError(_shown("system", column_map), f"expected text, got {type(system).__name__}")
+    if system:
         normalised.append({"role": "system", "content": system})
     for turn_index, turn in enumerate(messages):
         role = turn.get("from" if sharegpt else "role") if isinstance(turn, Mapping) else None
@@ -216,6 +230,13 @@ def chat_messages(row: Mapping[str, Any], column_map: Mapping[str, str]) -> list
             raise RowError(
                 f"{field}[{turn_index}]",
                 f"expected a turn with a known role and text content, got {turn!r:.120}",
+            )
+        calls = [key for key in TOOL_CALL_KEYS if turn.get(key)]
+        if calls:  # the chat template is given role and content only: the call would be lost
+            raise RowError(
+                f"{field}[{turn_index}]",
+                f"the turn carries {calls[0]!r}, which is not trained (turns are rendered from "
+                f"role and content only); put the call in content, or skip such rows",
             )
         normalised.append({"role": role, "content": content})
     return normalised
@@ -237,7 +258,7 @@ def _check_prefix(earlier: str, later: str) -> None:
         )
 
 
-@register_template("chat")
+@register_template("chat", fields=("messages", "conversations", "system"))
 def chat(
     row: Mapping[str, Any], column_map: Mapping[str, str], render_chat: RenderChat | None = None
 ) -> list[Segment]:
@@ -288,7 +309,9 @@ def _response(value: Any, name: str, column_map: Mapping[str, str]) -> str:
     return message
 
 
-@register_template("preference")
+@register_template(
+    "preference", fields=("prompt", "chosen", "rejected", "messages", "conversations", "system")
+)
 def preference(
     row: Mapping[str, Any], column_map: Mapping[str, str], render_chat: RenderChat | None = None
 ) -> Preference:

@@ -78,6 +78,11 @@ BAD_CONFIGS = {
             "registered: 'alpaca', 'text', 'chat'",
         ],
     ),
+    "column_map_key_naming_no_template_field": (  # a typo once dropped the input block
+        _dataset(column_map={"instruction": "question", "inputs": "context"}),
+        [],
+        ["datasets.0", "column_map key(s) ['inputs']", "['input', 'instruction', 'output']"],
+    ),
     "files_set_in_the_config": (
         _dataset(files=["data/alpaca.json"]),
         [],

@@ -238,6 +238,45 @@ ROW_ERRORS = {
         "conversations[1]",
         "bot",
     ),
+    "alpaca_null_output_is_null_not_missing": (
+        templates.alpaca,
+        {"instruction": "Say hi.", "output": None},
+        {},
+        "output",
+        "'output': null",
+    ),
+    "chat_system_not_text": (
+        _chat_with_chatml,
+        {"messages": [USER, {"role": "assistant", "content": "Hello"}], "system": 5},
+        {},
+        "system",
+        "expected text, got int",
+    ),
+    "chat_openai_tool_call_turn_is_refused_not_trained_empty": (
+        _chat_with_chatml,
+        {
+            "messages": [
+                {"role": "user", "content": "Weather?"},
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [{"type": "function", "function": {"name": "w"}}],
+                },
+                {"role": "tool", "content": "sunny"},
+                {"role": "assistant", "content": "Sunny."},
+            ]
+        },
+        {},
+        "messages[1]",
+        "carries 'tool_calls'",
+    ),
+    "chat_openai_function_call_turn": (
+        _chat_with_chatml,
+        {"messages": [USER, {"role": "assistant", "content": "x", "function_call": {"name": "w"}}]},
+        {},
+        "messages[1]",
+        "carries 'function_call'",
+    ),
     "chat_content_not_text": (
         _chat_with_chatml,
         {"messages": [USER, {"role": "assistant", "content": None}]},
