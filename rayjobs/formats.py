@@ -209,8 +209,16 @@ def register_format(name: str, extensions: tuple[str, ...] = (), *, late_file_er
     return register
 
 
+COMPRESSED_SUFFIXES = (".gz", ".bz2", ".zst", ".lz4")
+"""Extensions of compressed files: those pyarrow's ``Codec.detect`` names a codec for, which
+``sources.open_row_file`` decompresses (``rows.jsonl.gz`` is a JSONL file)."""
+
+
 def format_of(path: str) -> str | None:
-    """The registered format that claims ``path``'s extension, if any."""
+    """The registered format that claims ``path``'s extension (under a compression suffix), if
+    any."""
+    compressed = next((suffix for suffix in COMPRESSED_SUFFIXES if path.endswith(suffix)), "")
+    path = path.removesuffix(compressed)
     for fmt in FORMATS.values():
         if any(path.endswith(ext) for ext in fmt.extensions):
             return fmt.name

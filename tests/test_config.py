@@ -349,6 +349,22 @@ def test_directory_source_expands_to_its_files_sorted_and_recursive(tmp_path):
     assert config.datasets[0].format == "jsonl"
 
 
+def test_compressed_files_count_as_their_format_in_folders_and_globs(tmp_path):
+    """A folder's ``.jsonl.gz`` shard was once left out (the job read half the data), and a glob
+    of them could not infer the format."""
+    shards = _data_dir(tmp_path, "part-0.jsonl", "part-1.jsonl.gz", "part-2.jsonl.zst", "x.gz")
+    root = shards.resolve()
+    config = load_config(_write(tmp_path, _dataset(source="shards")))
+    assert config.datasets[0].files == tuple(
+        str(root / name) for name in ("part-0.jsonl", "part-1.jsonl.gz", "part-2.jsonl.zst")
+    )
+    assert config.datasets[0].format == "jsonl"
+    config = load_config(_write(tmp_path, _dataset(source="shards/*.jsonl.*")))
+    assert config.datasets[0].format == "jsonl"
+    with pytest.raises(ConfigError, match="cannot infer the format"):  # x.gz names no format
+        load_config(_write(tmp_path, _dataset(source="shards/*")))
+
+
 def test_glob_source_expands_to_matching_files(tmp_path):
     shards = _data_dir(tmp_path, "b.jsonl", "a.jsonl", "a.json")
     config = load_config(_write(tmp_path, _dataset(source="shards/*.jsonl")))
