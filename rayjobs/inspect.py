@@ -55,6 +55,7 @@ import hashlib
 import itertools
 import json
 import math
+import re
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -468,6 +469,10 @@ def _first_rows(spec: DatasetConfig, path: str, count: int) -> list[int]:
     return rows[:count]
 
 
+_LONE_SURROGATE = re.compile("[\ud800-\udc7f\udd00-\udfff]")
+"""Surrogates other than surrogateescape's (U+DC80-U+DCFF, the bytes that were not UTF-8)."""
+
+
 def _cut(fmt: str, path: str, first_left_out: int, keep: int, out: BinaryIO) -> None:
     """Write to ``out`` a file of format ``fmt`` holding the first ``keep`` rows of ``path``
     (``first_left_out``: the row number of the next one). Streams, but for a JSON list."""
@@ -478,6 +483,9 @@ def _cut(fmt: str, path: str, first_left_out: int, keep: int, out: BinaryIO) -> 
     if fmt == "json":  # a list of records, numbered from 0
         text = Path(path).read_bytes().removeprefix(BOM).decode("utf-8", "surrogateescape")
         records = json.dumps(json.loads(text)[:keep], ensure_ascii=False)
+        # bytes that were not UTF-8 go back as they were (surrogateescape); a lone surrogate the
+        # file escaped ("\ud800") goes back escaped, as no UTF-8 byte can hold it
+        records = _LONE_SURROGATE.sub(lambda m: f"\\u{ord(m[0]):04x}", records)
         out.write(records.encode("utf-8", "surrogateescape"))
         return
     if fmt == "parquet":

@@ -330,6 +330,21 @@ def test_limit_cuts_every_format_at_exactly_the_first_rows(tmp_path, limit):
         assert _first_rows(Path(path), fmt) == _first_rows(original, fmt, limit), fmt
 
 
+def test_limit_cuts_a_json_list_keeping_its_bad_text_bad(tmp_path):
+    """An escaped lone surrogate (once a UnicodeEncodeError) and a byte that is not UTF-8 stay
+    the same bad rows in the cut file."""
+    path = tmp_path / "rows.json"
+    path.write_bytes(b'[{"text": "a\\ud800"}, {"text": "caf\xe9"}, {"text": "ok"}, {"text": "x"}]')
+    raw = {
+        "datasets": [{"name": "j", "source": str(path), "template": "text", "on_bad_row": "skip"}],
+        "tokenizer": {"path": str(GPT2)},
+    }
+    limited = inspection.limit_config(config_from_dict(raw, base_dir=ROOT), 3, tmp_path / "cut")
+    (cut,) = limited.datasets[0].files
+    assert _first_rows(Path(cut), "json") == _first_rows(path, "json", 3)
+    assert [row[1] for row in _first_rows(path, "json", 2)] == ["invalid_utf8"] * 2, "guard"
+
+
 def test_limit_takes_whole_files_then_cuts_one(tmp_path):
     for part in range(3):
         lines = [json.dumps({"text": f"file {part} row {i}"}) for i in range(4)]
