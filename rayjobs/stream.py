@@ -389,11 +389,20 @@ def _tag_epoch(batch: pa.Table, epoch: int, copy: int) -> pa.Table:
     return batch.append_column("_pass", pa.array(np.full(batch.num_rows, copy, np.int32)))
 
 
+def sized(config: Config) -> bool:
+    """Whether each epoch holds set shares of the datasets (weights, or an epoch size: then each
+    dataset in its natural proportion), read from estimates and trimmed by ledger budgets; else
+    every epoch reads every dataset once, as it is."""
+    epoch_size = config.mix.epoch_tokens if config.mix.by == "tokens" else config.mix.epoch_samples
+    return config.datasets[0].weight is not None or epoch_size is not None
+
+
 def epoch_fractions(config: Config, estimates: dict[str, Estimate]) -> list[float]:
-    """How many times each dataset is read per epoch (1.0 = every sample once): its weight's
-    share of the epoch, in ``mix.by`` units, over its estimated size."""
+    """How many times each dataset is read per epoch (1.0 = every sample once): its share of the
+    epoch (by weight; without weights, in its natural proportion), in ``mix.by`` units, over its
+    estimated size."""
     specs = config.datasets
-    if specs[0].weight is None:
+    if not sized(config):
         return [1.0] * len(specs)
     by_tokens = config.mix.by == "tokens"
     sizes = np.array(
@@ -402,7 +411,8 @@ def epoch_fractions(config: Config, estimates: dict[str, Estimate]) -> list[floa
             for s in specs
         ]
     )
-    shares = np.array([s.weight for s in specs], dtype=np.float64)
+    weighted = specs[0].weight is not None
+    shares = np.array([s.weight for s in specs], dtype=np.float64) if weighted else sizes.copy()
     shares /= shares.sum()
     total = (config.mix.epoch_tokens if by_tokens else config.mix.epoch_samples) or sizes.sum()
     return list(shares * total / sizes)
@@ -564,9 +574,9 @@ def warmup_heads(
 
 def packed_rows(config: Config, pad_id: int, ledger: Any = None) -> ray.data.Dataset:
     """The packed rows of every epoch, in epoch order, as one lazy dataset (see module note)."""
-    estimates = estimate(config, count_rows=config.datasets[0].weight is not None)
+    weighted = sized(config)
+    estimates = estimate(config, count_rows=weighted)
     fractions = epoch_fractions(config, estimates)
-    weighted = config.datasets[0].weight is not None
     margin = 1.0 + MIX_MARGIN if weighted else 1.0  # read a margin more, trim to the share
     reads = [
         [
@@ -644,7 +654,7 @@ def _packed(
         "pad_id": pad_id,
         "seed": config.seed,
         "ledger": ledger,
-        "budget": config.mix.by if config.datasets[0].weight is not None else None,
+        "budget": config.mix.by if sized(config) else None,
     }
     return _stage(samples, PackStream, kwargs, window, config, num_cpus=0.5, actors=actors)
 

@@ -108,27 +108,36 @@ def _config(**extra):
     )
 
 
-# (weights, mix.by, sizes (rows, mean tokens) per dataset) → reads per epoch
+# (weights, mix, sizes (rows, mean tokens) per dataset) → reads per epoch
 FRACTIONS = {
-    "no_weights": (None, "tokens", [(100, 10.0), (50, 40.0), (10, 1.0)], [1.0, 1.0, 1.0]),
+    "no_weights": (None, {"by": "tokens"}, [(100, 10.0), (50, 40.0), (10, 1.0)], [1.0, 1.0, 1.0]),
     # by samples: 160 samples, shares 80/48/32 of 100/50/10 rows
-    "by_samples": ([0.5, 0.3, 0.2], "samples", [(100, 10.0), (50, 40.0), (10, 1.0)],
+    "by_samples": ([0.5, 0.3, 0.2], {"by": "samples"}, [(100, 10.0), (50, 40.0), (10, 1.0)],
                    [0.8, 0.96, 3.2]),
     # by tokens: 1000 + 2000 + 10 = 3010 tokens; shares 1505/903/602 of 1000/2000/10 tokens
-    "by_tokens": ([0.5, 0.3, 0.2], "tokens", [(100, 10.0), (50, 40.0), (10, 1.0)],
+    "by_tokens": ([0.5, 0.3, 0.2], {"by": "tokens"}, [(100, 10.0), (50, 40.0), (10, 1.0)],
                   [1.505, 0.4515, 60.2]),
+    # an epoch size without weights: every dataset in its natural proportion, 1505 of 3010
+    # tokens (once ignored in stream mode: every epoch read everything)
+    "epoch_tokens_no_weights": (None, {"by": "tokens", "epoch_tokens": 1505},
+                                [(100, 10.0), (50, 40.0), (10, 1.0)], [0.5, 0.5, 0.5]),
+    "epoch_samples_no_weights": (None, {"by": "samples", "epoch_samples": 480},
+                                 [(100, 10.0), (50, 40.0), (10, 1.0)], [3.0, 3.0, 3.0]),
+    "epoch_tokens_weighted": ([0.5, 0.3, 0.2], {"by": "tokens", "epoch_tokens": 301},
+                              [(100, 10.0), (50, 40.0), (10, 1.0)], [0.1505, 0.04515, 6.02]),
 }  # fmt: skip
 
 
-@pytest.mark.parametrize(("weights", "by", "sizes", "expected"), FRACTIONS.values(),
+@pytest.mark.parametrize(("weights", "mix", "sizes", "expected"), FRACTIONS.values(),
                          ids=FRACTIONS)  # fmt: skip
-def test_epoch_fractions(weights, by, sizes, expected):
-    config = _config(weights=weights, mix={"by": by})
+def test_epoch_fractions(weights, mix, sizes, expected):
+    config = _config(weights=weights, mix=mix)
     estimates = {
         spec.name: stream.Estimate(mean_tokens=mean, rows=rows)
         for spec, (rows, mean) in zip(config.datasets, sizes, strict=True)
     }
     assert stream.epoch_fractions(config, estimates) == pytest.approx(expected)
+    assert stream.sized(config) == (expected != [1.0, 1.0, 1.0])  # budgets trim to the shares
 
 
 def test_a_dataset_of_bad_and_dropped_rows_is_sized_in_samples(tmp_path):
