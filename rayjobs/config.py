@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -414,6 +415,45 @@ class Config(_Strict):
         return datasets
 
 
+class _YamlLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, less two YAML 1.1 surprises: a key written twice in one mapping is
+    refused (PyYAML keeps the last, so a second ``train:`` section silently replaced the
+    first), and ``1e-5`` is a float as in YAML 1.2 and JSON (1.1 wants ``1.0e-5``; typed keys
+    coerce the string, but ``train.model.config`` passes it to transformers as text)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} repeats the key of line {seen[key]}",
+                    key_node.start_mark,
+                )  # fmt: skip
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+        |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+
+
+def yaml_load(text: str) -> Any:
+    """YAML as rayjobs reads configs and overrides (see :class:`_YamlLoader`)."""
+    return yaml.load(text, Loader=_YamlLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def load_config(path: str | os.PathLike, overrides: list[str] = ()) -> Config:
     """Read a YAML config, apply ``dotted.key=value`` overrides, validate and resolve paths.
 
@@ -424,9 +464,12 @@ def load_config(path: str | os.PathLike, overrides: list[str] = ()) -> Config:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml_load(path.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as error:
         raise ConfigError(f"{path} is not valid YAML: {error}") from None
+    except UnicodeDecodeError as error:
+        where = f"{error.reason} at byte {error.start}"
+        raise ConfigError(f"{path} is not UTF-8 text ({where})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must hold a mapping of sections (datasets, tokenizer, ...)")
     for override in overrides:
@@ -478,7 +521,7 @@ def _apply_override(raw: dict[str, Any], override: str) -> None:
             raise ConfigError(f"override {key}: {'.'.join(parts[: depth + 1])} is not a section")
     last = parts[-1]
     try:
-        parsed = yaml.safe_load(value) if value else ""
+        parsed = yaml_load(value) if value else ""
     except yaml.YAMLError:
         parsed = value  # not a YAML scalar (a Jinja template, say): take it as text
     if isinstance(node, list):

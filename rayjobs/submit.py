@@ -64,10 +64,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from rayjobs import formats
-from rayjobs.config import ConfigError, _apply_override, load_config
+from rayjobs.config import ConfigError, _apply_override, load_config, yaml_load
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 MAX_UPLOAD_MIB = 100.0
@@ -279,7 +277,7 @@ def _left_out() -> str:
 
 def _raw(config_file: Path, overrides: list[str]) -> dict[str, Any]:
     """The config as written, overrides applied, before paths are resolved (already valid)."""
-    raw = yaml.safe_load(config_file.read_text()) or {}
+    raw = yaml_load(config_file.read_text(encoding="utf-8")) or {}
     for override in overrides:
         _apply_override(raw, override)
     return raw

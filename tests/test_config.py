@@ -190,6 +190,36 @@ def test_missing_or_non_mapping_config_file_names_the_file(tmp_path):
         load_config(tmp_path / "broken.yaml")
 
 
+def test_a_key_written_twice_and_a_file_not_utf8_are_refused_naming_the_file(tmp_path):
+    """PyYAML keeps the last of two ``train:`` sections: the first's settings vanished."""
+    text = _write(tmp_path).read_text()
+    path = tmp_path / "twice.yaml"
+    path.write_text(text + "train:\n  lr: 0.0001\n  max_steps: 100\ntrain:\n  lr: 0.001\n")
+    line = text.count("\n") + 1  # the first train: key
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    for part in ("twice.yaml is not valid YAML", f"key 'train' repeats the key of line {line}"):
+        assert part in str(caught.value)
+    (tmp_path / "latin1.yaml").write_bytes(text.encode() + b"# caf\xe9\n")
+    with pytest.raises(
+        ConfigError, match=r"latin1.yaml is not UTF-8 text \(invalid continuation byte"
+    ):
+        load_config(tmp_path / "latin1.yaml")
+
+
+def test_an_exponent_without_a_dot_is_a_float_in_free_form_sections(tmp_path):
+    """YAML 1.1 reads ``1e-5`` as text; ``train.model.config`` hands values to transformers as
+    they are, so ``rms_norm_eps: 1e-5`` failed inside the train workers."""
+    text = _write(tmp_path).read_text()
+    path = tmp_path / "eps.yaml"
+    model = "train:\n  model:\n    kind: hf\n    config: {model_type: llama, rms_norm_eps: 1e-5}\n"
+    path.write_text(text + model)
+    config = load_config(path, ["train.lr=2e-5", "tokenizer.pad_token='1e-5'"])
+    assert config.train.model.config == {"model_type": "llama", "rms_norm_eps": 1e-5}
+    assert config.tokenizer.pad_token == "1e-5"  # quoted: text
+    assert config.train.lr == 2e-5
+
+
 @pytest.mark.parametrize(
     "override, key, value",
     [
