@@ -174,8 +174,11 @@ class ModelConfig(_Strict):
 
     @model_validator(mode="after")
     def _heads_divide_dim(self) -> ModelConfig:
-        if self.dim % self.n_heads:
-            raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
+        if self.dim % self.n_heads or (self.dim // self.n_heads) % 2:
+            raise ValueError(
+                f"dim ({self.dim}) must be n_heads ({self.n_heads}) heads of even width "
+                f"(RoPE rotates pairs of dimensions)"
+            )
         return self
 
 
@@ -289,6 +292,22 @@ class TrainConfig(_Strict):
                 f"warmup_steps ({self.warmup_steps}) exceeds max_steps ({self.max_steps})"
             )
         return self
+
+    @model_validator(mode="after")
+    def _flex_needs_a_gpu(self) -> TrainConfig:
+        """Refused here rather than in every train worker once Ray and the data have started."""
+        if self.use_gpu:
+            return self
+        if self.attention == "flex":
+            key = "train.attention: flex"
+        elif getattr(self.model, "attn_implementation", None) == "flex_attention":
+            key = "train.model.attn_implementation: flex_attention"
+        else:
+            return self
+        raise ValueError(
+            f"{key} trains on CUDA only (FlexAttention has no CPU backward pass in torch 2.13); "
+            f"set train.use_gpu: true, or use sdpa (train.attention: auto picks flex on CUDA)"
+        )
 
     @property
     def schedule(self) -> str:

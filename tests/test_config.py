@@ -505,6 +505,21 @@ BAD_MODELS = {
         [],
         ["train.model.attn_implementation", "'sdpa', 'eager' or 'flex_attention'"],
     ),
+    "flex_attention_without_a_gpu": (  # refused before Ray starts, not in every worker
+        {**LLAMA, "attn_implementation": "flex_attention"},
+        [],
+        ["train.model.attn_implementation: flex_attention trains on CUDA only", "use_gpu"],
+    ),
+    "train_attention_flex_without_a_gpu": (
+        {},
+        ["train.attention=flex"],
+        ["train.attention: flex trains on CUDA only", "train.use_gpu: true"],
+    ),
+    "demo_heads_of_odd_width": (
+        {"dim": 12, "n_heads": 4},
+        [],
+        ["train.model", "dim (12) must be n_heads (4) heads of even width"],
+    ),
     "missing_checkpoint_dir": (
         {"kind": "hf", "path": "./ckpt"},
         [],
@@ -529,6 +544,13 @@ def test_bad_model_section_names_the_key(tmp_path, patch, overrides, expected):
         load_config(path, overrides)
     for text in expected:
         assert text.format(tmp=tmp_path.resolve()) in str(caught.value)
+
+
+def test_flex_attention_is_taken_with_a_gpu(tmp_path):
+    model = {**LLAMA, "attn_implementation": "flex_attention"}
+    config = load_config(_write(tmp_path, {"train": {"use_gpu": True, "model": model}}))
+    assert config.train.model.attn_implementation == "flex_attention"
+    assert load_config(_write(tmp_path), ["train.use_gpu=true", "train.attention=flex"])
 
 
 def test_model_kind_defaults_to_demo_and_hf_paths_resolve(tmp_path):
