@@ -105,12 +105,10 @@ def _parser() -> argparse.ArgumentParser:
         "training steps on an export's packed rows vs the same samples padded "
         "(`rayjobs bench train --help`)",
     )
-    bench.add_argument(
-        "--size-mb", type=int, default=1024, help="read: the JSONL file's size (MiB)"
-    )
-    bench.add_argument(
-        "--scales", type=int, nargs="+", default=[1, 30], help="pipeline: copies of the data"
-    )
+    # No defaults here for options a bench has its own defaults for (applied in _bench): an
+    # option given to a bench that does not take it is refused there, so it must show as given.
+    bench.add_argument("--size-mb", type=int, help="read: the JSONL file's size (MiB)")
+    bench.add_argument("--scales", type=int, nargs="+", help="pipeline: copies of the data")
     bench.add_argument(
         "--data",
         nargs="*",
@@ -122,10 +120,8 @@ def _parser() -> argparse.ArgumentParser:
         help="folder of real data sets in the layout of configs/data "
         "(default: the subsets bundled there)",
     )
-    bench.add_argument("--seq-len", type=int, nargs="*", default=[2048, 4096, 8192])
-    bench.add_argument(
-        "--window", type=int, default=4096, help="planned path: samples per packing window"
-    )
+    bench.add_argument("--seq-len", type=int, nargs="*")
+    bench.add_argument("--window", type=int, help="planned path: samples per packing window")
     bench.add_argument(
         "--window-tokens",
         type=int,
@@ -142,7 +138,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--json", metavar="OUT", help="also write the rows as JSON to OUT")
     bench.add_argument(
-        "--mean-length", type=float, default=300.0, help="attention: mean document length in tokens"
+        "--mean-length", type=float, help="attention: mean document length in tokens"
     )
     bench.add_argument(
         "--no-pipeline",
@@ -241,24 +237,77 @@ def format_summary(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+BENCH_OPTIONS = {
+    "packing": ("data", "data_dir", "seq_len", "window", "window_tokens", "json", "no_pipeline"),
+    "pipeline": ("scales", "window_tokens", "tokenize_actors", "pace", "data_dir", "json"),
+    "read": ("size_mb", "json"),
+    "attention": ("seq_len", "mean_length", "json"),
+}
+"""The options of the ``bench`` parser each bench takes (``bench train`` has its own parser)."""
+
+
+def _bench_usage_error(args: argparse.Namespace) -> str | None:
+    """An option given that the chosen bench does not take (the benches share one parser, and
+    another bench's option was dropped without a word: ``bench pipeline --seq-len 8192`` ran at
+    2048), or a bad value of ``bench packing``'s; the other benches check their own values."""
+    if args.what == "train":  # only ``rayjobs bench train ...`` reaches bench_train's parser
+        return "bench train takes its options after `bench train` (rayjobs bench train --help)"
+    foreign = [
+        "--" + dest.replace("_", "-")
+        for dest, value in vars(args).items()
+        if dest not in (*BENCH_OPTIONS[args.what], "command", "what")
+        and value is not None
+        and value is not False
+    ]
+    if foreign:
+        return f"bench {args.what} does not take {', '.join(foreign)}"
+    if args.what != "packing":
+        return None
+    if args.seq_len is not None and not args.seq_len:
+        return "--seq-len needs at least one length"
+    if any(seq_len < 1 for seq_len in args.seq_len or ()):
+        return f"--seq-len must be positive, got {args.seq_len}"
+    for flag, value in (("--window", args.window), ("--window-tokens", args.window_tokens)):
+        if value is not None and value < 1:
+            return f"{flag} must be positive, got {value}"
+    return None
+
+
 def _bench(args: argparse.Namespace) -> int:
+    if error := _bench_usage_error(args):
+        print(f"rayjobs: {error}", file=sys.stderr)
+        return 2
     if args.what == "attention":
+        from rayjobs import bench_attention
+
+        if args.seq_len is None:
+            args.seq_len = list(bench_attention.SEQ_LENS)
+        if args.mean_length is None:
+            args.mean_length = bench_attention.MEAN_LENGTH
+        if error := bench_attention.argument_error(args.seq_len, args.mean_length):
+            print(f"rayjobs: {error}", file=sys.stderr)  # before asking for a GPU
+            return 2
         return _bench_attention(args)
     if args.what == "read":
         from rayjobs import bench_read
 
-        return bench_read.main(
-            ["--size-mb", str(args.size_mb)] + (["--json", args.json] if args.json else [])
-        )
+        argv = ["--size-mb", str(args.size_mb)] if args.size_mb is not None else []
+        return bench_read.main(argv + (["--json", args.json] if args.json else []))
     if args.what == "pipeline":
         from rayjobs import bench_pipeline
 
-        argv = ["--scales", *map(str, args.scales)]
-        argv += ["--window-tokens", str(args.window_tokens)] if args.window_tokens else []
-        argv += ["--tokenize-actors", str(args.tokenize_actors)] if args.tokenize_actors else []
-        argv += ["--pace", str(args.pace)] if args.pace is not None else []
-        argv += ["--data-dir", args.data_dir] if args.data_dir else []
-        return bench_pipeline.main(argv + (["--json", args.json] if args.json else []))
+        # Every value given is passed on, 0 too (bench_pipeline refuses what it cannot run):
+        # a 0 was dropped, and the bench ran with the job's default instead.
+        argv = ["--scales", *map(str, args.scales)] if args.scales else []
+        for flag, value in (
+            ("--window-tokens", args.window_tokens),
+            ("--tokenize-actors", args.tokenize_actors),
+            ("--pace", args.pace),
+            ("--data-dir", args.data_dir),
+            ("--json", args.json),
+        ):
+            argv += [flag, str(value)] if value is not None else []
+        return bench_pipeline.main(argv)
     from pathlib import Path
 
     from rayjobs import bench
@@ -275,12 +324,14 @@ def _bench(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"rayjobs: {error}", file=sys.stderr)
         return 2
+    seq_lens = bench.SEQ_LENS if args.seq_len is None else args.seq_len
+    window = bench.DEFAULT_WINDOW if args.window is None else args.window
+    window_tokens = args.window_tokens or bench.DEFAULT_WINDOW_TOKENS  # (0 is refused above)
     lengths = bench.load_lengths(data_dir, names)
-    window_tokens = args.window_tokens or bench.DEFAULT_WINDOW_TOKENS
-    rows = bench.bench_packing(lengths, args.seq_len, args.window, window_tokens)
+    rows = bench.bench_packing(lengths, seq_lens, window, window_tokens)
     print(bench.format_table(rows))
-    speed = bench.packing_function_speed(lengths, window=args.window)
-    print(bench.format_verdict(rows, args.window, speed, window_tokens))
+    speed = bench.packing_function_speed(lengths, window=window)
+    print(bench.format_verdict(rows, window, speed, window_tokens))
     if args.json:
         bench.write_json(rows, args.json)
     if not args.no_pipeline:
@@ -411,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         if message is None:
             raise
         print(f"rayjobs: {message}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(error, ConfigError) else 1  # a config refused once it is read
     print(format_summary(summary))
     if args.json:
         print(json.dumps(summary, default=str))

@@ -538,6 +538,48 @@ def _refuse_unknown_overrides(config: Any, overrides: dict[str, Any], unused: di
         )
 
 
+def hf_config(
+    *,
+    vocab_size: int,
+    path: str | None = None,
+    config_path: str | None = None,
+    overrides: dict[str, Any] | None = None,
+    local_files_only: bool = True,
+    token_ids: dict[str, int] | None = None,
+) -> Any:
+    """The ``PretrainedConfig`` :func:`build_hf_model` builds its model from (see there), read
+    without any weights: cheap enough for the driver to check a config before Ray starts.
+
+    Raises:
+        ValueError: an unknown ``model_type``, a config file that cannot be read, a value of the
+            wrong type, or an override the model does not read.
+    """
+    from transformers import AutoConfig
+
+    overrides = dict(overrides or {})
+    try:
+        if path is not None:
+            config, unused = AutoConfig.from_pretrained(
+                path, local_files_only=local_files_only, return_unused_kwargs=True, **overrides
+            )
+        else:
+            settings = {"vocab_size": vocab_size, **(token_ids or {}), **overrides}
+            if config_path is not None:
+                config, unused = AutoConfig.from_pretrained(
+                    config_path, return_unused_kwargs=True, **settings
+                )
+            else:
+                config, unused = AutoConfig.for_model(settings.pop("model_type"), **settings), {}
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"{error}"[:400]) from None  # transformers lists every model_type
+    except Exception as error:  # huggingface_hub's strict dataclasses: a value of the wrong type
+        if "StrictDataclass" not in type(error).__name__:
+            raise
+        raise ValueError(" ".join(str(error).split())) from None
+    _refuse_unknown_overrides(config, overrides, unused)
+    return config
+
+
 def build_hf_model(
     *,
     vocab_size: int,
@@ -564,27 +606,22 @@ def build_hf_model(
         ValueError: if the model has fewer token embeddings than ``vocab_size`` or fewer positions
             than ``seq_len``, or does not know ``model_type``.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    overrides = dict(overrides or {})
     common = {"attn_implementation": attn_implementation, "dtype": torch.float32}
+    config = hf_config(
+        vocab_size=vocab_size,
+        path=path,
+        config_path=config_path,
+        overrides=overrides,
+        local_files_only=local_files_only,
+        token_ids=token_ids,
+    )  # before loading any weights
     if path is not None:
-        config, unused = AutoConfig.from_pretrained(
-            path, local_files_only=local_files_only, return_unused_kwargs=True, **overrides
-        )
-        _refuse_unknown_overrides(config, overrides, unused)  # before loading any weights
         model = AutoModelForCausalLM.from_pretrained(
             path, config=config, local_files_only=local_files_only, **common
         )
     else:
-        settings = {"vocab_size": vocab_size, **(token_ids or {}), **overrides}
-        if config_path is not None:
-            config, unused = AutoConfig.from_pretrained(
-                config_path, return_unused_kwargs=True, **settings
-            )
-        else:
-            config, unused = AutoConfig.for_model(settings.pop("model_type"), **settings), {}
-        _refuse_unknown_overrides(config, overrides, unused)
         model = AutoModelForCausalLM.from_config(config, **common)
     model.train()
     embeddings = model.get_input_embeddings().num_embeddings

@@ -58,6 +58,8 @@ def load_tokenizer(config: Config) -> Tokenizer:
     except Exception as error:  # noqa: BLE001 - tokenizers raises a bare Exception on a corrupt file
         if not isinstance(error, OSError | ValueError) and type(error) is not Exception:
             raise
+        if str(error).startswith("tokenizer."):  # a setting the tokenizer refused names itself
+            raise ConfigError(str(error)) from None
         raise ConfigError(
             f"tokenizer.path: cannot load a tokenizer from {config.tokenizer.path!r} ({error})"
         ) from None
@@ -211,6 +213,9 @@ def run(
     ``resume``: a run name under ``train.storage_path`` (or ``latest``): the run continues from
     its latest periodic checkpoint (``train.checkpoint_every``) under the same name. ``hooks``:
     fault injection and tracing for tests (``train._fault``, ``train._trace``)."""
+    from rayjobs.train import check_model_config
+
+    check_model_config(config, load_tokenizer(config))  # before Ray and the data start
     name = resume_name(config, resume) if resume else None
     job = start_job(config, name=name)
     try:

@@ -46,10 +46,17 @@ import torch.distributed as dist
 from rayjobs import dpo, masks, seeds
 from rayjobs.ahead import read_ahead
 from rayjobs.collate import collate
-from rayjobs.config import Config, HFModelConfig, TrainConfig
+from rayjobs.config import Config, ConfigError, HFModelConfig, TrainConfig
 from rayjobs.dpo import ROLE_CHOSEN
 from rayjobs.metrics import FINAL_SUMMARY, TrainMetrics
-from rayjobs.model import Decoder, DecoderConfig, PackedLM, build_hf_model, hf_model_mask
+from rayjobs.model import (
+    Decoder,
+    DecoderConfig,
+    PackedLM,
+    build_hf_model,
+    hf_config,
+    hf_model_mask,
+)
 from rayjobs.rows import IGNORE_INDEX
 from rayjobs.tokenize import Tokenizer
 
@@ -221,29 +228,58 @@ def build_model(
             )
         )
         return PackedLM(decoder, attention, chunk).to(device)
+    implementation = hf_attention(config, device)
+    try:
+        model = build_hf_model(
+            seq_len=config.packing.seq_len,
+            attn_implementation=implementation,
+            **_hf_sources(spec, tokenizer),
+        )
+    except (OSError, ValueError, KeyError) as error:
+        raise ValueError(_cannot_build(spec, error)) from None
+    packed = PackedLM(model.to(device), loss_chunk_tokens=chunk)
+    packed.check_head()
+    return packed
+
+
+def check_model_config(config: Config, tokenizer: Tokenizer) -> None:
+    """Read a Hugging Face model's config as the train workers will (no weights), so that a
+    typo in ``train.model.config`` or an unknown ``model_type`` fails before Ray and the data
+    start, not in every worker once they have.
+
+    Raises:
+        ConfigError: naming ``train.model`` and what transformers refused.
+    """
+    spec = config.train.model
+    if not isinstance(spec, HFModelConfig):
+        return
+    try:
+        hf_config(**_hf_sources(spec, tokenizer))
+    except (OSError, ValueError, KeyError) as error:
+        raise ConfigError(_cannot_build(spec, error)) from None
+
+
+def _hf_sources(spec: HFModelConfig, tokenizer: Tokenizer) -> dict[str, Any]:
+    """``build_hf_model`` / ``hf_config`` arguments that say which model: the config's sources and
+    the tokenizer's vocabulary size and special token ids."""
     token_ids = {"eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}
     if "bos_token" in tokenizer.special_tokens:
         bos = tokenizer.backend.token_to_id(tokenizer.special_tokens["bos_token"])
         if bos is not None:
             token_ids["bos_token_id"] = bos
-    implementation = hf_attention(config, device)
-    try:
-        model = build_hf_model(
-            vocab_size=tokenizer.vocab_size,
-            seq_len=config.packing.seq_len,
-            path=spec.path,
-            config_path=spec.config_path,
-            overrides=spec.config,
-            attn_implementation=implementation,
-            local_files_only=not spec.allow_download,
-            token_ids=token_ids,
-        )
-    except (OSError, ValueError, KeyError) as error:
-        source = spec.path or spec.config_path or spec.config.get("model_type")
-        raise ValueError(f"train.model: cannot build the model from {source!r}: {error}") from None
-    packed = PackedLM(model.to(device), loss_chunk_tokens=chunk)
-    packed.check_head()
-    return packed
+    return {
+        "vocab_size": tokenizer.vocab_size,
+        "path": spec.path,
+        "config_path": spec.config_path,
+        "overrides": spec.config,
+        "local_files_only": not spec.allow_download,
+        "token_ids": token_ids,
+    }
+
+
+def _cannot_build(spec: HFModelConfig, error: Exception) -> str:
+    source = spec.path or spec.config_path or spec.config.get("model_type")
+    return f"train.model: cannot build the model from {source!r}: {error}"
 
 
 def save_model(

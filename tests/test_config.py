@@ -244,10 +244,41 @@ def test_cli_reports_config_error_without_starting_ray(tmp_path, capsys, name):
     patch, overrides, expected = BAD_CONFIGS[name]
     code = main(["run", str(_write(tmp_path, patch)), *overrides])
     stderr = capsys.readouterr().err
-    assert code != 0
+    assert code == 2
     assert stderr.startswith("rayjobs: ")
     for text in expected:
         assert text.format(tmp=tmp_path.resolve()) in stderr
+    assert not ray.is_initialized()
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("train.model.config.hiden_size=32", "hiden_size not a setting of LlamaConfig"),
+        ("train.model.config.rms_norm_eps='1e-5'", "expected float, got str"),
+        ("train.model.config.model_type=lama", "Unrecognized model identifier: lama"),
+    ],
+    ids=["typo", "wrong_type", "unknown_model_type"],
+)
+def test_hf_model_config_is_read_before_ray_starts(tmp_path, capsys, override, expected):
+    """Such configs once failed in every train worker, a minute in, with a traceback."""
+    path = _write(tmp_path, {"train": {"model": LLAMA}})
+    code = main(["run", str(path), f"tokenizer.path={GPT2}", override])
+    stderr = capsys.readouterr().err
+    assert code == 2, stderr
+    for part in ("rayjobs: train.model: cannot build the model from", expected):
+        assert part in stderr
+    assert len(stderr) < 800  # not transformers' list of every model type
+    assert not ray.is_initialized()
+
+
+@pytest.mark.parametrize("key", ["eos_token", "pad_token"])
+def test_a_special_token_missing_from_the_vocabulary_names_its_key(tmp_path, capsys, key):
+    """Not ``tokenizer.path``, which loaded fine; exit 2 as for any config error."""
+    code = main(["run", str(_write(tmp_path)), f"tokenizer.path={GPT2}", f"tokenizer.{key}=nope"])
+    stderr = capsys.readouterr().err
+    assert code == 2, stderr
+    assert stderr.startswith(f"rayjobs: tokenizer.{key}: token 'nope' is not in the vocabulary")
     assert not ray.is_initialized()
 
 
@@ -259,7 +290,7 @@ def test_cli_subprocess_exits_non_zero_without_traceback(tmp_path):
         text=True,
         timeout=60,
     )
-    assert result.returncode != 0
+    assert result.returncode == 2
     assert "packing.seq_lenn" in result.stderr
     assert "Traceback" not in result.stderr
 

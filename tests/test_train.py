@@ -180,7 +180,7 @@ def test_train_batches_masks_follow_a_models_sliding_window_layers():
     assert torch.equal(attention_mask(batch, None, model_config=llama), full)
 
 
-def _hf_config(**model):
+def _hf_config(use_gpu: bool = False, **model):
     from conftest import ALPACA, GPT2
     from rayjobs.config import config_from_dict
 
@@ -189,7 +189,7 @@ def _hf_config(**model):
         {
             "datasets": [{"name": "a", "source": str(ALPACA), "template": "alpaca"}],
             "tokenizer": {"path": str(GPT2)},
-            "train": {"model": spec},
+            "train": {"model": spec, "use_gpu": use_gpu},
         }
     )
 
@@ -205,9 +205,12 @@ def _hf_config(**model):
     ],
 )
 def test_hf_attention_follows_train_attention_unless_set(chosen, device, expected):
-    assert hf_attention(_hf_config(attn_implementation=chosen), torch.device(device)) == expected
+    config = _hf_config(use_gpu=device == "cuda", attn_implementation=chosen)
+    assert hf_attention(config, torch.device(device)) == expected
 
 
 def test_hf_flex_attention_on_cpu_is_refused_naming_the_key():
+    """A GPU config on a worker without CUDA (a CPU one is refused at load: test_config)."""
+    config = _hf_config(use_gpu=True, attn_implementation="flex_attention")
     with pytest.raises(ValueError, match="train.model.attn_implementation: flex_attention"):
-        hf_attention(_hf_config(attn_implementation="flex_attention"), torch.device("cpu"))
+        hf_attention(config, torch.device("cpu"))
