@@ -42,7 +42,8 @@ def _registered(value: str, registry, kind: str) -> str:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # allow_inf_nan: a weight or lr of .inf passes gt=0 (and NaN fails every check silently)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class DatasetConfig(_Strict):
@@ -138,8 +139,8 @@ class MixConfig(_Strict):
 
 
 class PackingConfig(_Strict):
-    seq_len: int = Field(default=2048, gt=0)
-    """Length of every packed row."""
+    seq_len: int = Field(default=2048, gt=1)
+    """Length of every packed row (at least 2: a one-token row has nothing to predict)."""
     mode: Literal["stream", "planned"] = "stream"
     """``stream``: read, tokenize and pack as the data flows, all epochs one stream (README,
     "Design"); ``planned``: tokenize everything once, then plan every epoch's mix and packs in
@@ -157,6 +158,15 @@ class PackingConfig(_Strict):
     """Samples longer than seq_len: cut to seq_len, drop, or split into seq_len chunks."""
     strategy: str = "bfd"
     """Bin-choice rule of the packer, a name in ``rayjobs.pack.STRATEGIES``."""
+
+    @model_validator(mode="after")
+    def _window_holds_a_row(self) -> PackingConfig:
+        if self.window_tokens < self.seq_len:
+            raise ValueError(
+                f"window_tokens ({self.window_tokens}) is below seq_len ({self.seq_len}): a "
+                f"packer call could not fill one row, so nothing would be packed together"
+            )
+        return self
 
     @field_validator("strategy")
     @classmethod
@@ -358,7 +368,7 @@ class TrainConfig(_Strict):
 class RayConfig(_Strict):
     address: str | None = None
     """Cluster to connect to; default: $RAY_ADDRESS, else an embedded local Ray."""
-    num_cpus: float | None = None
+    num_cpus: float | None = Field(default=None, gt=0)
     """Logical CPUs of the embedded local Ray; default max(4, 2 × cores), see README."""
     tokenize_concurrency: int | None = Field(default=None, gt=0)
     """Maximum Tokenize actors (the pool grows to it as data waits); default half the cluster's
@@ -573,9 +583,17 @@ def _resolve_dataset(spec: DatasetConfig, index: int, base_dir: Path) -> Dataset
         )
     sources = [spec.source] if isinstance(spec.source, str) else list(spec.source)
     if spec.format == formats.HF:
-        local = base_dir / sources[0]
+        if len(sources) != 1:
+            raise ConfigError(
+                f"{key} (dataset {spec.name!r}): format hf reads one dataset (a Hub name or a "
+                f"save_to_disk folder), got {len(sources)}; list each as a dataset of its own"
+            )
+        local = Path(os.path.expanduser(sources[0]))
+        local = local if local.is_absolute() else base_dir / local
         resolved = str(local) if local.exists() else sources[0]
         return spec.model_copy(update={"source": resolved})
+    if not sources:
+        raise ConfigError(f"{key} (dataset {spec.name!r}): an empty list names no file")
     files: list[str] = []
     seen: set[str] = set()  # real paths of the files kept
     for source in sources:

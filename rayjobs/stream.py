@@ -616,7 +616,8 @@ def packed_rows(config: Config, pad_id: int, ledger: Any = None) -> ray.data.Dat
             read = _head_read(spec, head, first)
             parts.append(read_file_list(spec, [read], sizes=estimates[name].file_sizes, **where))
         warm = parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
-        window = window_rows(config.packing.warmup_tokens // WARMUP_CALLS, mean_tokens)
+        warm_tokens = max(config.packing.warmup_tokens // WARMUP_CALLS, config.packing.seq_len)
+        window = window_rows(warm_tokens, mean_tokens)  # at least a row's worth (long seq_len)
         warm = tokenized(warm, config, ledger, tasks=True)
         packed = _packed(warm, config, pad_id, ledger, window, 0).union(packed)
     # Every task's output cut into blocks of about BLOCK_BYTES. The setting is the plan's (Ray Data

@@ -88,7 +88,29 @@ BAD_CONFIGS = {
         [],
         ["datasets.0.files: filled in from datasets.0.source", "list the files in"],
     ),
-    "seq_len_zero": ({"packing": {"seq_len": 0}}, [], ["packing.seq_len", "greater than 0"]),
+    "seq_len_zero": ({"packing": {"seq_len": 0}}, [], ["packing.seq_len", "greater than 1"]),
+    "seq_len_one": ({"packing": {"seq_len": 1}}, [], ["packing.seq_len", "greater than 1"]),
+    "window_below_a_row": (
+        {"packing": {"seq_len": 512, "window_tokens": 100}},
+        [],
+        ["packing", "window_tokens (100) is below seq_len (512)"],
+    ),
+    "weight_infinite": (_dataset(weight=float("inf")), [], ["datasets.0.weight", "finite"]),
+    "lr_nan": ({"train": {"lr": float("nan")}}, [], ["train.lr", "finite"]),
+    "resource_nan": (
+        {"train": {"resources_per_worker": {"trainer": float("nan")}}},
+        [],
+        ["train.resources_per_worker.trainer", "finite"],
+    ),
+    "num_cpus_zero": ({"ray": {"num_cpus": 0}}, [], ["ray.num_cpus", "greater than 0"]),
+    "num_cpus_negative": ({"ray": {"num_cpus": -3}}, [], ["ray.num_cpus", "greater than 0"]),
+    "hf_source_list": (
+        _dataset(source=["org/a", "org/b"], format="hf"),
+        [],
+        ["datasets.0.source", "format hf reads one dataset", "got 2"],
+    ),
+    "empty_source_list": (_dataset(source=[]), [], ["datasets.0.source", "empty list"]),
+    "empty_hf_source_list": (_dataset(source=[], format="hf"), [], ["got 0"]),
     "seq_len_negative": ({"packing": {"seq_len": -5}}, [], ["packing.seq_len", "-5"]),
     "duplicate_dataset_names": (
         {
