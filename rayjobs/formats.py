@@ -685,6 +685,8 @@ def _json(file: Readable, options: FileOptions, chunk_bytes: int) -> Iterator[Pa
                 text.at = at = _WS(buf, at).end()
                 if at == len(buf) and not text.ended:
                     more = True
+                elif at == len(buf):  # empty, or whitespace only: no rows (config calls it empty)
+                    break
                 elif buf.startswith("[", at):
                     text.at, state = at + 1, "first"
                 else:

@@ -281,7 +281,6 @@ def test_json_list_records_numbers_and_bad_bytes_at_every_boundary():
         b"[1, 2] [3]",  # extra data after the list
         b'{"a": 1}\n{"b": 2}\n',  # JSONL saved as .json
         b"\xef\xbb\xbf\xef\xbb\xbf[]",  # two byte order marks
-        b"  \n ",  # no value
         b"[\n  ",
     ],
 )
@@ -359,6 +358,13 @@ def test_csv_headers_at_every_boundary(data, records):
     else:
         assert [json.loads(r) for r in _column(outcome, "_record")] == records
         assert _column(outcome, "_row") == list(range(len(records)))
+
+
+@pytest.mark.parametrize("data", [b"", b" \n\t", BOM, BOM + b"\n", b"[]", b" [ ] \n"])
+def test_an_empty_json_file_has_no_rows(data):
+    """What the config calls empty (a dataset of only such files is refused there) reads as no
+    rows, not as a JSON syntax error that failed the run."""
+    assert _every_chunk_size(data, "json") == ("ok", [])
 
 
 def test_a_csv_row_longer_than_a_block_fails_the_file_saying_so(monkeypatch):
