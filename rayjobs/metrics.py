@@ -11,7 +11,10 @@ Tokenization is counted over the run, by dataset (stream mode tokenizes every ep
 mode once); packing per epoch. Exactly once: Ray runs a batch again when the actor that ran it died
 (even after it reported), so every report carries the batch's identity (``batch_key``: a digest of
 the rows it holds, with their epoch and pass) and the ledger adds a batch once, counting repeats
-under ``repeated_reports``.
+under ``repeated_reports``. A re-read is new work: a Ray Train restart in stream mode runs the
+stream anew, and its batches are new to the ledger (a key hashes the rows in arrival order, the mix
+interleaves the datasets differently each time), so they count again (README, "Checkpoints,
+failures and resume"); planned mode's packs, assembled again, keep their keys and count once.
 """
 
 from __future__ import annotations
@@ -274,12 +277,21 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
         "Tokens per sample after template, tokenizer and overflow (a triple: its unit)",
     ),
     "rayjobs_samples_per_pack": ("histogram", ("run",), "Samples (triples) per packed row"),
-    "rayjobs_train_steps": ("counter", ("run",), "Optimizer steps taken (counted by rank 0)"),
-    "rayjobs_train_tokens": ("counter", ("run",), "Labelled tokens trained on, all ranks"),
+    "rayjobs_train_steps": (
+        "counter",
+        ("run",),
+        "Optimizer steps executed by rank 0 (redone after a worker restart: counted again)",
+    ),
+    "rayjobs_train_tokens": (
+        "counter",
+        ("run",),
+        "Labelled tokens trained on, all ranks (redone steps: counted again)",
+    ),
     "rayjobs_train_loss": (
         "gauge",
         ("run",),
-        "Last step's loss, mean over the global batch's labelled tokens",
+        "Last step's loss over the global batch: SFT mean cross entropy per labelled token, DPO"
+        " mean DPO loss per preference triple",
     ),
     "rayjobs_train_tokens_per_s": (
         "gauge",
@@ -337,9 +349,12 @@ def wait_for_export(last_record: float | None) -> float:
 
 
 def _init_counter(counter: Any, tags: dict[str, str]) -> None:
-    """Export ``counter`` at 0 for ``tags`` (``Counter.inc`` refuses 0): a series that never
-    moves (no bad rows, no overflow) then exists in Prometheus, as 0, for the dashboard's panels
-    and ``increase()``."""
+    """Export ``counter`` at 0 for ``tags`` (``Counter.inc`` refuses 0; Ray records a counter's
+    increments, so a 0 adds nothing). Done when the recording object is created, before any
+    work: Prometheus's ``increase()`` and ``rate()`` count from a series' first sample, so a
+    series that first appears at its first batch's value loses that value to them (one torn line:
+    ``increase()`` 0); one that first appears at 0 does not, once a scrape has seen the 0. A
+    series that never moves (no bad rows, no overflow) exists too, as 0, for the panels."""
     counter._record(0, tags=tags)
 
 
@@ -363,7 +378,10 @@ def _series(names) -> dict[str, Any]:
 
 class TrainMetrics:
     """The training series, recorded by every train worker (steps and loss by rank 0 only;
-    tokens per second by every rank, tagged with it)."""
+    tokens per second by every rank, tagged with it). The counters count work done: a worker
+    that Ray Train restarts from a checkpoint (``train.max_failures``) redoes the steps after it,
+    and they count again (the run summary's ``steps`` and ``tokens_trained`` are the trained
+    state's); the killed process may also take what it recorded since its last export with it."""
 
     def __init__(self, run_name: str, rank: int):
         self.tags, self.rank = {"run": run_name}, rank
@@ -377,6 +395,9 @@ class TrainMetrics:
             ]
         ).values()
         self._last = time.monotonic()
+        _init_counter(self._tokens, self.tags)  # every rank adds its own tokens
+        if rank == 0:
+            _init_counter(self._steps, self.tags)
 
     def step(self, loss: float, local_tokens: int) -> None:
         now = time.monotonic()
@@ -398,10 +419,13 @@ class Ledger:
         run_name: str = "rayjobs",
         fail_after: dict[str, int] | None = None,
         dedupe: bool = True,
+        datasets: tuple[str, ...] | list[str] = (),
     ):
         """``fail_after``: fault injection for tests, ``{"add_tokenize": n}`` makes the actor
         whose report is the n-th of that kind die right after it (once per kind); ``dedupe``
-        off (tests only) adds a batch Ray runs again twice, as the ledger once did."""
+        off (tests only) adds a batch Ray runs again twice, as the ledger once did.
+        ``datasets``: the config's dataset names; every counter of each, and the pack counters,
+        are exported at 0 from here on, before any batch (``_init_counter``)."""
         self._fail_after = dict(fail_after or {})
         self._dedupe = dedupe
         self._reports: dict[str, int] = defaultdict(int)
@@ -425,7 +449,21 @@ class Ledger:
         }
         self._sample_tokens = self._series["rayjobs_sample_tokens"]
         self._samples_per_pack = self._series["rayjobs_samples_per_pack"]
+        self._zeroed: set[str] = set()
+        for dataset in datasets:
+            self._zero(dataset)
+        for counter in (self._packs, self._pack_slots, self._pack_tokens):
+            _init_counter(counter, {"run": self._run})
         self._last_record: float | None = None
+
+    def _zero(self, dataset: str) -> None:
+        """Export every per-dataset counter of ``dataset`` at 0, once (``_init_counter``): at
+        creation for the config's datasets, else at the dataset's first batch (a ledger created
+        without them: a series then starts at that batch's values)."""
+        if dataset not in self._zeroed:
+            self._zeroed.add(dataset)
+            for counter in self._counters.values():
+                _init_counter(counter, {"run": self._run, "dataset": dataset})
 
     def set_budgets(self, budgets: dict[tuple[int, str], float]) -> None:
         """Each dataset's share of each epoch, ``{(epoch, dataset): units}`` in ``mix.by`` units
@@ -492,14 +530,12 @@ class Ledger:
             for value in values:
                 self._sample_tokens.observe(value, tags=tags)
         for dataset, counts in by_dataset.items():
-            first = dataset not in self.tokenize
+            self._zero(dataset)
             _merge(self.tokenize[dataset], counts)
             tags = {"run": self._run, "dataset": dataset}
             for name, counter in self._counters.items():
                 if getattr(counts, name):
                     counter.inc(getattr(counts, name), tags=tags)
-                elif first:
-                    _init_counter(counter, tags)
         self._last_record = time.monotonic()
         return self._answer("add_tokenize")
 

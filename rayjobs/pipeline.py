@@ -159,7 +159,7 @@ def start_job(
     tokenizer = load_tokenizer(config)
     init_ray(config)
     name = name or f"{prefix}-{uuid.uuid4().hex[:8]}"
-    ledger = Ledger.remote(name, fail_after, dedupe)
+    ledger = Ledger.remote(name, fail_after, dedupe, [spec.name for spec in config.datasets])
     if config.packing.mode == "planned":
         epochs = Epochs(config, tokenize(config, ledger), tokenizer.pad_id, ledger)
         return Job(config, name, tokenizer, ledger, epochs=epochs)
