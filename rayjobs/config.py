@@ -153,7 +153,7 @@ class PackingConfig(_Strict):
     a quarter of this, so the first batch waits for them and not for a whole ``window_tokens``
     window (0: no warm-up lane)."""
     window: int = Field(default=4096, gt=0)
-    """planned: samples packed together by one best-fit-decreasing pass."""
+    """planned: samples packed together by one pass of ``packing.strategy``."""
     overflow: Literal["truncate", "drop", "split"] = "truncate"
     """Samples longer than seq_len: cut to seq_len, drop, or split into seq_len chunks."""
     strategy: str = "bfd"

@@ -87,10 +87,11 @@ def row_segments(
     documents_per_row = np.asarray(documents_per_row, dtype=np.int64)
     if seq_len <= 0:
         raise ValueError(f"seq_len must be positive, got {seq_len}.")
-    if (lengths <= 0).any():
+    bad = np.flatnonzero(lengths <= 0)
+    if bad.size:
         raise ValueError(
-            f"Every document length must be positive, got {lengths.tolist()[:20]}; "
-            "drop empty documents before packing."
+            f"Every document length must be positive; document {int(bad[0])} has length "
+            f"{int(lengths[bad[0]])} ({bad.size} such); drop empty documents before packing."
         )
     num_rows = len(documents_per_row)
     row_of_document = np.repeat(np.arange(num_rows), documents_per_row)

@@ -66,8 +66,9 @@ def test_layout(lengths, seq_len, document_ids, position_ids):
     ("lengths", "seq_len", "message"),
     [
         ([4, 4], 7, "more than seq_len=7"),
-        ([3, 0], 7, "must be positive"),
-        ([3, -1], 7, "must be positive"),
+        ([3, 0], 7, "must be positive; document 1 has length 0"),
+        ([3, -1], 7, "must be positive; document 1 has length -1"),
+        ([1] * 25 + [0], 30, "document 25 has length 0 \\(1 such\\)"),  # past a list's first 20
         ([1], 0, "seq_len must be positive"),
     ],
 )
