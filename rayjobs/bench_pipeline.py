@@ -22,12 +22,13 @@ read ahead in a thread with Ray's prefetch off, ``rayjobs.ahead``), and reports 
   is the step plus any wait for data, and ``paced_gap_s`` (the time between a consumer's last
   batch of epoch 0 and its first of epoch 1, the worse consumer) is compared with
   ``paced_median_s``;
-- ``peak_rss_mb``: peak resident memory of all Ray processes and the driver, sampled every 0.5 s,
-  plus the object store in use at that moment;
+- ``peak_rss_mb``: peak resident memory of the driver and every process under it (the local Ray
+  it started; not another Ray on the host), sampled every 0.5 s, plus the object store in use at
+  that moment;
 - ``tokenize_cpu_s`` / ``pack_cpu_s``: CPU seconds of the Tokenize and PackStream stages (their
   stage timers, all actors; the tokenizer's threads included);
-- ``cpu_by_process``: CPU seconds of every Ray process and the driver from job start to the last
-  batch, by kind (an actor's class, a task's name, ``raylet``, …): where the cores went besides
+- ``cpu_by_process``: CPU seconds of the same processes from job start to the last batch, by
+  kind (an actor's class, a task's name, ``raylet``, …): where the cores went besides
   tokenization;
 - ``reference_tokens_per_s``: the same tokenizer and templates alone on one core (a 1-CPU Ray task
   with the tokenizer's thread pool at one thread, nothing else running) over the 1× data, tokens
@@ -48,6 +49,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -119,36 +121,40 @@ runs, so it changes; reading every title at every sweep cost the driver a twenti
 
 
 class _Memory(threading.Thread):
-    """Samples the RSS of every Ray process and this driver, and the object store in use; and
-    each process's CPU time, for ``cpu_by_process``. The sampler runs in the driver, beside the
+    """Samples the RSS of this driver and every process under it (the local Ray it started:
+    GCS, raylet, workers, agents), and the object store in use; and each process's CPU time, for
+    ``cpu_by_process``. Only the driver's own process tree: matching "ray" in command lines also
+    counted other Ray sessions on the host (and any program with "ray" in its arguments), so a
+    second cluster's memory and CPU showed up as the bench's. (Connected to a running cluster,
+    ``$RAY_ADDRESS``, the tree is the driver alone.) The sampler runs in the driver, beside the
     consumers, so it is kept cheap: a sweep every ``SAMPLE_S``, titles every ``LABEL_SWEEPS``."""
 
     def __init__(self) -> None:
         super().__init__(daemon=True)
         self.peak_mb, self.running = 0.0, True
         self.last_cpu: dict[int, float] = {}  # pid → CPU s at its last sample
-        self.labels: dict[int, str | None] = {}  # pid → label; None: not a Ray process
+        self.labels: dict[int, str] = {}  # pid → label (``process_label``)
         self.totals: dict[str, float] = {}  # label → CPU s while sampling
         self.last_task: dict[int, str] = {}  # pid → the last label it had other than IDLE
 
     def run(self) -> None:
         import psutil
 
-        me = psutil.Process().pid
+        me = psutil.Process()
         sweep = 0
         while self.running:
             rss = 0
-            for process in psutil.process_iter():
+            try:
+                processes = [me, *me.children(recursive=True)]
+            except psutil.Error:  # a child ended while the tree was walked: next sweep
+                processes = [me]
+            for process in processes:
                 try:
                     if process.pid not in self.labels or sweep % LABEL_SWEEPS == 0:
-                        cmdline = process.cmdline()
-                        ray_process = "ray" in " ".join(cmdline) or process.pid == me
-                        self.labels[process.pid] = (
-                            process_label(cmdline, process.pid == me) if ray_process else None
+                        self.labels[process.pid] = process_label(
+                            process.cmdline(), process.pid == me.pid
                         )
                     label = self.labels[process.pid]
-                    if label is None:
-                        continue
                     with process.oneshot():
                         rss += process.memory_info().rss
                         times = process.cpu_times()
@@ -401,27 +407,34 @@ def bench_pipeline(
 
     ray.data.DataContext.get_current().enable_progress_bars = False  # the table is the output
     runs = []  # (scale, tokenize CPUs, what run_scale measured), in scale order
+
+    def scale_config(folder: Path, scale: int):
+        folders = write_shards(data_dir, folder, scale)
+        return config_from_dict(
+            {
+                "datasets": [
+                    {"name": "alpaca", "source": str(folders["alpaca"]), "template": "alpaca"},
+                    {"name": "hh_chat", "source": str(folders["hh_chat"]), "template": "chat"},
+                ],
+                "tokenizer": {"path": str(data_dir / "tokenizers" / "gpt2")},
+                "packing": {"seq_len": 2048}
+                | ({"window_tokens": window_tokens} if window_tokens else {}),
+                "train": {"epochs": 2},
+                "ray": {"tokenize_concurrency": tokenize_actors} if tokenize_actors else {},
+            }
+        )
+
     with tempfile.TemporaryDirectory() as tmp:
         for scale in scales:
-            folders = write_shards(data_dir, Path(tmp) / f"{scale}x", scale)
-            config = config_from_dict(
-                {
-                    "datasets": [
-                        {"name": "alpaca", "source": str(folders["alpaca"]), "template": "alpaca"},
-                        {"name": "hh_chat", "source": str(folders["hh_chat"]), "template": "chat"},
-                    ],
-                    "tokenizer": {"path": str(data_dir / "tokenizers" / "gpt2")},
-                    "packing": {"seq_len": 2048}
-                    | ({"window_tokens": window_tokens} if window_tokens else {}),
-                    "train": {"epochs": 2},
-                    "ray": {"tokenize_concurrency": tokenize_actors} if tokenize_actors else {},
-                }
-            )
+            config = scale_config(Path(tmp) / f"{scale}x", scale)
             load_tokenizer(config)
             init_ray(config)
-            if not runs:  # the reference's passes over one copy of the data: the first scale's
-                first_config = config
-                rates, steal_before = measure_reference(first_config)
+            if not runs:
+                # The reference's passes are over one copy of the data (the 1x shards), whatever
+                # the first scale: the first scale's own data was `scale` copies, so with
+                # --scales 30 each pass took 30 times as long (and its steal share was of that).
+                reference_config = config if scale == 1 else scale_config(Path(tmp) / "1x", 1)
+                rates, steal_before = measure_reference(reference_config)
             actors = config.ray.tokenize_concurrency or max(1, int(cluster_cpus(config)) // 2)
             runs.append((scale, actors * TOKENIZE_CPUS, run_scale(config, scale)))
         if pace:
@@ -434,7 +447,7 @@ def bench_pipeline(
                 "paced_median_s": paced["median_batch_s"],
                 "paced_gap_s": paced["epoch_gap_s"],
             }
-        after, steal_after = measure_reference(first_config)
+        after, steal_after = measure_reference(reference_config)
         rates += after
     wall, cpu = [rate for rate, _ in rates], [rate for _, rate in rates]
     steals = [share for share in (steal_before, steal_after) if share is not None]
@@ -519,6 +532,26 @@ def format_rows(rows: list[PipelineRow]) -> str:
     return "\n".join(lines)
 
 
+def argument_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with the bench's arguments, naming the argument, or None. Checked before
+    anything runs: a zero ``--window-tokens`` or ``--tokenize-actors`` fell back to the job's
+    default, a zero scale failed in the config with a traceback, and a negative ``--pace`` only
+    at the end, after every run (a negative step for the paced consumers)."""
+    if not Path(args.data_dir).is_dir():
+        return f"--data-dir {args.data_dir} is not a folder (the bench reads real data there)"
+    if any(scale < 1 for scale in args.scales):
+        return f"--scales must be positive numbers of copies of the data, got {args.scales}"
+    for flag, value in (
+        ("--window-tokens", args.window_tokens),
+        ("--tokenize-actors", args.tokenize_actors),
+    ):
+        if value is not None and value < 1:
+            return f"{flag} must be positive, got {value}"
+    if args.pace < 0:
+        return f"--pace must be 0 (no paced pass) or a positive share, got {args.pace:g}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     from rayjobs.bench import DEFAULT_DATA_DIR
 
@@ -541,6 +574,9 @@ def main(argv: list[str] | None = None) -> int:
         "throughput (0: no paced pass)",
     )
     args = parser.parse_args(argv)
+    if error := argument_error(args):
+        print(f"rayjobs: {error}", file=sys.stderr)
+        return 2
     rows = bench_pipeline(
         args.data_dir, args.scales, args.window_tokens, args.tokenize_actors, args.pace
     )

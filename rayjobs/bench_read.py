@@ -14,8 +14,10 @@ counting the rows, in two modes, each in a fresh local Ray:
 While a mode runs, a thread samples every 0.2 s the resident memory (RSS) of this driver and of
 every process under it (Ray's GCS, raylet, workers, agents: not other sessions' Ray) and reports
 the largest any one process reached, which process it was, the part of it that was shared memory
-(the object store's pages it had mapped), rows read and seconds. The ratio of the two modes'
-peaks comes from one run on one machine.
+(``RssShmem`` in ``/proc/<pid>/status``: the object store's pages it had mapped, as the store lives
+in ``/dev/shm``), rows read and seconds. Not psutil's ``memory_info().shared``, which is
+``RssFile`` + ``RssShmem``: it also counted the libraries every Ray worker maps (about 85 MiB
+each). The ratio of the two modes' peaks comes from one run on one machine.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -43,8 +46,9 @@ class ReadRow:
     seconds: float
     peak_rss_mb: float
     """The largest RSS any one process reached."""
-    peak_shared_mb: float
-    """Of which shared memory (object store pages mapped by the process), at that sample."""
+    peak_shmem_mb: float | None
+    """Of which shared memory (``RssShmem``: object store pages mapped by the process), at that
+    sample; None where ``/proc/<pid>/status`` has no ``RssShmem`` (not Linux)."""
     peak_process: str
     """Which process: its command line (Ray names workers by their task, ``ray::...``)."""
     driver_peak_rss_mb: float
@@ -73,13 +77,26 @@ def write_jsonl(path: Path, size_mb: int, data: Path = DEFAULT_DATA) -> int:
     return count
 
 
+def rss_shmem(pid: int) -> int | None:
+    """Bytes of shared memory resident in process ``pid`` (``RssShmem``, Linux 4.5+), or None
+    where there is no such figure."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("RssShmem:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 class _Sampler(threading.Thread):
     """Every ``interval`` s: the RSS of this process and all its descendants; the peak per pid."""
 
     def __init__(self, interval: float = 0.2):
         super().__init__(daemon=True)
         self.interval, self.running, self.samples = interval, True, 0
-        self.peaks: dict[int, tuple[int, int, str]] = {}  # pid → (rss, shared, command)
+        self.peaks: dict[int, tuple[int, int | None, str]] = {}  # pid → (rss, shmem, command)
 
     def run(self) -> None:
         import psutil
@@ -91,7 +108,8 @@ class _Sampler(threading.Thread):
                     memory = process.memory_info()
                     if memory.rss > self.peaks.get(process.pid, (0,))[0]:
                         command = " ".join(" ".join(process.cmdline()).split())
-                        self.peaks[process.pid] = (memory.rss, memory.shared, command[:80])
+                        shmem = rss_shmem(process.pid)
+                        self.peaks[process.pid] = (memory.rss, shmem, command[:80])
                 except psutil.Error:  # gone meanwhile
                     continue
             self.samples += 1
@@ -134,14 +152,14 @@ def measure(path: Path, mode: str, chunk_bytes: int) -> ReadRow:
     finally:
         ray.shutdown()
     peaks = sorted(sampler.peaks.items(), key=lambda item: -item[1][0])
-    pid, (rss, shared, command) = peaks[0]
+    pid, (rss, shmem, command) = peaks[0]
     return ReadRow(
         mode=mode,
         chunk_bytes=chunk_bytes,
         rows=rows,
         seconds=round(seconds, 1),
         peak_rss_mb=round(rss / MiB),
-        peak_shared_mb=round(shared / MiB),
+        peak_shmem_mb=None if shmem is None else round(shmem / MiB),
         peak_process=f"{command} (pid {pid})",
         driver_peak_rss_mb=round(sampler.peaks.get(os.getpid(), (0,))[0] / MiB),
         samples=sampler.samples,
@@ -155,12 +173,13 @@ def format_rows(rows: list[ReadRow], size: int, written: int) -> str:
     lines = [
         f"JSONL file: {size / MiB:,.0f} MiB, {written:,} rows",
         f"{'mode':<8}{'chunk MiB':>10}{'rows':>11}{'seconds':>9}{'peak RSS MiB':>14}"
-        f"{'of it shared':>14}{'driver MiB':>12}  process at peak",
+        f"{'of it shmem':>14}{'driver MiB':>12}  process at peak",
     ]
     for r in rows:
+        shmem = "?" if r.peak_shmem_mb is None else f"{r.peak_shmem_mb:,.0f}"
         lines.append(
             f"{r.mode:<8}{r.chunk_bytes / MiB:>10,.0f}{r.rows:>11,}{r.seconds:>9.1f}"
-            f"{r.peak_rss_mb:>14,.0f}{r.peak_shared_mb:>14,.0f}{r.driver_peak_rss_mb:>12,.0f}"
+            f"{r.peak_rss_mb:>14,.0f}{shmem:>14}{r.driver_peak_rss_mb:>12,.0f}"
             f"  {r.peak_process}"
         )
     for r in rows:
@@ -184,6 +203,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", type=Path, help="where to write the file (default: a temp dir)")
     parser.add_argument("--json", metavar="OUT", help="also write the rows as JSON here")
     args = parser.parse_args(argv)
+    # A chunk under one byte was read as the default (0 is "none given" to the reader) and a
+    # negative one as the whole file, either labelled chunked.
+    for flag, value in (("--size-mb", args.size_mb), ("--chunk-mb", args.chunk_mb)):
+        if not value > 0:
+            print(f"rayjobs: {flag} must be positive, got {value:g}", file=sys.stderr)
+            return 2
+    if int(args.chunk_mb * MiB) < 1:
+        print(f"rayjobs: --chunk-mb {args.chunk_mb:g} is under one byte", file=sys.stderr)
+        return 2
     modes = args.modes or ["chunked", "whole"]
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="bench_read_") as folder:
         path = Path(folder) / "rows.jsonl"

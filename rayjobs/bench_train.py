@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -292,8 +293,28 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def argument_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with the arguments, naming the argument, or None. Checked before the
+    export is read: ``--rows 0`` failed in ``range``, and a negative ``--warmup`` or ``--steps``
+    slice from the end (``--warmup -1`` timed the last step only, ``--steps -1`` dropped it)."""
+    for flag in ("rows", "dim", "layers", "heads"):
+        if getattr(args, flag) < 1:
+            return f"--{flag} must be positive, got {getattr(args, flag)}"
+    if args.warmup < 0:
+        return f"--warmup must be 0 or more steps, got {args.warmup}"
+    if args.steps is not None and args.steps <= args.warmup:
+        return (
+            f"--steps {args.steps} must be more than --warmup {args.warmup} (the steps after the "
+            "warm-up are the timed ones)"
+        )
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
+    if error := argument_error(args):
+        print(f"rayjobs: {error}", file=sys.stderr)
+        return 2
     rows, seq_len = read_export(args.export)
     vocab_size = vocab_size_of(rows)
     config = DecoderConfig(

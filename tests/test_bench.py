@@ -17,6 +17,9 @@ REFERENCES = {
     # torchtune: the oldest sample opens a pack, then the oldest buffered samples that still fit.
     # 6 opens, 5 does not fit (4 left), 4 does: [6, 4]. Then 5 opens, 3 fits: [5, 3].
     "torchtune": ([6, 5, 4, 3], [[0, 2], [1, 3]]),
+    # The oldest sample that fits, not the best fit: 6 opens (4 left), 3 fits and is older than
+    # the 4 that would fill the pack exactly: [6, 3]. Then [4].
+    "torchtune_oldest_fit": ([6, 3, 4], [[0, 1], [2]]),
     # TRL: BFD inside chunks of 2 here: [6, 5] cannot share a pack; [4, 3] can.
     "trl": ([6, 5, 4, 3], [[0], [1], [2, 3]]),
 }
@@ -28,7 +31,7 @@ def test_reference_packers(name):
     lengths = np.array(lengths)
     packs = (
         bench.torchtune_fifo(lengths, 10)
-        if name == "torchtune"
+        if name.startswith("torchtune")
         else bench.trl_chunk_bfd(lengths, 10, chunk=2)
     )
     assert [p.tolist() for p in packs] == expected
@@ -213,3 +216,258 @@ def test_pipeline_bench_examples():
 
     results = doctest.testmod(bench_pipeline)
     assert results.attempted >= 5 and results.failed == 0
+
+
+def test_pipeline_memory_sampler_counts_only_the_drivers_process_tree(monkeypatch):
+    """The sampler's memory and CPU are the driver's and its descendants' (the local Ray it
+    started), not every process whose command line says "ray": another Ray on the host is not
+    the bench's. Here a process outside the tree with "ray" in its arguments (started through a
+    shell that exits, so it is nobody's child here) and a child of the driver without it."""
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from rayjobs import bench_pipeline
+
+    monkeypatch.setattr(bench_pipeline, "_object_store_used", lambda: 0)  # no Ray here
+    monkeypatch.setattr(bench_pipeline, "SAMPLE_S", 0.01)
+    sleeper = f"{sys.executable} -c 'import time; time.sleep(60)' ray-of-another-session"
+    foreign = int(
+        subprocess.run(
+            ["sh", "-c", f"{sleeper} >/dev/null 2>&1 & echo $!"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    )
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert foreign not in {p.pid for p in psutil.Process().children(recursive=True)}
+        assert "ray-of-another-session" in " ".join(psutil.Process(foreign).cmdline())  # guard
+        memory = bench_pipeline._Memory()
+        memory.start()
+        while psutil.Process().pid not in memory.last_cpu:  # its first sweep
+            time.sleep(0.01)
+        time.sleep(0.05)  # a few more
+        memory.running = False
+        memory.join()
+        assert foreign not in memory.last_cpu
+        assert child.pid in memory.last_cpu
+    finally:
+        child.kill()
+        child.wait()
+        psutil.Process(foreign).kill()
+
+
+def test_attention_bench_draws_full_rows_and_counts_no_padding_as_a_document():
+    """``bench attention``'s batches are rows as the packer makes them of a long stream: the
+    under-filled leftover bin of one BFD draw (7% tokens at 8192, seed 0) is not one of them, and
+    a row's padding, which ``layout_rows`` gives a document id of its own, is no document."""
+    import doctest
+
+    import torch
+
+    from rayjobs import bench_attention
+
+    padded_rows = 0
+    for seq_len in (2048, 4096, 8192):
+        batch_size = bench_attention.TOKENS_PER_STEP // seq_len
+        document_ids, _, num_tokens = bench_attention.packed_layout(
+            np.random.default_rng(0), batch_size, seq_len, 300.0
+        )
+        assert document_ids.shape == (batch_size, seq_len)
+        assert (seq_len - num_tokens < 300).all(), (seq_len, num_tokens.tolist())
+        documents = [
+            len(torch.unique(row[:n])) for row, n in zip(document_ids, num_tokens, strict=True)
+        ]
+        assert bench_attention.documents_per_row(document_ids, num_tokens) == np.mean(documents)
+        padded_rows += int((num_tokens < seq_len).sum())
+    assert padded_rows > 0  # guard: rows with padding, whose id is not counted
+    results = doctest.testmod(bench_attention)
+    assert results.attempted >= 2 and results.failed == 0
+
+
+def test_read_bench_shared_column_is_shared_memory_not_library_pages():
+    """``bench read``'s "of it shmem" is the process's resident shared memory (``RssShmem``: the
+    object store's pages in /dev/shm), not psutil's ``shared`` (``RssFile`` + ``RssShmem``), which
+    also held every library the process maps. Here 32 MiB of shared memory, touched, in this
+    process, which maps far more than that in libraries (numpy, pyarrow)."""
+    import mmap
+    import os
+    import time
+
+    import psutil
+    import pyarrow  # noqa: F401 - file-backed pages the column must leave out
+
+    from rayjobs import bench_read
+
+    if bench_read.rss_shmem(os.getpid()) is None:
+        pytest.skip("no RssShmem in /proc/<pid>/status (not Linux)")
+    size = 32 * bench_read.MiB
+    shared = mmap.mmap(-1, size, flags=mmap.MAP_SHARED)  # anonymous shared: RssShmem
+    try:
+        shared.write(b"x" * size)
+        shmem = bench_read.rss_shmem(os.getpid())
+        assert shmem >= size
+        file_pages = psutil.Process().memory_info().shared - shmem
+        assert file_pages > 16 * bench_read.MiB  # guard: what the old column added
+        sampler = bench_read._Sampler(interval=0.01)
+        sampler.start()
+        while not sampler.samples:
+            time.sleep(0.01)
+        sampler.stop()
+        _, sampled, _ = sampler.peaks[os.getpid()]
+        assert abs(sampled - shmem) < 8 * bench_read.MiB, (sampled, shmem, file_pages)
+    finally:
+        shared.close()
+    row = bench_read.ReadRow("chunked", bench_read.MiB, 1, 1.0, 100.0, 40.0, "p", 50.0, 1, [])
+    table = bench_read.format_rows([row], bench_read.MiB, 1)
+    assert "of it shmem" in table and "of it shared" not in table
+
+
+def _never(*args, **kwargs):
+    raise AssertionError("the bench ran with an argument it should have refused")
+
+
+@pytest.fixture
+def benches_never_run(monkeypatch):
+    """Every bench's work replaced by a failure: a refused argument must stop it first (a
+    pipeline bench that ran would take minutes)."""
+    from rayjobs import bench_pipeline, bench_read, bench_train
+
+    monkeypatch.setattr(bench, "load_lengths", _never)
+    monkeypatch.setattr(bench_pipeline, "bench_pipeline", _never)
+    monkeypatch.setattr(bench_read, "write_jsonl", _never)
+    monkeypatch.setattr(bench_train, "read_export", _never)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        # bench packing: -100 ran with windows of one sample, 0 with the default 4M tokens
+        (["packing", "--window-tokens", "-100"], "--window-tokens must be positive, got -100"),
+        (["packing", "--window-tokens", "0"], "--window-tokens must be positive, got 0"),
+        (["packing", "--window", "0"], "--window must be positive, got 0"),
+        (["packing", "--window", "-3"], "--window must be positive, got -3"),
+        (["packing", "--seq-len"], "--seq-len needs at least one length"),
+        (["packing", "--seq-len", "2048", "0"], "--seq-len must be positive, got [2048, 0]"),
+        # bench pipeline: 0 fell back to the job's default; -0.5 failed after every run
+        (["pipeline", "--window-tokens", "0"], "--window-tokens must be positive, got 0"),
+        (["pipeline", "--tokenize-actors", "0"], "--tokenize-actors must be positive, got 0"),
+        (["pipeline", "--pace", "-0.5"], "--pace must be 0 (no paced pass) or a positive share"),
+        (["pipeline", "--scales", "1", "0"], "--scales must be positive numbers of copies"),
+        (["pipeline", "--data-dir", "/nonexistent"], "--data-dir /nonexistent is not a folder"),
+        (["read", "--size-mb", "0"], "--size-mb must be positive, got 0"),
+        # bench attention: the tile share counts whole 128-token tiles
+        (["attention", "--seq-len", "200"], "--seq-len must be multiples of 128"),
+        (["attention", "--seq-len", "100"], "--seq-len must be multiples of 128"),
+        (["attention", "--seq-len"], "--seq-len needs at least one length"),
+        (["attention", "--mean-length", "0"], "--mean-length must be at least 1 token"),
+        # another bench's options, which were dropped without a word
+        (["pipeline", "--seq-len", "8192", "--window", "512"], "bench pipeline does not take "
+         "--seq-len, --window"),
+        (["read", "--data-dir", "x", "--window-tokens", "5"], "bench read does not take "
+         "--data-dir, --window-tokens"),
+        (["packing", "--scales", "3"], "bench packing does not take --scales"),
+        (["packing", "--pace", "0"], "bench packing does not take --pace"),
+        (["attention", "--no-pipeline"], "bench attention does not take --no-pipeline"),
+        (["--json", "out.json", "train"], "bench train takes its options after `bench train`"),
+        # bench train (its own parser): 0 rows failed in range(), negatives sliced from the end
+        (["train", "--export", "x", "--rows", "0"], "--rows must be positive, got 0"),
+        (["train", "--export", "x", "--warmup", "-1"], "--warmup must be 0 or more steps"),
+        (["train", "--export", "x", "--steps", "-1"], "--steps -1 must be more than --warmup 3"),
+        (["train", "--export", "x", "--heads", "0"], "--heads must be positive, got 0"),
+    ],
+)  # fmt: skip
+def test_bench_refuses_bad_arguments_before_it_runs(argv, message, benches_never_run, capsys):
+    assert main(["bench", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rayjobs: ") and message in err, err
+
+
+@pytest.mark.parametrize(
+    ("chunk_mb", "message"),
+    [
+        ("0", "--chunk-mb must be positive, got 0"),  # was read with the default 16 MiB
+        ("-1", "--chunk-mb must be positive, got -1"),  # was the whole file, labelled chunked
+        ("1e-9", "--chunk-mb 1e-09 is under one byte"),  # 0 bytes: the default again
+    ],
+)
+def test_read_bench_refuses_a_chunk_it_would_not_read_in(chunk_mb, message, benches_never_run,
+                                                         capsys):  # fmt: skip
+    from rayjobs import bench_read
+
+    assert bench_read.main(["--chunk-mb", chunk_mb, "--modes", "chunked"]) == 2
+    assert capsys.readouterr().err == f"rayjobs: {message}\n"
+
+
+def test_bench_passes_each_bench_its_own_options(monkeypatch):
+    """What ``rayjobs bench X`` hands each bench: the options given, 0 included (``--pace 0``,
+    no paced pass, is a value, not "none given"), the bench's own defaults for the rest."""
+    from rayjobs import bench_pipeline, bench_read
+
+    seen = {}
+
+    def record(name, value, result):
+        seen[name] = value
+        return result
+
+    monkeypatch.setattr(bench_pipeline, "bench_pipeline", lambda *a: record("pipeline", a, []))
+    monkeypatch.setattr(bench_pipeline, "format_rows", lambda rows: "")
+    monkeypatch.setattr(bench_read, "main", lambda argv: record("read", argv, 0))
+    argv = ["bench", "pipeline", "--scales", "2", "--window-tokens", "100", "--pace", "0"]
+    assert main(argv) == 0
+    assert seen["pipeline"] == (bench.DEFAULT_DATA_DIR, [2], 100, None, 0.0)
+    assert main(["bench", "read"]) == 0 and seen["read"] == []  # bench_read's defaults
+
+
+def test_stream_rows_wait_is_read_off_their_packs(monkeypatch):
+    """The stream row's ``max_delay_windows`` is measured, so the real-data test's "nothing
+    waits for a later call" can fail: a stream packer that carries samples to the next call (the
+    planned path's ``StreamPacker``, in its place) shows its wait."""
+    rng = np.random.default_rng(0)
+    lengths = {"x": rng.integers(50, 1500, 3000)}
+    clipped = np.minimum(bench.stream(lengths["x"]), 2048)
+    carried, waited = bench.stream_pack(clipped, 2048, "bfd", 1000)
+    assert waited >= 1  # guard: this packer does carry samples
+    assert 1 <= bench.packed_delay_windows(carried, 1000) <= waited
+
+    def carrying(lengths, seq_len, window_tokens, seed=0):
+        return bench.stream_pack(lengths, seq_len, "bfd", 1000)[0], 1000
+
+    monkeypatch.setattr(bench, "stream_windows", carrying)
+    rows = bench.bench_packing(lengths, seq_lens=(2048,))
+    stream_row = next(r for r in rows if r.strategy == "stream")
+    assert stream_row.max_delay_windows >= 1
+
+
+def test_pipeline_reference_is_one_copy_of_the_data_whatever_the_first_scale(monkeypatch):
+    """The 1-core reference is over the 1x data at every first scale (``--scales 3 5`` measured
+    it over the first scale's 3 copies): the pipeline, Ray and the reference's passes are
+    stand-ins here, and what each reference pass was given is counted in shard files."""
+    import rayjobs.pipeline
+    import rayjobs.stream
+    from rayjobs import bench_pipeline
+
+    given = []
+
+    def measure_reference(config, repeats=bench_pipeline.REFERENCE_REPEATS):
+        given.append([len(spec.files) for spec in config.datasets])
+        return [(500.0, 600.0)], None
+
+    measured = {"samples_per_epoch": 1, "first_batch_s": 1.0, "every_first_batch_s": 1.0}
+    measured |= {"tokens_per_s": 1.0, "steady_tokens_per_s": 1.0, "last_batch_s": 1.0}
+    measured |= {"tokens": 1, "median_batch_s": 0.1, "epoch_gap_s": 0.1, "peak_rss_mb": 1.0}
+    measured |= {"tokenize_cpu_s": 1.0, "pack_cpu_s": 1.0, "cpu_by_process": {}}
+    monkeypatch.setattr(bench_pipeline, "measure_reference", measure_reference)
+    monkeypatch.setattr(bench_pipeline, "run_scale", lambda *a, **k: {**measured})
+    monkeypatch.setattr(rayjobs.pipeline, "init_ray", lambda config: None)
+    monkeypatch.setattr(rayjobs.pipeline, "load_tokenizer", lambda config: None)
+    monkeypatch.setattr(rayjobs.stream, "cluster_cpus", lambda config: 2)
+    for scales in ([3, 5], [1, 3]):
+        given.clear()
+        rows = bench_pipeline.bench_pipeline(DATA, scales, pace=0)
+        assert [row.scale for row in rows] == scales
+        assert given == [[1, 1], [1, 1]], scales  # before and after the runs: one shard a set
