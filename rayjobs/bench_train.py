@@ -315,7 +315,11 @@ def main(argv: list[str] | None = None) -> int:
     if error := argument_error(args):
         print(f"rayjobs: {error}", file=sys.stderr)
         return 2
-    rows, seq_len = read_export(args.export)
+    try:
+        rows, seq_len = read_export(args.export)
+    except FileNotFoundError as error:  # a usage error (the export was not made), no traceback
+        print(f"rayjobs: {error}", file=sys.stderr)
+        return 2
     vocab_size = vocab_size_of(rows)
     config = DecoderConfig(
         vocab_size=vocab_size, dim=args.dim, n_layers=args.layers, n_heads=args.heads

@@ -82,6 +82,12 @@ def test_too_few_steps_and_a_missing_export_say_what_to_do(tmp_path):
         bench_train.bench_train(tmp_path, rows_per_step=4, warmup=2, device=torch.device("cpu"))
 
 
+def test_the_command_refuses_a_missing_export_without_a_traceback(tmp_path, capsys):
+    assert bench_train.main(["--export", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rayjobs: ") and "rayjobs export CONFIG --out" in err
+
+
 def test_the_command_prints_the_table_and_writes_json(tmp_path, capsys):
     _write_export(tmp_path)
     argv = ["bench", "train", "--export", str(tmp_path), "--rows", "2", "--warmup", "1"]
