@@ -4,7 +4,16 @@ Design note. Labels are shifted here, once, inside each sample: ``labels[t]`` is
 ``input_ids[t]`` (= ``input_ids[t + 1]`` when that token is trained, else -100) and the last
 position is always -100. A packed row is a plain concatenation of samples, so no position can ever
 be trained to predict the first token of the next document, and the model never shifts again. An EOS
-token ends every sample (trained when the sample's last segment is). Over-length samples follow
+token ends every sample (trained when the sample's last segment is), appended unless the text
+already ends with it (a chat template that closes turns with EOS), so never twice.
+
+A sample's segments are tokenized as one text, and a token is trained when it starts in a
+trainable segment: tokenizing each segment on its own gave a SentencePiece-style tokenizer
+(Llama 2, Mistral, Gemma: a ``▁`` prepended to every encode call) a space before every response
+that the data does not have, and the model never sees at inference. A token that spans a
+boundary (BPE merging the end of one segment with the start of the next; templates put special
+tokens or newlines there, and on the bundled data with GPT-2 no sample has one) counts with the
+segment it starts in. Over-length samples follow
 ``packing.overflow``: ``truncate`` keeps the first ``seq_len`` tokens, ``split`` cuts them into
 ``seq_len`` chunks that become separate documents, ``drop`` discards them; every case is counted.
 
@@ -92,6 +101,12 @@ class Tokenizer:
         self.pad_id = self._token_id(
             config.pad_token, special["pad_token"], "pad_token", fallback=None, default=self.eos_id
         )
+        # A chat template's eos_token / pad_token are the ones the run uses: a tokenizer.json
+        # given as a file has no folder settings, and a template writing {{ eos_token }} failed
+        # on every row (undefined) even with tokenizer.eos_token set.
+        for key, configured in (("eos_token", config.eos_token), ("pad_token", config.pad_token)):
+            if configured:
+                self.special_tokens[key] = configured
         self.vocab_size = self.backend.get_vocab_size(with_added_tokens=True)
 
     def _token_id(
@@ -118,6 +133,18 @@ class Tokenizer:
         encodings = self.backend.encode_batch(texts, add_special_tokens=False)
         return [e.ids for e in encodings]
 
+    def encode_with_starts(self, texts: list[str]) -> list[tuple[list[int], list[int]]]:
+        """Each text's token ids and where each token starts (a character offset in the text)."""
+        encodings = self.backend.encode_batch(texts, add_special_tokens=False)
+        return [(e.ids, [start for start, _ in e.offsets]) for e in encodings]
+
+    def ends_with_eos(self, text: str) -> bool:
+        """Whether ``text`` already ends with the EOS token, whitespace aside (a chat template
+        that closes each turn with it: Mistral's ``</s>``, Zephyr's ``</s>\n``, Qwen's
+        ``<|im_end|>\n`` where that is the EOS): then none is appended."""
+        eos = self.backend.id_to_token(self.eos_id)
+        return bool(eos) and text.rstrip().endswith(eos)
+
     def render_chat(self, messages: list[Message], add_generation_prompt: bool) -> str:
         """The conversation as the chat template renders it (as ``apply_chat_template`` would,
         special tokens visible to the template); ChatML when there is no template.
@@ -130,8 +157,9 @@ class Tokenizer:
         """
         if self.chat_template is None:
             return templates.chatml(messages, add_generation_prompt)
-        if not messages:
-            return ""
+        # No shortcut for no messages: what a template writes before the first turn (BOS, a
+        # default system prompt) comes before a conversation's opening assistant turn too, and
+        # an empty prompt made it part of that turn's trained text.
         from jinja2 import TemplateSyntaxError
         from transformers.utils.chat_template_utils import render_jinja_template
 
@@ -145,9 +173,10 @@ class Tokenizer:
         except TemplateSyntaxError:
             raise
         except Exception as error:  # noqa: BLE001 - whatever a template raises on a row
+            before = " on the turns before the opening assistant turn" if not messages else ""
             raise RowError(
                 "messages",
-                f"the chat template raised {type(error).__name__}: {error}",
+                f"the chat template raised {type(error).__name__}{before}: {error}",
                 reason="template_error",
             ) from None
         return rendered[0]
@@ -195,18 +224,32 @@ def shift_labels(input_ids: np.ndarray, trained: np.ndarray) -> np.ndarray:
 
 
 def encode_segments(
-    segments: Sequence[Segment], segment_ids: Sequence[list[int]], eos_id: int, train_on_input: bool
+    segments: Sequence[Segment],
+    ids: Sequence[int],
+    starts: Sequence[int],
+    eos_id: int,
+    train_on_input: bool,
+    has_eos: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Concatenate tokenized segments, append EOS and shift labels (see module note)."""
-    ids = [token for tokens in segment_ids for token in tokens] + [eos_id]
-    trained = [
-        train_on_input or s.trainable
-        for s, tokens in zip(segments, segment_ids, strict=True)
-        for _ in tokens
-    ]
-    trained.append(train_on_input or (segments[-1].trainable if segments else True))
+    """A sample's ``input_ids`` and shifted labels from its segments' texts tokenized as one
+    text (``ids``, and each token's character offset in the joined text, ``starts``): a token is
+    trained when it starts in a trainable segment; EOS is appended (trained when the last segment
+    is) unless the text ``has_eos`` already (see module note).
+
+    >>> segments = [Segment("Q: hi ", False), Segment("A: yo", True)]
+    >>> encode_segments(segments, [1, 2, 3, 4], [0, 3, 6, 9], 0, False)[1].tolist()
+    [-100, 3, 4, 0, -100]
+    """
+    ends = np.cumsum([len(segment.text) for segment in segments])
+    trainable = np.array([train_on_input or s.trainable for s in segments] or [True], dtype=bool)
+    which = np.minimum(np.searchsorted(ends, np.asarray(starts, dtype=np.int64), side="right"),
+                       len(trainable) - 1)  # fmt: skip
+    trained = trainable[which] if len(ids) else np.zeros(0, dtype=bool)
+    if not has_eos:
+        ids = [*ids, eos_id]
+        trained = np.append(trained, trainable[-1])
     input_ids = np.asarray(ids, dtype=np.int32)
-    return input_ids, shift_labels(input_ids, np.asarray(trained, dtype=bool))
+    return input_ids, shift_labels(input_ids, trained)
 
 
 def apply_overflow(
@@ -354,14 +397,15 @@ class Tokenize:
             rows.append((index, spec, origin, segments))
         if self._preference(batch):
             return self._triples(batch, rows, counts)
-        encoded = iter(
-            self.tokenizer.encode_batch([s.text for *_, segments in rows for s in segments])
-        )
+        texts = ["".join(s.text for s in segments) for *_, segments in rows]
+        encoded = self.tokenizer.encode_with_starts(texts)
         input_ids, labels, sources, uids, kept = [], [], [], [], []
-        for index, spec, origin, segments in rows:
-            segment_ids = [next(encoded) for _ in segments]
+        for (index, spec, origin, segments), text, (ids, starts) in zip(
+            rows, texts, encoded, strict=True
+        ):
+            has_eos = self.tokenizer.ends_with_eos(text)
             ids, sample_labels = encode_segments(
-                segments, segment_ids, self.tokenizer.eos_id, spec.train_on_input
+                segments, ids, starts, self.tokenizer.eos_id, spec.train_on_input, has_eos
             )
             pieces, truncated = apply_overflow(ids, sample_labels, self.seq_len, self.overflow)
             tally = counts[spec.name]
@@ -406,13 +450,27 @@ class Tokenize:
         ``rejected_ids`` (each response ends with EOS), fitted to ``seq_len`` by ``dpo.fit_triple``
         (``num_tokens``: the unit length, P + C + R + 1). Counted like samples: ``tokens`` are the
         unit's, ``trained_tokens`` its labelled ones (C + R), cuts and drops by the policy."""
-        texts = [t for *_, p in rows for t in (p.prompt, p.chosen, p.rejected)]
-        encoded = iter(self.tokenizer.encode_batch(texts))
+        # Each response is tokenized after its prompt, as one text, and keeps the tokens that
+        # start past the prompt (on its own a SentencePiece tokenizer would give it a leading
+        # space); EOS is appended unless the text ends with it already.
+        texts = [
+            t for *_, p in rows for t in (p.prompt, p.prompt + p.chosen, p.prompt + p.rejected)
+        ]
+        encoded = iter(self.tokenizer.encode_with_starts(texts))
         eos = [self.tokenizer.eos_id]
+
+        def response(preference: templates.Preference, text: str) -> list[int]:
+            ids, starts = next(encoded)
+            at = len(preference.prompt)
+            tokens = [token for token, start in zip(ids, starts, strict=True) if start >= at]
+            return tokens if self.tokenizer.ends_with_eos(text) else tokens + eos
+
         columns: dict[str, list] = {name: [] for name in TRIPLE_COLUMNS}
         sources, uids, kept = [], [], []
-        for index, spec, origin, _ in rows:
-            prompt, chosen, rejected = next(encoded), next(encoded) + eos, next(encoded) + eos
+        for index, spec, origin, preference in rows:
+            prompt = next(encoded)[0]
+            chosen = response(preference, preference.chosen)
+            rejected = response(preference, preference.rejected)
             tally = counts[spec.name]
             if not prompt:  # a prompt that renders to no token (an empty chat template output)
                 tally.dropped_samples += 1

@@ -62,8 +62,8 @@ def documents(tokenizer) -> list[tuple[np.ndarray, np.ndarray]]:
     out = []
     for record in json.loads(ALPACA.read_text()):
         segments = templates.alpaca(record, {})
-        ids = tokenizer.encode_batch([segment.text for segment in segments])
-        input_ids, labels = encode_segments(segments, ids, tokenizer.eos_id, train_on_input=False)
+        ((ids, starts),) = tokenizer.encode_with_starts(["".join(s.text for s in segments)])
+        input_ids, labels = encode_segments(segments, ids, starts, tokenizer.eos_id, False)
         if len(input_ids) <= 90:
             out.append((input_ids, labels))
         if len(out) == 4:

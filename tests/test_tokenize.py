@@ -604,3 +604,104 @@ def test_preference_rows_tokenize_to_fitted_triples_counted_once(
         assert counts.truncated_tokens > 0
     else:
         assert counts.dropped_samples > 0 and counts.truncated_tokens == 0
+
+
+# -- tokenizers that are not GPT-2's byte-level BPE, and chat templates that write BOS / EOS
+
+
+@pytest.fixture(scope="module")
+def spm_folder(tmp_path_factory) -> Path:
+    """A SentencePiece-layout tokenizer: Metaspace with ``prepend_scheme="first"``, as the
+    tokenizer.json of Llama, Mistral and Gemma split text (a ``▁`` before the first word of every
+    encode call), trained on the bundled Alpaca text; bos ``<s>``, eos ``</s>``."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    records = json.loads(_data("sft/alpaca_en_demo.json").read_text())
+    backend = Backend(models.BPE(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always", split=True)
+    backend.train_from_iterator(
+        [f"{r['instruction']}\n{r['output']}" for r in records],
+        trainers.BpeTrainer(vocab_size=1000, special_tokens=["<unk>", "<s>", "</s>"]),
+    )
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=False)
+    backend.decoder = decoders.Metaspace(prepend_scheme="first", split=False)
+    folder = tmp_path_factory.mktemp("spm")
+    backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>"})
+    )
+    return folder
+
+
+def _tokenized(folder, spec: DatasetConfig, records: list, **tokenizer) -> list[dict]:
+    stage = Tokenize([spec], TokenizerConfig(path=str(folder), **tokenizer), 4096, "truncate")
+    return stage(_batch(spec.name, records)).to_pylist()
+
+
+def test_a_sentencepiece_response_gets_no_space_the_data_lacks(spm_folder):
+    """Segments are tokenized as one text: on its own, ``Hello there`` became ``▁He llo ...``,
+    a space before every response that neither the data nor inference has."""
+    backend = Tokenizer(TokenizerConfig(path=str(spm_folder))).backend
+    record = {"instruction": "Say hi.", "output": "Hello there"}
+    [row] = _tokenized(spm_folder, _spec("alpaca"), [record])
+    text = "".join(s.text for s in tokenize.templates.alpaca(record, {}))
+    assert row["input_ids"][:-1] == backend.encode(text, add_special_tokens=False).ids
+    trained = [t for t, label in zip(row["input_ids"][1:], row["labels"]) if label != X]
+    assert backend.id_to_token(trained[-1]) == "</s>"
+    assert backend.decode(trained[:-1]) == "Hello there"
+    assert not backend.id_to_token(trained[0]).startswith("▁")
+    assert backend.encode("Hello", add_special_tokens=False).tokens[0].startswith("▁"), "guard"
+
+
+def test_a_sentencepiece_preference_response_follows_its_prompt(spm_folder):
+    backend = Tokenizer(TokenizerConfig(path=str(spm_folder))).backend
+    record = {"prompt": "Say hi.\n", "chosen": "Hello there", "rejected": "Go away"}
+    [row] = _tokenized(spm_folder, _spec("preference"), [record])
+    for name in ("chosen", "rejected"):
+        whole = backend.encode(record["prompt"] + record[name], add_special_tokens=False).ids
+        assert row[f"{name}_ids"] == whole[len(row["prompt_ids"]) :] + [backend.token_to_id("</s>")]
+        assert not backend.id_to_token(row[f"{name}_ids"][0]).startswith("▁")
+
+
+MISTRAL_LIKE = (  # closes each assistant turn with EOS itself
+    "{{ bos_token }}{% for m in messages %}{% if m.role == 'user' %}[INST] {{ m.content }} [/INST]"
+    "{% else %}{{ m.content }}{{ eos_token }}{% endif %}{% endfor %}"
+)
+
+
+@pytest.mark.parametrize("path", ["folder", "tokenizer.json"])
+def test_a_template_that_ends_turns_with_eos_gets_no_second_one(spm_folder, path):
+    """Also where the tokenizer is a bare tokenizer.json (no folder settings): the template's
+    ``eos_token`` is the configured one (it was undefined, and every row failed)."""
+    chat = {
+        "messages": [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello"},
+            {"role": "user", "content": "Bye"},
+            {"role": "assistant", "content": "Bye now"},
+        ]
+    }
+    source = spm_folder if path == "folder" else spm_folder / "tokenizer.json"
+    settings = {"chat_template": MISTRAL_LIKE, "eos_token": "</s>"}
+    [row] = _tokenized(source, _spec("chat"), [chat], **settings)
+    eos = Tokenizer(TokenizerConfig(path=str(spm_folder))).eos_id
+    assert row["input_ids"].count(eos) == 2  # one per assistant turn, none appended after
+    assert row["input_ids"][-1] == eos and row["labels"][-2] == eos  # the last one trained
+
+
+def test_an_opening_assistant_turn_does_not_train_the_template_preamble(gpt2_path):
+    """The template's text before the first turn (a default system prompt) was trained with a
+    conversation that opens with the assistant."""
+    template = (
+        "PREAMBLE\n{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>\n"
+        "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    chat = {
+        "conversations": [{"from": "gpt", "value": "Welcome!"}, {"from": "human", "value": "Hi"}]
+    }
+    [row] = _tokenized(gpt2_path, _spec("chat"), [chat], chat_template=template)
+    gpt2 = Tokenizer(TokenizerConfig(path=gpt2_path)).backend
+    trained = [t for t, label in zip(row["input_ids"][1:], row["labels"]) if label != X]
+    assert gpt2.decode(trained) == "Welcome!</assistant>\n"
+    assert gpt2.decode(row["input_ids"]).startswith("PREAMBLE\n<assistant>Welcome!")
