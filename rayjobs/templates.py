@@ -1,8 +1,8 @@
 """Templates: one raw row → a list of text segments, each marked trainable or not.
 
 A template only decides *what text* a sample is and *which parts are learned*; tokenization and
-label shifting happen once, in ``tokenize.py``. Segments are tokenized separately and concatenated,
-so the trained/untrained boundary falls exactly between tokens (the torchtune convention).
+label shifting happen once, in ``tokenize.py``, which tokenizes a sample's segments as one text and
+trains the tokens that start in a trainable segment (see its module note).
 
 - ``alpaca``: the Stanford Alpaca prompt (with or without ``input``) → untrained; ``output`` →
   trained.
