@@ -573,3 +573,23 @@ def test_chunked_token_logps_equal_full_logits():
     torch.testing.assert_close(chosen[0], chosen[2])
     with pytest.raises(ValueError, match="no rejected document"):
         dpo.response_logps(full, rows["document_ids"], rows["response_role"].clamp(max=1))
+
+
+# D8: a zero margin is not a correct preference
+def test_reward_accuracy_counts_a_tie_as_wrong():
+    t = torch.tensor
+    out = dpo.dpo_loss(
+        t([-1.0, -2.0, -2.0]),
+        t([-3.0, -1.0, -2.0]),
+        t([-2.0, -2.0, -2.0]),
+        t([-2.0, -2.0, -2.0]),
+        beta=0.5,
+    )
+    assert float(out.reward_accuracy) == pytest.approx(1 / 3)
+
+
+def test_dpo_doctests():
+    import doctest
+
+    results = doctest.testmod(dpo)
+    assert results.attempted > 0 and results.failed == 0

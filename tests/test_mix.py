@@ -226,3 +226,34 @@ def test_same_seed_same_packs_and_each_epoch_differs(planned, ray_local):
     again = packs(start_job(epochs.config).epochs.pack_plan(0))  # a fresh tokenization and plan
     assert first == again
     assert packs(epochs.pack_plan(1)) != first
+
+
+# X1: no weights: every sample once, by either unit
+@pytest.mark.parametrize("by", ["tokens", "samples"])
+def test_natural_proportions_take_every_sample_once(by):
+    dataset_ids, sample_ids = plan_epoch(LENGTHS, None, by=by)
+    assert np.bincount(dataset_ids).tolist() == [999, 2300, 1923]
+    for d in range(3):
+        assert sorted(sample_ids[dataset_ids == d].tolist()) == list(range(len(LENGTHS[d])))
+
+
+# X4: by tokens, the prefix closest to the target is taken
+def test_by_tokens_takes_the_closest_prefix():
+    lengths = [np.full(10, 100), np.full(10, 100)]
+    dataset_ids, _ = plan_epoch(lengths, [0.5, 0.5], by="tokens", epoch_tokens=1020)
+    assert np.bincount(dataset_ids).tolist() == [5, 5]  # 510 each: 500 is closer than 600
+
+
+# X5 / X6: each epoch draws other samples and orders the datasets anew
+def test_each_epoch_draws_and_orders_anew():
+    # by samples: both epochs hold exactly 500 / 300 / 200 samples, so only the order keys differ
+    a = plan_epoch(LENGTHS, WEIGHTS, by="samples", seed=3, epoch=0, epoch_samples=1000)
+    c = plan_epoch(LENGTHS, WEIGHTS, by="samples", seed=3, epoch=1, epoch_samples=1000)
+    assert not np.array_equal(a[0], c[0]), "the interleaving (mix_order) is the same"
+    assert set(a[1][a[0] == 1].tolist()) != set(c[1][c[0] == 1].tolist()), "same subsample"
+
+
+def test_each_epoch_draws_anew_by_tokens():
+    a = plan_epoch(LENGTHS, WEIGHTS, by="tokens", seed=3, epoch=0, epoch_tokens=100_000)
+    c = plan_epoch(LENGTHS, WEIGHTS, by="tokens", seed=3, epoch=1, epoch_tokens=100_000)
+    assert set(a[1][a[0] == 1].tolist()) != set(c[1][c[0] == 1].tolist()), "same subsample"

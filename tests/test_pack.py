@@ -428,3 +428,14 @@ def test_stream_error_names_the_sample_in_the_window() -> None:
 def test_unknown_strategy() -> None:
     with pytest.raises(ValueError, match="Unknown packing strategy 'worst_fit'; choose one of bfd"):
         pack_lengths(np.array([1, 2]), SEQ_LEN, "worst_fit")
+
+
+# P8: a waiting sample is placed before the new window's samples
+def test_waiting_sample_is_placed_first_in_the_next_window():
+    packer = StreamPacker(10, rng=np.random.default_rng(0))
+    assert packer.push(np.array([0]), np.array([1])) == []  # 10% full: waits
+    emitted = packer.push(np.array([1, 2, 3]), np.array([1, 8, 2]))
+    # placed first, #0 (1) opens the first bin; 8 joins it, then 1 completes it: [0, 1, 2] is
+    # full; 2#3 waits. Placed with the others (8, 2, 1, 1) it would be [1|2] + [0, 3].
+    assert [sorted(b.tolist()) for b in emitted] == [[0, 1, 2]]
+    assert [sorted(b.tolist()) for b in packer.flush()] == [[3]]

@@ -306,3 +306,11 @@ def test_a_dpo_step_accumulates_like_one_batch_and_scores_like_dpo_loss():
     assert 0 < float(expected.reward_accuracy) < 1  # guard: margins of both signs
     for a, b in zip(whole.parameters(), accumulated.parameters(), strict=True):
         torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5)
+
+
+# N4: grad_accum_steps micro-batches per step, the rest last
+def test_groups_of_grad_accum_steps():
+    from rayjobs.train import _groups
+
+    assert [len(g) for g in _groups(iter(range(7)), 3)] == [3, 3, 1]
+    assert list(_groups(iter(range(2)), 1)) == [[0], [1]]

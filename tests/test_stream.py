@@ -453,3 +453,11 @@ def test_a_datasets_whole_run_is_one_read_operator(ray_local, capsys, monkeypatc
     assert "Repartition" not in below_packers and "PackStream" in plan, plan
     fractions = stream.epoch_fractions(config, stream.estimate(config, count_rows=True))
     assert min(fractions) > 2, "guard: every dataset read in several passes an epoch"
+
+
+# S2: each epoch reads a dataset's files in another order
+def test_each_epoch_reads_files_in_another_order():
+    import types
+
+    spec = types.SimpleNamespace(files=[f"f{i}.jsonl" for i in range(20)])
+    assert stream.passes(spec, 0, 0, 7, 1.0)[0].files != stream.passes(spec, 0, 1, 7, 1.0)[0].files

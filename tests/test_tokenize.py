@@ -705,3 +705,44 @@ def test_an_opening_assistant_turn_does_not_train_the_template_preamble(gpt2_pat
     trained = [t for t, label in zip(row["input_ids"][1:], row["labels"]) if label != X]
     assert gpt2.decode(trained) == "Welcome!</assistant>\n"
     assert gpt2.decode(row["input_ids"]).startswith("PREAMBLE\n<assistant>Welcome!")
+
+
+# -- counts the mutation review found unguarded
+
+
+# T10: a skipped row counted once in `rows`
+def test_skipped_row_counts_once_in_rows(gpt2_config, fake_ledger):
+    tokenizer = Tokenize(
+        [_spec("alpaca", name="alpaca", on_bad_row="skip")],
+        gpt2_config,
+        seq_len=4096,
+        overflow="truncate",
+        ledger=fake_ledger,
+    )
+    tokenizer(_batch("alpaca", [SAY_HI, NO_OUTPUT, ADD]))
+    [(by_dataset, _key, _lengths)] = fake_ledger.calls
+    counts = by_dataset["alpaca"]
+    assert (counts.rows, counts.samples, counts.skipped_rows) == (3, 2, 1)
+    assert (
+        counts.rows
+        == counts.samples - counts.split_samples + counts.dropped_samples + counts.skipped_rows
+    )
+
+
+# T12: DPO truncated_tokens equals every cut token (prompt and responses)
+def test_preference_truncated_tokens_count_every_cut_token(gpt2_config, gpt2, monkeypatch):
+    records = _head_records("dpo/hh_rlhf_harmless.dpo.jsonl", 40)
+    tokenizer = Tokenize([_spec("preference")], gpt2_config, seq_len=256, overflow="truncate")
+    captured = {}
+    tokenizer.ledger = object()
+    monkeypatch.setattr(tokenize, "report", lambda _, __, counts, *___: captured.update(counts))
+    table = tokenizer(record_table("d", ["dpo.jsonl"] * 40, list(range(40)), records))
+    expected, response_cut = 0, 0
+    for row, record in zip(table.to_pylist(), (json.loads(r) for r in records if r), strict=False):
+        full = gpt2.encode_batch([record["prompt"], record["chosen"], record["rejected"]])
+        cut_c = len(full[1]) + 1 - len(row["chosen_ids"])
+        cut_r = len(full[2]) + 1 - len(row["rejected_ids"])
+        expected += len(full[0]) - len(row["prompt_ids"]) + cut_c + cut_r
+        response_cut += cut_c + cut_r
+    assert response_cut > 0, "guard: some responses were cut"
+    assert captured["d"].truncated_tokens == expected
