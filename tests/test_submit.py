@@ -421,7 +421,7 @@ def test_a_job_that_fails_on_the_cluster_exits_1_with_its_error(ray_head, tmp_pa
     assert record["status"] == "FAILED" and record["summary"] is None
     assert "EOF while parsing" in record["error"]  # the tokenizer's own error, last log line
     assert f"FAILED: {record['error']}" in done.stderr
-    assert "exit code 1" in record["message"]
+    assert "exit code 2" in record["message"]  # the job's `rayjobs run`: a config error
     # stop on an ended job says so; a client without the token is turned away.
     stop = _rayjobs(head, "stop", record["submission_id"], "--address", head.url)
     assert stop.returncode == 0 and "had already ended: FAILED" in stop.stderr
