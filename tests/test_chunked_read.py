@@ -20,7 +20,7 @@ import pytest
 
 from conftest import ALPACA, DATA, GPTEACHER, HH_CHAT, SHAKESPEARE, SHAREGPT, file_tables
 from rayjobs import formats
-from rayjobs.formats import BOM, SourceError, read_rows
+from rayjobs.formats import BOM, SourceError, parse_rows, read_rows
 from rayjobs.sources import read_tables
 
 
@@ -432,3 +432,25 @@ def test_a_read_task_opens_and_streams_each_format(tmp_path, alpaca_table, monke
     assert got == whole
     assert _outcome(read_files([FileRead(path)], {**options, "text_split": "paragraph"})) == whole
     assert len(_column(got, "_row")) == alpaca_table.num_rows + fmt.startswith("jsonl")
+
+
+# -- guards a mutation run found missing
+
+
+def test_crlf_line_ends_are_not_part_of_a_text_record():
+    """A text file with Windows line ends: the ``\\r`` is dropped, never trained on."""
+    data = b"first line\r\nsecond line\r\n\r\nnext paragraph\r\n"
+    parsed = parse_rows(data, "notes.txt", format="text", dataset="d")
+    assert parsed.rows == [1, 4]
+    assert parsed.records == ['{"text": "first line\\nsecond line"}', '{"text": "next paragraph"}']
+    lines = parse_rows(data, "notes.txt", format="text", dataset="d", text_split="line")
+    assert lines.records == [
+        '{"text": "first line"}',
+        '{"text": "second line"}',
+        '{"text": "next paragraph"}',
+    ]
+
+
+def test_crlf_line_ends_are_not_part_of_a_jsonl_record():
+    parsed = parse_rows(b'{"a": 1}\r\n{"b": 2}\r\n', "rows.jsonl", format="jsonl", dataset="d")
+    assert (parsed.rows, parsed.records) == ([1, 2], ['{"a": 1}', '{"b": 2}'])

@@ -12,9 +12,9 @@ import pytest
 import ray
 import yaml
 
-from conftest import GPT2
+from conftest import ALPACA, GPT2
 from rayjobs.cli import main
-from rayjobs.config import ConfigError, load_config
+from rayjobs.config import ConfigError, config_from_dict, load_config
 from rayjobs.sources import record_table
 
 # Hermetic: configs point at empty files made in tmp_path (config only checks that files exist).
@@ -635,3 +635,32 @@ def test_model_kind_defaults_to_demo_and_hf_paths_resolve(tmp_path):
     from rayjobs.config import Config
 
     assert Config.model_validate(config.model_dump()) == config
+
+
+# -- guards a mutation run found missing
+
+
+def _cfg(**extra):
+    datasets = extra.pop("datasets", [{"name": "a", "source": str(ALPACA), "template": "alpaca"}])
+    return config_from_dict({"datasets": datasets, "tokenizer": {"path": str(GPT2)}, **extra})
+
+
+def test_window_tokens_may_equal_seq_len_but_not_go_below():
+    assert _cfg(packing={"seq_len": 512, "window_tokens": 512}).packing.window_tokens == 512
+    with pytest.raises(ConfigError, match=r"window_tokens \(511\) is below seq_len \(512\)"):
+        _cfg(packing={"seq_len": 512, "window_tokens": 511})
+
+
+def test_warmup_may_last_exactly_max_steps():
+    assert _cfg(train={"max_steps": 10, "warmup_steps": 10}).train.warmup_steps == 10
+
+
+def test_weight_on_some_datasets_only_is_refused():
+    datasets = [
+        {"name": "a", "source": str(ALPACA), "template": "alpaca", "weight": 1.0},
+        {"name": "b", "source": str(ALPACA), "template": "alpaca"},
+    ]
+    with pytest.raises(
+        ConfigError, match=r"set weight on every dataset or on none; missing on \['b'\]"
+    ):
+        _cfg(datasets=datasets)

@@ -11,7 +11,15 @@ import re
 import pytest
 
 from conftest import ROOT
-from rayjobs.metrics import METRICS, Ledger, TrainMetrics, check_accounting, unpacked
+from rayjobs.metrics import (
+    METRICS,
+    Ledger,
+    TokenizeCounts,
+    TrainMetrics,
+    _merge,
+    check_accounting,
+    unpacked,
+)
 
 DASHBOARD = ROOT / "cluster" / "grafana" / "rayjobs.json"
 
@@ -193,3 +201,91 @@ def test_the_accounting_check(snapshot, streamed, problem):
     else:
         [found] = problems
         assert problem in found and found.startswith("dataset 'a': ")
+
+
+# -- guards a mutation run found missing
+
+
+def _trimmed_snapshot(trimmed_tokens=40):
+    """9 samples / 100 tokens tokenized: 6 / 60 packed, 3 / 40 trimmed to the dataset's share."""
+    return {
+        "tokenize": {
+            "a": {
+                "rows": 9,
+                "samples": 9,
+                "split_samples": 0,
+                "dropped_samples": 0,
+                "skipped_rows": 0,
+                "tokens": 100,
+            }
+        },
+        "pack": {
+            0: {
+                "documents_by_source": {"a": 6},
+                "tokens_by_source": {"a": 60},
+                "trimmed_by_source": {"a": 3},
+                "trimmed_tokens_by_source": {"a": trimmed_tokens},
+            },
+        },
+    }
+
+
+def test_trimmed_samples_and_tokens_balance_the_books():
+    assert check_accounting(_trimmed_snapshot(), streamed=True) == []
+    assert unpacked(_trimmed_snapshot()) == {"a": {"samples": 0, "tokens": 0}}
+    [problem] = check_accounting(_trimmed_snapshot(trimmed_tokens=39), streamed=True)
+    assert "the packs hold (or trimmed) 9 / 99" in problem
+
+
+def test_a_dataset_packed_but_never_tokenized_is_a_problem():
+    snapshot = {
+        "tokenize": {},
+        "pack": {0: {"documents_by_source": {"ghost": 2}, "tokens_by_source": {"ghost": 5}}},
+    }
+    assert check_accounting(snapshot, streamed=True) == [
+        "dataset 'ghost': packed but never tokenized"
+    ]
+    assert check_accounting(snapshot, streamed=False) == []
+
+
+def test_skipped_examples_keep_the_first_five_over_the_run():
+    total = TokenizeCounts()
+    for batch in range(3):
+        _merge(
+            total,
+            TokenizeCounts(skipped_rows=3, skipped_examples=[f"{batch}.{i}" for i in range(3)]),
+        )
+    assert total.skipped_rows == 9
+    assert total.skipped_examples == ["0.0", "0.1", "0.2", "1.0", "1.1"]
+
+
+def test_admit_grants_each_dataset_its_share_to_the_nearest_sample():
+    ledger = Ledger.__ray_actor_class__(dedupe=True)
+    ledger.set_budgets({(0, "a"): 10.0, (0, "b"): 5.0})
+    # a: 4 + 4 = 8 fits, 8 + 4 = 12 is 2 over vs 2 under: not nearer, stays at 2
+    # b: 3 fits, 3 + 3 = 6 is 1 over vs 2 under: one more comes nearer the share
+    # c: no budget: every sample
+    assert ledger.admit("w1", 0, {"a": [4, 4, 4], "b": [3, 3, 3], "c": [1, 1]}) == {
+        "a": 2,
+        "b": 2,
+        "c": 2,
+    }
+    # a window Ray runs again gets the same answer, and uses no budget twice
+    assert ledger.admit("w1", 0, {"a": [4, 4, 4], "b": [3, 3, 3], "c": [1, 1]}) == {
+        "a": 2,
+        "b": 2,
+        "c": 2,
+    }
+    # a: 2 left: 1 fits, then 1 + 1.5 = 2.5 is 0.5 over vs 1 under: one more
+    assert ledger.admit("w2", 0, {"a": [1, 1.5, 1]}) == {"a": 2}
+    # b: 6 used of 5: nothing left
+    assert ledger.admit("w3", 0, {"b": [1]}) == {"b": 0}
+    # another epoch has its own budget (none set: everything)
+    assert ledger.admit("w4", 1, {"a": [4, 4, 4]}) == {"a": 3}
+
+
+def test_batch_key_tells_where_one_column_ends_and_the_next_begins():
+    from rayjobs.metrics import batch_key
+
+    assert batch_key("tokenize", ["ab"], ["c"]) != batch_key("tokenize", ["a"], ["bc"])
+    assert batch_key("tokenize", ["ab"], ["c"]) == batch_key("tokenize", ["ab"], ["c"])

@@ -461,3 +461,93 @@ def test_each_epoch_reads_files_in_another_order():
 
     spec = types.SimpleNamespace(files=[f"f{i}.jsonl" for i in range(20)])
     assert stream.passes(spec, 0, 0, 7, 1.0)[0].files != stream.passes(spec, 0, 1, 7, 1.0)[0].files
+
+
+# -- guards a mutation run found missing
+
+
+def test_window_rows_is_at_least_one_sample():
+    assert stream.window_rows(4096, 8192.0) == 1  # samples longer than the window: still one
+    assert stream.window_rows(4096, 0.25) == 4096  # mean below 1 token counts as 1
+    assert stream.window_rows(4096, 100.0) == 40
+
+
+def test_rows_hint_scales_bytes_by_rows_per_byte():
+    """An uncounted dataset is sized from its bytes times rows per byte, not from its bytes."""
+    est = stream.Estimate(10.0, rows=None, rows_per_byte=0.01, file_sizes={"a": 3000, "b": 1000})
+    assert stream._rows_hint(est) == pytest.approx(40.0)
+    assert stream._samples_hint(stream.Estimate(10.0, rows=50, samples_per_row=0.5)) == 25.0
+
+
+def _one_dataset(tmp_path, warmup_tokens):
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"text": "x"}\n')
+    return config_from_dict(
+        {
+            "datasets": [{"name": "a", "source": str(path), "template": "text"}],
+            "tokenizer": {"path": str(GPT2)},
+            "packing": {"warmup_tokens": warmup_tokens},
+        }
+    ), str(path)
+
+
+def test_warm_up_head_takes_more_rows_of_a_subsampled_pass(tmp_path, monkeypatch):
+    """A pass keeping half the rows needs twice the rows in its head for the same tokens; the
+    head ends right below the first row not taken."""
+    config, path = _one_dataset(tmp_path, warmup_tokens=1000)
+    monkeypatch.setattr(
+        stream, "_parse_head", lambda spec, file, wanted: (list(range(0, 2000, 2)), [], 0, 0)
+    )
+    estimates = {"a": stream.Estimate(10.0, rows=1000)}
+    whole = stream.Pass((path,), 0, None, 0)
+    half = stream.Pass((path,), 0, 0.5, 0)
+    assert stream.warmup_heads(config, estimates, [1.0], [whole])["a"] == stream.Head(
+        path, 200, 100
+    )
+    assert stream.warmup_heads(config, estimates, [0.5], [half])["a"] == stream.Head(path, 400, 200)
+
+
+def test_pack_counts_count_trimmed_samples_and_tokens_by_source():
+    import numpy as np
+    import pyarrow as pa
+
+    from rayjobs.metrics import StageTimer
+
+    kept = pa.table({"source": ["a", "a", "b"], "num_tokens": [3, 4, 5]})
+    trimmed = pa.table({"source": ["a", "b", "b"], "num_tokens": [7, 10, 20]})
+    rows = {"num_tokens": np.array([7, 5], dtype=np.int32)}
+    with StageTimer() as timer:
+        pass
+    counts = stream.pack_counts(kept, rows, 8, timer, trimmed)
+    assert (counts.num_packs, counts.num_tokens, counts.num_slots, counts.num_documents) == (
+        2,
+        12,
+        16,
+        3,
+    )
+    assert counts.documents_by_source == {"a": 2, "b": 1}
+    assert counts.tokens_by_source == {"a": 7, "b": 5}
+    assert counts.trimmed_by_source == {"a": 1, "b": 2}
+    assert counts.trimmed_tokens_by_source == {"a": 7, "b": 30}
+
+
+def test_budgets_are_in_tokens_by_tokens_and_set_for_every_epoch(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"text": "x"}\n')
+    config = config_from_dict(
+        {
+            "datasets": [
+                {"name": "a", "source": str(path), "template": "text", "weight": 0.75},
+                {"name": "b", "source": str(path), "template": "text", "weight": 0.25},
+            ],
+            "tokenizer": {"path": str(GPT2)},
+            "mix": {"by": "tokens"},
+            "train": {"epochs": 2},
+        }
+    )
+    estimates = {"a": stream.Estimate(10.0, rows=100), "b": stream.Estimate(20.0, rows=50)}
+    fractions = stream.epoch_fractions(config, estimates)  # 2000 tokens: 1500 / 500
+    assert fractions == pytest.approx([1.5, 0.5])
+    assert stream.budgets(config, estimates, fractions) == pytest.approx(
+        {(0, "a"): 1500.0, (0, "b"): 500.0, (1, "a"): 1500.0, (1, "b"): 500.0}
+    )
