@@ -119,6 +119,11 @@ class TokenizerConfig(_Strict):
     """End-of-sequence token appended to every sample; default: the tokenizer's eos token."""
     pad_token: str | None = None
     """Token used for padding packs (never trained); default: pad token, else eos."""
+    add_bos: bool | None = None
+    """Start every sample (a DPO triple: its prompt) with the BOS token, unless its text already
+    does (a chat template writing ``{{ bos_token }}``); default: as the tokenizer's own
+    post-processor does (Llama, Gemma: yes; GPT-2: no), so fine-tuning sees what
+    ``tokenizer(text)`` gives at inference."""
 
 
 class MixConfig(_Strict):

@@ -5,7 +5,9 @@ Design note. Labels are shifted here, once, inside each sample: ``labels[t]`` is
 position is always -100. A packed row is a plain concatenation of samples, so no position can ever
 be trained to predict the first token of the next document, and the model never shifts again. An EOS
 token ends every sample (trained when the sample's last segment is), appended unless the text
-already ends with it (a chat template that closes turns with EOS), so never twice.
+already ends with it (a chat template that closes turns with EOS), so never twice. BOS starts a
+sample where the tokenizer's post-processor puts one (``tokenizer.add_bos``; what
+``tokenizer(text)`` gives at inference), unless the text starts with it already.
 
 A sample's segments are tokenized as one text, and a token is trained when it starts in a
 trainable segment: tokenizing each segment on its own gave a SentencePiece-style tokenizer
@@ -108,6 +110,7 @@ class Tokenizer:
             if configured:
                 self.special_tokens[key] = configured
         self.vocab_size = self.backend.get_vocab_size(with_added_tokens=True)
+        self.bos_id = self._bos_id(config.add_bos)
 
     def _token_id(
         self,
@@ -128,6 +131,32 @@ class Tokenizer:
                 f"set tokenizer.{key} to one of its special tokens"
             )
         return int(token_id)
+
+    def _bos_id(self, add_bos: bool | None) -> int | None:
+        """The BOS id every sample starts with, or None (``tokenizer.add_bos``): by default the
+        one the tokenizer's post-processor puts first (what ``tokenizer(text)`` gives)."""
+        if add_bos is False:
+            return None
+        plain = self.backend.encode("a", add_special_tokens=False).ids
+        framed = self.backend.encode("a", add_special_tokens=True).ids
+        own = framed[0] if len(framed) > len(plain) and framed[1:][: len(plain)] == plain else None
+        if add_bos is None:
+            return own
+        named = self.special_tokens.get("bos_token")
+        bos = self.backend.token_to_id(named) if named else own
+        if bos is None:
+            raise ValueError(
+                "tokenizer.add_bos: the tokenizer names no BOS token (no bos_token in its "
+                "settings, none added by its post-processor)"
+            )
+        return int(bos)
+
+    def with_bos(self, ids: list[int], starts: list[int]) -> tuple[list[int], list[int]]:
+        """``ids`` (and their ``starts``) with BOS first where the run adds one and the text did
+        not start with it already."""
+        if self.bos_id is None or (ids and ids[0] == self.bos_id):
+            return ids, starts
+        return [self.bos_id, *ids], [0, *starts]
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         encodings = self.backend.encode_batch(texts, add_special_tokens=False)
@@ -404,6 +433,7 @@ class Tokenize:
             rows, texts, encoded, strict=True
         ):
             has_eos = self.tokenizer.ends_with_eos(text)
+            ids, starts = self.tokenizer.with_bos(ids, starts)
             ids, sample_labels = encode_segments(
                 segments, ids, starts, self.tokenizer.eos_id, spec.train_on_input, has_eos
             )
@@ -468,7 +498,7 @@ class Tokenize:
         columns: dict[str, list] = {name: [] for name in TRIPLE_COLUMNS}
         sources, uids, kept = [], [], []
         for index, spec, origin, preference in rows:
-            prompt = next(encoded)[0]
+            prompt, _ = self.tokenizer.with_bos(*next(encoded))
             chosen = response(preference, preference.chosen)
             rejected = response(preference, preference.rejected)
             tally = counts[spec.name]

@@ -746,3 +746,54 @@ def test_preference_truncated_tokens_count_every_cut_token(gpt2_config, gpt2, mo
         response_cut += cut_c + cut_r
     assert response_cut > 0, "guard: some responses were cut"
     assert captured["d"].truncated_tokens == expected
+
+
+@pytest.fixture(scope="module")
+def spm_bos_folder(spm_folder, tmp_path_factory) -> Path:
+    """``spm_folder``'s tokenizer with Llama's post-processor: ``tokenizer(text)`` puts ``<s>``
+    first."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import processors
+
+    backend = Backend.from_file(str(spm_folder / "tokenizer.json"))
+    bos = backend.token_to_id("<s>")
+    backend.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
+    )
+    folder = tmp_path_factory.mktemp("spm_bos")
+    backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        (spm_folder / "tokenizer_config.json").read_text()
+    )
+    return folder
+
+
+def test_bos_starts_each_sample_as_the_tokenizer_would_put_it(spm_bos_folder, spm_folder):
+    """Llama-style tokenizers put BOS first (``tokenizer(text)``); the samples did not have it.
+    Once, also where the chat template writes it; never where the tokenizer adds none."""
+    tokenizer = Tokenizer(TokenizerConfig(path=str(spm_bos_folder)))
+    bos = tokenizer.backend.token_to_id("<s>")
+    assert tokenizer.bos_id == bos
+    record = {"instruction": "Say hi.", "output": "Hello there"}
+    text = "".join(s.text for s in tokenize.templates.alpaca(record, {}))
+    [row] = _tokenized(spm_bos_folder, _spec("alpaca"), [record])
+    assert row["input_ids"][:-1] == tokenizer.backend.encode(text).ids  # <s> first, as at inference
+    assert row["input_ids"][0] == bos and row["labels"][0] == X  # the prompt's first token
+    [plain] = _tokenized(spm_bos_folder, _spec("alpaca"), [record], add_bos=False)
+    assert plain["input_ids"] == row["input_ids"][1:]
+    [own] = _tokenized(spm_folder, _spec("alpaca"), [record])  # no post-processor: no BOS
+    assert own["input_ids"] == plain["input_ids"]
+    chat = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]}
+    [row] = _tokenized(spm_bos_folder, _spec("chat"), [chat], chat_template=MISTRAL_LIKE)
+    assert row["input_ids"][0] == bos and row["input_ids"].count(bos) == 1
+    triple = {"prompt": "Say hi.\n", "chosen": "Hello there", "rejected": "Go away"}
+    [row] = _tokenized(spm_bos_folder, _spec("preference"), [triple])
+    assert row["prompt_ids"][0] == bos and bos not in row["chosen_ids"] + row["rejected_ids"]
+
+
+def test_add_bos_needs_a_bos_token(spm_folder):
+    bare = spm_folder / "tokenizer.json"  # no settings beside it: no bos_token
+    with pytest.raises(ValueError, match="tokenizer.add_bos: the tokenizer names no BOS token"):
+        Tokenizer(TokenizerConfig(path=str(bare), eos_token="</s>", add_bos=True))
+    named = Tokenizer(TokenizerConfig(path=str(spm_folder), add_bos=True))  # bos_token: <s>
+    assert named.bos_id == named.backend.token_to_id("<s>")
