@@ -55,11 +55,11 @@ def load_tokenizer(config: Config) -> Tokenizer:
     """The run's tokenizer; a tokenizer that cannot be loaded is a ``ConfigError``."""
     try:
         return Tokenizer(config.tokenizer)
+    except ConfigError:  # a setting the tokenizer refused (eos_token, add_bos) names itself
+        raise
     except Exception as error:  # noqa: BLE001 - tokenizers raises a bare Exception on a corrupt file
         if not isinstance(error, OSError | ValueError) and type(error) is not Exception:
             raise
-        if str(error).startswith("tokenizer."):  # a setting the tokenizer refused names itself
-            raise ConfigError(str(error)) from None
         raise ConfigError(
             f"tokenizer.path: cannot load a tokenizer from {config.tokenizer.path!r} ({error})"
         ) from None
@@ -150,13 +150,15 @@ def start_job(
     fail_after: dict[str, int] | None = None,
     dedupe: bool = True,
     name: str | None = None,
+    tokenizer: Tokenizer | None = None,
 ) -> Job:
-    """Set up a run's data side: load the tokenizer (a bad one fails before Ray starts), connect to
-    or start Ray, create the run's ``Ledger`` and the packed rows (lazy in stream mode; planned
-    mode tokenizes once here). ``run``, ``export`` and the benches all start here.
+    """Set up a run's data side: load the tokenizer (a bad one fails before Ray starts; ``run``
+    passes the one it loaded to check the model's config), connect to or start Ray, create the
+    run's ``Ledger`` and the packed rows (lazy in stream mode; planned mode tokenizes once here).
+    ``run``, ``export`` and the benches all start here.
     ``name``: the run's name (default ``<prefix>-<8 hex digits>``; a resumed run keeps its own).
     ``fail_after`` and ``dedupe`` are the ledger's fault injection, for tests."""
-    tokenizer = load_tokenizer(config)
+    tokenizer = tokenizer or load_tokenizer(config)
     init_ray(config)
     name = name or f"{prefix}-{uuid.uuid4().hex[:8]}"
     ledger = Ledger.remote(name, fail_after, dedupe, [spec.name for spec in config.datasets])
@@ -215,9 +217,10 @@ def run(
     fault injection and tracing for tests (``train._fault``, ``train._trace``)."""
     from rayjobs.train import check_model_config
 
-    check_model_config(config, load_tokenizer(config))  # before Ray and the data start
+    tokenizer = load_tokenizer(config)
+    check_model_config(config, tokenizer)  # before Ray and the data start
     name = resume_name(config, resume) if resume else None
-    job = start_job(config, name=name)
+    job = start_job(config, name=name, tokenizer=tokenizer)
     try:
         return _train(config, job, hooks)
     finally:

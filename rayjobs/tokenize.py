@@ -46,7 +46,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from rayjobs import dpo, templates
-from rayjobs.config import DatasetConfig, TokenizerConfig
+from rayjobs.config import ConfigError, DatasetConfig, TokenizerConfig
 from rayjobs.formats import bad_row_error, bad_row_place
 from rayjobs.metrics import StageTimer, TokenizeCounts, batch_key, report, report_actor
 from rayjobs.rows import IGNORE_INDEX
@@ -111,6 +111,7 @@ class Tokenizer:
                 self.special_tokens[key] = configured
         self.vocab_size = self.backend.get_vocab_size(with_added_tokens=True)
         self.bos_id = self._bos_id(config.add_bos)
+        self._eos_text = self.backend.id_to_token(self.eos_id)
 
     def _token_id(
         self,
@@ -126,7 +127,7 @@ class Tokenizer:
         if token_id is None:
             if default is not None and configured is None:  # one the config names must exist
                 return default
-            raise ValueError(
+            raise ConfigError(
                 f"tokenizer.{key}: token {token!r} is not in the vocabulary; "
                 f"set tokenizer.{key} to one of its special tokens"
             )
@@ -145,7 +146,7 @@ class Tokenizer:
         named = self.special_tokens.get("bos_token")
         bos = self.backend.token_to_id(named) if named else own
         if bos is None:
-            raise ValueError(
+            raise ConfigError(
                 "tokenizer.add_bos: the tokenizer names no BOS token (no bos_token in its "
                 "settings, none added by its post-processor)"
             )
@@ -159,8 +160,7 @@ class Tokenizer:
         return [self.bos_id, *ids], [0, *starts]
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        encodings = self.backend.encode_batch(texts, add_special_tokens=False)
-        return [e.ids for e in encodings]
+        return [ids for ids, _ in self.encode_with_starts(texts)]
 
     def encode_with_starts(self, texts: list[str]) -> list[tuple[list[int], list[int]]]:
         """Each text's token ids and where each token starts (a character offset in the text)."""
@@ -171,8 +171,7 @@ class Tokenizer:
         """Whether ``text`` already ends with the EOS token, whitespace aside (a chat template
         that closes each turn with it: Mistral's ``</s>``, Zephyr's ``</s>\n``, Qwen's
         ``<|im_end|>\n`` where that is the EOS): then none is appended."""
-        eos = self.backend.id_to_token(self.eos_id)
-        return bool(eos) and text.rstrip().endswith(eos)
+        return bool(self._eos_text) and text.rstrip().endswith(self._eos_text)
 
     def render_chat(self, messages: list[Message], add_generation_prompt: bool) -> str:
         """The conversation as the chat template renders it (as ``apply_chat_template`` would,
