@@ -85,8 +85,8 @@ def rss_shmem(pid: int) -> int | None:
             for line in status:
                 if line.startswith("RssShmem:"):
                     return int(line.split()[1]) * 1024  # kB
-    except (OSError, ValueError, IndexError):
-        pass
+    except (OSError, ValueError, IndexError):  # the process has exited, or no /proc: no figure
+        return None
     return None
 
 
