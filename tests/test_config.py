@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import ray
 import yaml
 
 from conftest import ALPACA, GPT2
@@ -259,10 +258,22 @@ def test_override_value_that_is_not_yaml_is_taken_as_text(tmp_path, override, ke
     assert getattr(config.tokenizer, key) == value
 
 
+@pytest.fixture
+def no_ray(monkeypatch):
+    """Connecting to (or starting) Ray fails the test: config errors come before it. (Whether
+    Ray is initialized says nothing: an earlier module's shared Ray may still be up.)"""
+    from rayjobs import pipeline
+
+    def refuse(config):
+        raise AssertionError("the run connected to Ray before its config error")
+
+    monkeypatch.setattr(pipeline, "init_ray", refuse)
+
+
 @pytest.mark.parametrize(
     "name", ["unknown_nested_key", "missing_data_file", "override_list_index_out_of_range"]
 )
-def test_cli_reports_config_error_without_starting_ray(tmp_path, capsys, name):
+def test_cli_reports_config_error_without_starting_ray(tmp_path, capsys, no_ray, name):
     patch, overrides, expected = BAD_CONFIGS[name]
     code = main(["run", str(_write(tmp_path, patch)), *overrides])
     stderr = capsys.readouterr().err
@@ -270,7 +281,6 @@ def test_cli_reports_config_error_without_starting_ray(tmp_path, capsys, name):
     assert stderr.startswith("rayjobs: ")
     for text in expected:
         assert text.format(tmp=tmp_path.resolve()) in stderr
-    assert not ray.is_initialized()
 
 
 @pytest.mark.parametrize(
@@ -282,7 +292,7 @@ def test_cli_reports_config_error_without_starting_ray(tmp_path, capsys, name):
     ],
     ids=["typo", "wrong_type", "unknown_model_type"],
 )
-def test_hf_model_config_is_read_before_ray_starts(tmp_path, capsys, override, expected):
+def test_hf_model_config_is_read_before_ray_starts(tmp_path, capsys, no_ray, override, expected):
     """Such configs once failed in every train worker, a minute in, with a traceback."""
     path = _write(tmp_path, {"train": {"model": LLAMA}})
     code = main(["run", str(path), f"tokenizer.path={GPT2}", override])
@@ -291,17 +301,15 @@ def test_hf_model_config_is_read_before_ray_starts(tmp_path, capsys, override, e
     for part in ("rayjobs: train.model: cannot build the model from", expected):
         assert part in stderr
     assert len(stderr) < 800  # not transformers' list of every model type
-    assert not ray.is_initialized()
 
 
 @pytest.mark.parametrize("key", ["eos_token", "pad_token"])
-def test_a_special_token_missing_from_the_vocabulary_names_its_key(tmp_path, capsys, key):
+def test_a_special_token_missing_from_the_vocabulary_names_its_key(tmp_path, capsys, no_ray, key):
     """Not ``tokenizer.path``, which loaded fine; exit 2 as for any config error."""
     code = main(["run", str(_write(tmp_path)), f"tokenizer.path={GPT2}", f"tokenizer.{key}=nope"])
     stderr = capsys.readouterr().err
     assert code == 2, stderr
     assert stderr.startswith(f"rayjobs: tokenizer.{key}: token 'nope' is not in the vocabulary")
-    assert not ray.is_initialized()
 
 
 def test_cli_subprocess_exits_non_zero_without_traceback(tmp_path):
