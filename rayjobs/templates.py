@@ -11,6 +11,7 @@ trains the tokens that start in a trainable segment (see its module note).
   turn is found by rendering the conversation prefix by prefix: the text added by the assistant
   message is trained, the rest (system, user, tool turns, generation prompts) is not. This works for
   any prefix-stable template without ``{% generation %}`` markers; an unstable one is an error.
+  Tool use (see "Tool calls" below) reaches the template as ``apply_chat_template`` takes it.
 - ``text``: the whole ``text`` field, trained.
 - ``preference`` (``task: dpo``): a prompt and two responses → a :class:`Preference` of three
   texts instead of segments. The prompt is text (``{prompt, chosen, rejected}``), or turns: a
@@ -28,18 +29,39 @@ raises ``RowError`` naming the field and a reason of ``formats.SKIP_REASONS``; t
 - ``missing_field``: a required field absent or null (alpaca ``instruction``/``output``, text
   ``text``, chat ``messages`` or ``conversations``), or a conversation with no assistant turn;
 - ``wrong_type``: the row is not an object, a text field is not a string, turns are not a list of
-  ``{role, content}`` with a known role and text content, or a turn carries an OpenAI
-  ``tool_calls`` / ``function_call``. Design note: turns reach the chat template as role and
-  content only, so such a turn would train as an empty assistant turn with its call lost; it is
-  refused rather than trained wrong (ShareGPT's ``function_call`` role, whose call is the text,
-  is fine);
+  ``{role, content}`` with a known role and text content, or a tool call or ``tools`` list is not
+  the shape below (arguments that are not a JSON object, a call without a name);
 - ``empty_field``: a required text field that is empty or only whitespace, or an empty list of
   turns. Design note: such a sample trains on nothing but EOS (an empty output) or teaches an
   answer to no question (an empty instruction); Axolotl and TRL users filter them out, so a
   dataset that has them learns that it has them. Optional fields may be empty as before: alpaca
   ``input`` (no ``### Input:`` block then), chat ``system``, and a turn's ``content``;
-- ``template_error``: the chat template is not prefix-stable on the row (``Tokenizer.render_chat``
-  reports a chat template that raises the same way).
+- ``template_error``: the chat template is not prefix-stable on the row, or it drops the row's
+  tools or tool calls (``Tokenizer.render_chat`` reports a chat template that raises the same way).
+
+Tool calls. Function-calling data trains the calls themselves, in the layout the model's chat
+template gives them (Llama 3.1's JSON, Qwen's and Hermes' ``<tool_call>`` tags), as TRL and
+LLaMA-Factory do:
+
+- an OpenAI assistant turn's ``tool_calls`` (``[{type: function, function: {name, arguments}}]``,
+  ``id`` kept; a bare ``{name, arguments}`` is accepted) and the legacy ``function_call`` reach the
+  template as ``tool_calls`` with ``arguments`` a JSON object, as transformers' tool-use format
+  asks (OpenAI writes them as a JSON string: parsed, since templates such as Llama 3.1's apply
+  ``tojson`` and would train a doubly encoded string); ``content`` may then be null;
+- a ShareGPT ``function_call`` turn's value is the call as JSON (``{"name", "arguments"}`` or a
+  list of them, as in glaive / LLaMA-Factory data) and becomes such an assistant turn;
+  ``observation`` / ``tool`` / OpenAI's legacy ``function`` role are tool turns (``name`` and
+  ``tool_call_id`` kept), never trained;
+- the row's ``tools`` column (a list of JSON schemas, or that list as a JSON string, the
+  LLaMA-Factory layout; empty: none) is passed to the template as ``tools``; a bare schema
+  ``{name, description, parameters}`` is wrapped as ``{type: function, function: schema}``.
+
+Design note: a template that ignores ``tools`` or ``tool_calls`` (most templates written before
+tool use) would train an empty assistant turn, or calls to functions the prompt never defined, so
+each tool's and each call's name must appear in the rendering (the call's in the text its turn
+trains): otherwise the row is a ``template_error``. Without a chat template the ChatML layout
+writes tools in the system turn and each call as
+``<tool_call>\n{"name", "arguments"}\n</tool_call>`` (the Hermes convention Qwen also uses).
 
 Templates live in the :data:`TEMPLATES` registry, which ``datasets[].template`` is validated
 against: a new template is one function ``(row, column_map, render_chat) -> list[Segment]``
@@ -49,6 +71,7 @@ chat rendering; templates that do not render chat ignore it.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -73,12 +96,22 @@ SHAREGPT_ROLES = {
     "tool": "tool",
 }
 
-Message = dict[str, str]
-TOOL_CALL_KEYS = ("tool_calls", "function_call")
-"""OpenAI turn keys holding a function call: a turn that has one is refused (``wrong_type``), as
-rendering it from role and content alone would train an empty assistant turn."""
-RenderChat = Callable[[list[Message], bool], str]
-"""(messages, add_generation_prompt) → rendered text."""
+OPENAI_ROLES = {
+    "system": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+    "function": "tool",
+}
+"""OpenAI roles (``function``: the legacy role of a function's result) → the roles templates see."""
+
+Message = dict[str, Any]
+"""A turn as the chat template sees it: ``role``, ``content`` and, where the data has them,
+``tool_calls`` (assistant), ``name`` and ``tool_call_id`` (tool)."""
+Tool = dict[str, Any]
+RenderChat = Callable[..., str]
+"""(messages, add_generation_prompt, tools=None) → rendered text; ``tools`` is the row's list of
+tool schemas (templates that render no tools may call it with two arguments)."""
 
 
 @dataclass(frozen=True)
@@ -196,8 +229,101 @@ def text(
     return [Segment(_text_field(row, "text", column_map), True)]
 
 
+def _json_value(value: Any, field: str, what: str) -> Any:
+    """``value`` parsed where it is JSON text (a call's arguments, a ``tools`` column)."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError as error:
+        raise RowError(field, f"{what} is not valid JSON ({error}): {value!r:.80}") from None
+
+
+def _tool_call(call: Any, field: str) -> dict[str, Any]:
+    """One call as templates take it: ``{type: function, function: {name, arguments: object}}``
+    (its ``id`` kept), from the OpenAI shape or a bare ``{name, arguments}``."""
+    function = call.get("function", call) if isinstance(call, Mapping) else None
+    name = function.get("name") if isinstance(function, Mapping) else None
+    if not isinstance(name, str) or not name:
+        raise RowError(field, f"expected a call with a function name, got {call!r:.120}")
+    arguments = function.get("arguments")
+    arguments = {} if arguments in (None, "") else _json_value(arguments, field, "arguments")
+    if not isinstance(arguments, Mapping):
+        raise RowError(
+            field, f"the call's arguments are not a JSON object but {type(arguments).__name__}"
+        )
+    normalised: dict[str, Any] = {
+        "type": "function",
+        "function": {"name": name, "arguments": dict(arguments)},
+    }
+    if isinstance(call.get("id"), str):
+        normalised["id"] = call["id"]
+    return normalised
+
+
+def _tool_calls(calls: Any, field: str) -> list[dict[str, Any]]:
+    calls = calls if isinstance(calls, list) else [calls]
+    return [_tool_call(call, f"{field}.tool_calls[{i}]") for i, call in enumerate(calls)]
+
+
+def chat_tools(row: Mapping[str, Any], column_map: Mapping[str, str]) -> list[Tool] | None:
+    """The row's ``tools`` (a list of JSON schemas, or it as JSON text), None where it has none;
+    a bare ``{name, description, parameters}`` schema is wrapped as ``{type: function, ...}``."""
+    if not isinstance(row, Mapping):
+        return None
+    shown = _shown("tools", column_map)
+    tools = _json_value(row.get(column_map.get("tools", "tools")), shown, "the tools list")
+    if tools in (None, "", []):
+        return None
+    if not isinstance(tools, list):
+        raise RowError(shown, f"expected a list of tool schemas, got {type(tools).__name__}")
+    wrapped: list[Tool] = []
+    for index, tool in enumerate(tools):
+        function = tool.get("function", tool) if isinstance(tool, Mapping) else None
+        name = function.get("name") if isinstance(function, Mapping) else None
+        if not isinstance(name, str) or not name:
+            raise RowError(f"{shown}[{index}]", f"expected a schema with a name, got {tool!r:.120}")
+        wrapped.append(dict(tool) if "function" in tool else {"type": "function", "function": tool})
+    return wrapped
+
+
+def _turn(turn: Any, sharegpt: bool, field: str) -> Message:
+    """One turn → a message; see the module note's "Tool calls" for what reaches the template."""
+    if not isinstance(turn, Mapping):
+        raise RowError(
+            field, f"expected a turn with a known role and text content, got {turn!r:.120}"
+        )
+    if sharegpt:
+        source_role, content = turn.get("from"), turn.get("value")
+        role = SHAREGPT_ROLES.get(source_role)
+    else:
+        source_role, content = turn.get("role"), turn.get("content")
+        role = OPENAI_ROLES.get(source_role)
+    calls = None
+    if sharegpt and source_role == "function_call" and isinstance(content, str):
+        calls, content = _tool_calls(_json_value(content, field, "the call"), field), ""
+    elif not sharegpt and role == "assistant":
+        found = [key for key in ("tool_calls", "function_call") if turn.get(key)]
+        if found:
+            calls = _tool_calls(turn[found[0]], field)
+            content = "" if content is None else content
+    if role is None or not isinstance(content, str):
+        raise RowError(
+            field, f"expected a turn with a known role and text content, got {turn!r:.120}"
+        )
+    message: Message = {"role": role, "content": content}
+    if calls:
+        message["tool_calls"] = calls
+    if role == "tool":
+        for key in ("name", "tool_call_id"):
+            if isinstance(turn.get(key), str):
+                message[key] = turn[key]
+    return message
+
+
 def chat_messages(row: Mapping[str, Any], column_map: Mapping[str, str]) -> list[Message]:
-    """Normalise OpenAI ``messages`` or ShareGPT ``conversations`` to [{role, content}]."""
+    """Normalise OpenAI ``messages`` or ShareGPT ``conversations`` to messages (role, content and
+    tool calls; see the module note)."""
     messages = _field(row, "messages", column_map, required=False)
     sharegpt = messages is None
     if sharegpt:
@@ -221,31 +347,65 @@ def chat_messages(row: Mapping[str, Any], column_map: Mapping[str, str]) -> list
     if system:
         normalised.append({"role": "system", "content": system})
     for turn_index, turn in enumerate(messages):
-        role = turn.get("from" if sharegpt else "role") if isinstance(turn, Mapping) else None
-        content = (
-            turn.get("value" if sharegpt else "content") if isinstance(turn, Mapping) else None
-        )
-        role = SHAREGPT_ROLES.get(role) if sharegpt else role
-        if role not in ("system", "user", "assistant", "tool") or not isinstance(content, str):
-            raise RowError(
-                f"{field}[{turn_index}]",
-                f"expected a turn with a known role and text content, got {turn!r:.120}",
-            )
-        calls = [key for key in TOOL_CALL_KEYS if turn.get(key)]
-        if calls:  # the chat template is given role and content only: the call would be lost
-            raise RowError(
-                f"{field}[{turn_index}]",
-                f"the turn carries {calls[0]!r}, which is not trained (turns are rendered from "
-                f"role and content only); put the call in content, or skip such rows",
-            )
-        normalised.append({"role": role, "content": content})
+        normalised.append(_turn(turn, sharegpt, f"{field}[{turn_index}]"))
     return normalised
 
 
-def chatml(messages: list[Message], add_generation_prompt: bool) -> str:
-    """The ChatML layout used when the tokenizer has no chat template."""
-    rendered = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+def _call_json(call: dict[str, Any]) -> str:
+    function = call["function"]
+    return json.dumps({"name": function["name"], "arguments": function["arguments"]})
+
+
+def chatml(
+    messages: list[Message], add_generation_prompt: bool, tools: list[Tool] | None = None
+) -> str:
+    """The ChatML layout used when the tokenizer has no chat template; tools go in the system
+    turn and calls after the assistant's text, in the Hermes ``<tool_call>`` convention."""
+    turns = list(messages)
+    if tools:
+        listing = "\n".join(json.dumps(tool) for tool in tools)
+        block = (
+            "# Tools\n\nYou may call these functions. For each call, write a JSON object with the "
+            'function\'s "name" and "arguments" within <tool_call></tool_call> tags.\n'
+            f"<tools>\n{listing}\n</tools>"
+        )
+        if turns and turns[0]["role"] == "system":
+            turns[0] = {**turns[0], "content": f"{turns[0]['content']}\n\n{block}"}
+        else:
+            turns.insert(0, {"role": "system", "content": block})
+    rendered = ""
+    for message in turns:
+        content = message["content"]
+        calls = [
+            f"<tool_call>\n{_call_json(c)}\n</tool_call>" for c in message.get("tool_calls", [])
+        ]
+        content = "\n".join(([content] if content else []) + calls)
+        rendered += f"<|im_start|>{message['role']}\n{content}<|im_end|>\n"
     return rendered + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
+def _check_tools_rendered(rendered: str, tools: list[Tool] | None) -> None:
+    for tool in tools or []:
+        name = tool["function"]["name"]
+        if name not in rendered:
+            raise RowError(
+                "tools",
+                f"the chat template does not render the row's tools (no {name!r} in its text); "
+                "set tokenizer.chat_template to one that takes tools",
+                reason="template_error",
+            )
+
+
+def _check_calls_rendered(trained: str, message: Message, field: str) -> None:
+    for call in message.get("tool_calls", []):
+        name = call["function"]["name"]
+        if name not in trained:
+            raise RowError(
+                field,
+                f"the chat template does not render the turn's tool call {name!r}; set "
+                "tokenizer.chat_template to one that takes tool_calls",
+                reason="template_error",
+            )
 
 
 def _check_prefix(earlier: str, later: str) -> None:
@@ -258,33 +418,41 @@ def _check_prefix(earlier: str, later: str) -> None:
         )
 
 
-@register_template("chat", fields=("messages", "conversations", "system"))
+@register_template("chat", fields=("messages", "conversations", "system", "tools"))
 def chat(
     row: Mapping[str, Any], column_map: Mapping[str, str], render_chat: RenderChat | None = None
 ) -> list[Segment]:
     """A conversation → segments; only the text each assistant message adds is trainable."""
-    render = render_chat or chatml
     messages = chat_messages(row, column_map)
+    tools = chat_tools(row, column_map)
+    field = (
+        "conversations"
+        if _field(row, "messages", column_map, required=False) is None
+        else "messages"
+    )
     if not any(m["role"] == "assistant" for m in messages):
-        field = (
-            "messages" if _field(row, "messages", column_map, required=False) else "conversations"
-        )
         raise RowError(
             field, "the conversation has no assistant turn to learn from", reason="missing_field"
         )
+    offset = len(messages) - len(_field(row, field, column_map))  # a ``system`` column's turn
+    render = render_chat or chatml
+    extra = () if tools is None else (tools,)  # rows without tools: (messages, prompt) as before
+
     segments: list[Segment] = []
     done = ""
     for index, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        prompt = render(messages[:index], True)
-        full = render(messages[: index + 1], False)
+        prompt = render(messages[:index], True, *extra)
+        full = render(messages[: index + 1], False, *extra)
         _check_prefix(done, prompt)
         _check_prefix(prompt, full)
+        _check_calls_rendered(full[len(prompt) :], message, f"{field}[{index - offset}]")
         segments += [Segment(prompt[len(done) :], False), Segment(full[len(prompt) :], True)]
         done = full
-    whole = render(messages, False)
+    whole = render(messages, False, *extra)
     _check_prefix(done, whole)
+    _check_tools_rendered(whole, tools)
     if whole[len(done) :]:
         segments.append(Segment(whole[len(done) :], False))
     return [s for s in segments if s.text]
@@ -310,7 +478,8 @@ def _response(value: Any, name: str, column_map: Mapping[str, str]) -> str:
 
 
 @register_template(
-    "preference", fields=("prompt", "chosen", "rejected", "messages", "conversations", "system")
+    "preference",
+    fields=("prompt", "chosen", "rejected", "messages", "conversations", "system", "tools"),
 )
 def preference(
     row: Mapping[str, Any], column_map: Mapping[str, str], render_chat: RenderChat | None = None
@@ -340,11 +509,14 @@ def preference(
             "prompt",
             "the prompt's last turn is an assistant turn; the responses answer the prompt",
         )
+    tools = chat_tools(row, column_map)
     render = render_chat or chatml
-    prompt_text = render(messages, True)
+    extra = () if tools is None else (tools,)
+    prompt_text = render(messages, True, *extra)
+    _check_tools_rendered(prompt_text, tools)
     texts = []
     for reply in (chosen, rejected):
-        full = render([*messages, {"role": "assistant", "content": reply}], False)
+        full = render([*messages, {"role": "assistant", "content": reply}], False, *extra)
         _check_prefix(prompt_text, full)
         texts.append(full[len(prompt_text) :])
     return Preference(prompt_text, *texts)

@@ -173,9 +173,15 @@ class Tokenizer:
         ``<|im_end|>\n`` where that is the EOS): then none is appended."""
         return bool(self._eos_text) and text.rstrip().endswith(self._eos_text)
 
-    def render_chat(self, messages: list[Message], add_generation_prompt: bool) -> str:
+    def render_chat(
+        self,
+        messages: list[Message],
+        add_generation_prompt: bool,
+        tools: list[templates.Tool] | None = None,
+    ) -> str:
         """The conversation as the chat template renders it (as ``apply_chat_template`` would,
-        special tokens visible to the template); ChatML when there is no template.
+        with ``tools``, special tokens visible to the template); ChatML when there is no
+        template.
 
         Raises:
             RowError: (``template_error``) the template raised on this conversation, as templates
@@ -184,7 +190,7 @@ class Tokenizer:
                 fail: the run stops under either policy).
         """
         if self.chat_template is None:
-            return templates.chatml(messages, add_generation_prompt)
+            return templates.chatml(messages, add_generation_prompt, tools)
         # No shortcut for no messages: what a template writes before the first turn (BOS, a
         # default system prompt) comes before a conversation's opening assistant turn too, and
         # an empty prompt made it part of that turn's trained text.
@@ -194,6 +200,7 @@ class Tokenizer:
         try:
             rendered, _ = render_jinja_template(
                 conversations=[messages],
+                tools=tools,
                 chat_template=self.chat_template,
                 add_generation_prompt=add_generation_prompt,
                 **self.special_tokens,

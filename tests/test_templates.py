@@ -121,10 +121,91 @@ CHAT = {
                 "<|im_start|>assistant\n",
                 False,
             ),
-            # function_call is an assistant turn (trained); observation is a tool turn (not).
-            Segment('{"name": "w"}<|im_end|>\n', True),
+            # function_call is an assistant turn whose call is trained in the <tool_call> layout;
+            # observation is a tool turn (not trained).
+            Segment('<tool_call>\n{"name": "w", "arguments": {}}\n</tool_call><|im_end|>\n', True),
             Segment('<|im_start|>tool\n{"t": 20}<|im_end|>\n<|im_start|>assistant\n', False),
             Segment("It is 20.<|im_end|>\n", True),
+        ],
+    ),
+    # The glaive / LLaMA-Factory layout: ``tools`` as JSON text, bare schemas, calls as JSON text.
+    "sharegpt_tools_json_text_go_in_the_system_turn": (
+        {
+            "tools": '[{"name": "w", "parameters": {"type": "object"}}]',
+            "conversations": [
+                {"from": "human", "value": "Weather?"},
+                {"from": "function_call", "value": '{"name": "w", "arguments": {"city": "Oslo"}}'},
+                {"from": "observation", "value": "5C"},
+                {"from": "gpt", "value": "5C."},
+            ],
+        },
+        [
+            Segment(
+                "<|im_start|>system\n# Tools\n\nYou may call these functions. For each call, "
+                'write a JSON object with the function\'s "name" and "arguments" within <tool_call>'
+                '</tool_call> tags.\n<tools>\n{"type": "function", "function": {"name": "w", '
+                '"parameters": {"type": "object"}}}\n</tools><|im_end|>\n'
+                "<|im_start|>user\nWeather?<|im_end|>\n<|im_start|>assistant\n",
+                False,
+            ),
+            Segment(
+                '<tool_call>\n{"name": "w", "arguments": {"city": "Oslo"}}\n</tool_call>'
+                "<|im_end|>\n",
+                True,
+            ),
+            Segment("<|im_start|>tool\n5C<|im_end|>\n<|im_start|>assistant\n", False),
+            Segment("5C.<|im_end|>\n", True),
+        ],
+    ),
+    # OpenAI: content null beside tool_calls, arguments as a JSON string, two parallel calls.
+    "openai_parallel_tool_calls_with_string_arguments": (
+        {
+            "system": "S",
+            "tools": [{"type": "function", "function": {"name": "w"}}],
+            "messages": [
+                {"role": "user", "content": "Oslo, Rome?"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "a",
+                            "type": "function",
+                            "function": {"name": "w", "arguments": '{"city": "Oslo"}'},
+                        },
+                        {
+                            "id": "b",
+                            "type": "function",
+                            "function": {"name": "w", "arguments": '{"city": "Rome"}'},
+                        },
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "a", "content": "5C"},
+                {"role": "tool", "tool_call_id": "b", "content": "20C"},
+                {"role": "assistant", "content": "Cold, warm."},
+            ],
+        },
+        [
+            Segment(
+                "<|im_start|>system\nS\n\n# Tools\n\nYou may call these functions. For each call,"
+                ' write a JSON object with the function\'s "name" and "arguments" within '
+                '<tool_call></tool_call> tags.\n<tools>\n{"type": "function", "function": '
+                '{"name": "w"}}\n</tools><|im_end|>\n'
+                "<|im_start|>user\nOslo, Rome?<|im_end|>\n<|im_start|>assistant\n",
+                False,
+            ),
+            Segment(
+                '<tool_call>\n{"name": "w", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+                '<tool_call>\n{"name": "w", "arguments": {"city": "Rome"}}\n</tool_call>'
+                "<|im_end|>\n",
+                True,
+            ),
+            Segment(
+                "<|im_start|>tool\n5C<|im_end|>\n<|im_start|>tool\n20C<|im_end|>\n"
+                "<|im_start|>assistant\n",
+                False,
+            ),
+            Segment("Cold, warm.<|im_end|>\n", True),
         ],
     ),
 }
@@ -136,7 +217,7 @@ def test_chat_segments_with_chatml(row, expected):
     assert segments == expected
     # The segments partition the full rendering: nothing lost, nothing repeated.
     assert "".join(s.text for s in segments) == templates.chatml(
-        templates.chat_messages(row, {}), False
+        templates.chat_messages(row, {}), False, templates.chat_tools(row, {})
     )
 
 
@@ -146,7 +227,7 @@ def test_sharegpt_roles_normalise_to_openai_roles():
             {"from": "system", "value": "S"},
             {"from": "human", "value": "H"},
             {"from": "gpt", "value": "G"},
-            {"from": "function_call", "value": "F"},
+            {"from": "function_call", "value": '[{"name": "f"}, {"name": "g", "arguments": "{}"}]'},
             {"from": "observation", "value": "O"},
             {"from": "user", "value": "U"},
             {"from": "assistant", "value": "A"},
@@ -157,7 +238,14 @@ def test_sharegpt_roles_normalise_to_openai_roles():
         {"role": "system", "content": "S"},
         {"role": "user", "content": "H"},
         {"role": "assistant", "content": "G"},
-        {"role": "assistant", "content": "F"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"type": "function", "function": {"name": "f", "arguments": {}}},
+                {"type": "function", "function": {"name": "g", "arguments": {}}},
+            ],
+        },
         {"role": "tool", "content": "O"},
         {"role": "user", "content": "U"},
         {"role": "assistant", "content": "A"},
@@ -170,6 +258,12 @@ def _chat_with_chatml(row, column_map):
 
 
 USER = {"role": "user", "content": "Hi"}
+
+
+def _call_turn(function: dict) -> dict:
+    return {"role": "assistant", "content": None, "tool_calls": [{"function": function}]}
+
+
 # template function, row, column_map, expected RowError.field, text the message must contain.
 ROW_ERRORS = {
     "alpaca_missing_output": (
@@ -252,30 +346,69 @@ ROW_ERRORS = {
         "system",
         "expected text, got int",
     ),
-    "chat_openai_tool_call_turn_is_refused_not_trained_empty": (
+    "chat_tool_call_arguments_not_json": (
+        _chat_with_chatml,
+        {"messages": [USER, _call_turn({"name": "w", "arguments": "{city: Oslo}"})]},
+        {},
+        "messages[1].tool_calls[0]",
+        "arguments is not valid JSON",
+    ),
+    "chat_tool_call_arguments_not_an_object": (
+        _chat_with_chatml,
+        {"messages": [USER, _call_turn({"name": "w", "arguments": '["Oslo"]'})]},
+        {},
+        "messages[1].tool_calls[0]",
+        "arguments are not a JSON object but list",
+    ),
+    "chat_tool_call_without_a_name": (
+        _chat_with_chatml,
+        {"messages": [USER, _call_turn({"arguments": {}})]},
+        {},
+        "messages[1].tool_calls[0]",
+        "expected a call with a function name",
+    ),
+    "chat_legacy_function_call_without_a_name": (
+        _chat_with_chatml,
+        {"messages": [USER, {"role": "assistant", "content": "x", "function_call": {"n": 1}}]},
+        {},
+        "messages[1].tool_calls[0]",
+        "expected a call with a function name",
+    ),
+    "chat_sharegpt_function_call_not_json": (
         _chat_with_chatml,
         {
-            "messages": [
-                {"role": "user", "content": "Weather?"},
-                {
-                    "role": "assistant",
-                    "content": "",
-                    "tool_calls": [{"type": "function", "function": {"name": "w"}}],
-                },
-                {"role": "tool", "content": "sunny"},
-                {"role": "assistant", "content": "Sunny."},
+            "conversations": [
+                {"from": "human", "value": "Hi"},
+                {"from": "function_call", "value": "w()"},
             ]
         },
         {},
-        "messages[1]",
-        "carries 'tool_calls'",
+        "conversations[1]",
+        "the call is not valid JSON",
     ),
-    "chat_openai_function_call_turn": (
+    "chat_tools_not_a_list": (
         _chat_with_chatml,
-        {"messages": [USER, {"role": "assistant", "content": "x", "function_call": {"name": "w"}}]},
+        {"messages": [USER, {"role": "assistant", "content": "Hi"}], "tools": '{"name": "w"}'},
         {},
-        "messages[1]",
-        "carries 'function_call'",
+        "tools",
+        "expected a list of tool schemas, got dict",
+    ),
+    "chat_tools_json_text_invalid": (
+        _chat_with_chatml,
+        {"messages": [USER, {"role": "assistant", "content": "Hi"}], "functions": "[{name: w}]"},
+        {"tools": "functions"},
+        "tools (column 'functions')",
+        "the tools list is not valid JSON",
+    ),
+    "chat_tool_schema_without_a_name": (
+        _chat_with_chatml,
+        {
+            "messages": [USER, {"role": "assistant", "content": "Hi"}],
+            "tools": [{"type": "function"}],
+        },
+        {},
+        "tools[0]",
+        "expected a schema with a name",
     ),
     "chat_content_not_text": (
         _chat_with_chatml,
@@ -369,6 +502,29 @@ PREFERENCE = {
         },
         {},
         templates.Preference(CHATML_PROMPT, "Hello!<|im_end|>\n", "Go away.<|im_end|>\n"),
+    ),
+    "tools_and_a_tool_call_in_the_prompt": (
+        {
+            "tools": '[{"name": "w"}]',
+            "conversations": [
+                {"from": "human", "value": "Hi"},
+                {"from": "function_call", "value": '{"name": "w"}'},
+                {"from": "observation", "value": "5C"},
+            ],
+            "chosen": "Cold.",
+            "rejected": "Warm.",
+        },
+        {},
+        templates.Preference(
+            "<|im_start|>system\n# Tools\n\nYou may call these functions. For each call, write a "
+            'JSON object with the function\'s "name" and "arguments" within <tool_call></tool_call>'
+            ' tags.\n<tools>\n{"type": "function", "function": {"name": "w"}}\n</tools><|im_end|>\n'
+            "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<tool_call>\n"
+            '{"name": "w", "arguments": {}}\n</tool_call><|im_end|>\n'
+            "<|im_start|>tool\n5C<|im_end|>\n<|im_start|>assistant\n",
+            "Cold.<|im_end|>\n",
+            "Warm.<|im_end|>\n",
+        ),
     ),
     "mapped_columns": (
         {"question": "2+2?", "good": "4", "bad": "5"},

@@ -7,6 +7,7 @@ import dataclasses
 import doctest
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -797,3 +798,163 @@ def test_add_bos_needs_a_bos_token(spm_folder):
         Tokenizer(TokenizerConfig(path=str(bare), eos_token="</s>", add_bos=True))
     named = Tokenizer(TokenizerConfig(path=str(spm_folder), add_bos=True))  # bos_token: <s>
     assert named.bos_id == named.backend.token_to_id("<s>")
+
+
+# A tool-use template in the style of Qwen2.5's / Hermes': tools listed in a system turn, each call
+# as <tool_call> JSON with ``arguments | tojson`` (an object, as transformers' tool format has it),
+# tool results in a user turn.
+TOOL_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in tools %}\n{{ t | tojson }}"
+    "{% endfor %}\n</tools><|im_end|>\n{% endif %}"
+    "{%- for m in messages %}{% if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n"
+    "{{ m.content }}\n</tool_response><|im_end|>\n{% else %}<|im_start|>{{ m.role }}\n"
+    "{{ m.content or '' }}{% for c in m.tool_calls or [] %}\n<tool_call>\n"
+    '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}'
+    "\n</tool_call>{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+OPENAI_TOOL_ROW = {
+    "tools": [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ],
+    "messages": [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"celsius": 5}'},
+        {"role": "assistant", "content": "It is 5 degrees."},
+    ],
+}
+
+
+def _trained_and_untrained(tokenizer: Tokenizer, row: dict) -> tuple[str, str]:
+    """The sample's trained text and its untrained text (runs of tokens decoded together)."""
+    ids, labels = row["input_ids"], row["labels"]
+    runs: dict[bool, list[list[int]]] = {True: [], False: []}
+    previous = None
+    for t, token in enumerate(ids):
+        trained = t > 0 and labels[t - 1] != X
+        if trained != previous:
+            runs[trained].append([])
+        runs[trained][-1].append(token)
+        previous = trained
+    decode = lambda run: tokenizer.backend.decode(run, skip_special_tokens=False)  # noqa: E731
+    return "".join(map(decode, runs[True])), "".join(map(decode, runs[False]))
+
+
+def test_tool_calls_and_tools_render_as_transformers_renders_them(gpt2_path):
+    """An OpenAI tool-use row renders as ``apply_chat_template(messages, tools=...)`` does with
+    the calls' arguments as objects: the call is trained once-encoded (a JSON string argument
+    under ``tojson`` trained ``"{\\"city\\"...``), the tools and the tool result are not."""
+    from transformers import AutoTokenizer
+
+    ours = Tokenizer(TokenizerConfig(path=gpt2_path, chat_template=TOOL_TEMPLATE))
+    theirs = AutoTokenizer.from_pretrained(gpt2_path)
+    theirs.chat_template = TOOL_TEMPLATE
+    messages = tokenize.templates.chat_messages(OPENAI_TOOL_ROW, {})
+    expected = theirs.apply_chat_template(
+        [
+            {
+                **m,
+                "tool_calls": [
+                    {**c, "function": {**c["function"], "arguments": {"city": "Oslo"}}}
+                    for c in m["tool_calls"]
+                ],
+            }
+            if "tool_calls" in m
+            else m
+            for m in OPENAI_TOOL_ROW["messages"]
+        ],
+        tools=OPENAI_TOOL_ROW["tools"],
+        tokenize=False,
+    )
+    rendered = ours.render_chat(messages, False, tokenize.templates.chat_tools(OPENAI_TOOL_ROW, {}))
+    assert rendered == expected
+    assert '"arguments": {"city": "Oslo"}' in rendered, "guard: arguments once encoded"
+    stage = Tokenize(
+        [_spec("chat")],
+        TokenizerConfig(path=gpt2_path, chat_template=TOOL_TEMPLATE),
+        4096,
+        "truncate",
+    )
+    [row] = stage(_batch("d", [OPENAI_TOOL_ROW])).to_pylist()
+    trained, untrained = _trained_and_untrained(ours, row)
+    assert trained == (  # its leading "\n" is GPT-2's "\n\n" token, begun by the prompt
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+        "<|im_end|>\nIt is 5 degrees.<|im_end|>\n<|endoftext|>"
+    )
+    assert "<tools>" in untrained and "<tool_response>" in untrained
+
+
+@pytest.mark.parametrize(
+    "row, field, problem",
+    [
+        (
+            {
+                "tools": OPENAI_TOOL_ROW["tools"],
+                "messages": OPENAI_TOOL_ROW["messages"][:1]
+                + [{"role": "assistant", "content": "I cannot look that up."}],
+            },
+            "tools",
+            "does not render the row's tools (no 'get_weather'",
+        ),
+        (
+            {"messages": OPENAI_TOOL_ROW["messages"]},
+            "messages[1]",
+            "does not render the turn's tool call 'get_weather'",
+        ),
+    ],
+    ids=["tools", "tool_calls"],
+)
+def test_a_template_blind_to_tools_is_a_template_error(gpt2_path, fake_ledger, row, field, problem):
+    """JINJA_TEMPLATE writes role and content only: the call would train as an empty assistant
+    turn, and tools would vanish from the prompt; such rows are template errors, skippable."""
+    config = TokenizerConfig(path=gpt2_path, chat_template=JINJA_TEMPLATE)
+    with pytest.raises(DataError, match=re.escape(f"field {field!r}: the chat template {problem}")):
+        Tokenize([_spec("chat")], config, 4096, "truncate")(_batch("d", [row]))
+    spec = _spec("chat", on_bad_row="skip")
+    stage = Tokenize([spec], config, 4096, "truncate", ledger=fake_ledger)
+    assert stage(_batch("d", [row])).num_rows == 0
+    [(by_dataset, _key, _lengths)] = fake_ledger.calls
+    assert by_dataset["d"].skipped_by_reason == {"template_error": 1}
+
+
+def test_bundled_glaive_tool_calls_train_calls_and_keep_tools_in_the_prompt(gpt2_config, gpt2):
+    """The bundled glaive rows (ShareGPT + ``tools`` as JSON text): every row tokenizes, each
+    function_call turn trains its call as a <tool_call> with the arguments of the data, each
+    row's tools are in its untrained prompt, and no observation is trained."""
+    records = json.loads(_data("chat/glaive_toolcall.sharegpt.json").read_text())
+    stage = Tokenize([_spec("chat")], gpt2_config, 4096, "truncate")
+    rows = stage(_batch("d", records)).to_pylist()
+    assert len(rows) == len(records) == 100
+    calls = tools = tooled_rows = 0
+    for record, row in zip(records, rows):
+        trained, untrained = _trained_and_untrained(gpt2, row)
+        for tool in json.loads(record["tools"] or "[]"):
+            assert f'"name": "{tool["name"]}"' in untrained.split("</tools>")[0]
+            tools += 1
+        tooled_rows += "<tools>" in untrained
+        for turn in record["conversations"]:
+            if turn["from"] == "function_call":
+                call = json.loads(turn["value"])
+                text = json.dumps({"name": call["name"], "arguments": call["arguments"]})
+                assert f"<tool_call>\n{text}\n</tool_call><|im_end|>" in trained
+                calls += 1
+            if turn["from"] == "observation":
+                assert turn["value"] not in trained and turn["value"] in untrained
+    assert (calls, tools, tooled_rows) == (73, 71, 59), "guard: the subset's calls and tools"
