@@ -93,7 +93,8 @@ class TokenizeCounts:
     skipped_by_reason: dict[str, int] = field(default_factory=dict)
     """The same rows by reason (``formats.SKIP_REASONS``); sums to ``skipped_rows``."""
     skipped_examples: list[str] = field(default_factory=list)
-    """The first few skipped rows' places and problems (5 kept over the run)."""
+    """The first few skipped rows' places and problems (5 distinct ones kept over the run: a row
+    re-read in a later epoch is counted in ``skipped_rows`` again, but listed once)."""
     seconds: float = 0.0
     """Wall time spent in Tokenize calls (a stage timer for the bench)."""
     cpu_seconds: float = 0.0
@@ -224,8 +225,10 @@ def _merge(total: Any, part: Any) -> None:
         if isinstance(value, dict):
             for key, amount in value.items():
                 current[key] = current.get(key, 0) + amount
-        elif isinstance(value, list):
-            current.extend(value[: max(0, 5 - len(current))])
+        elif isinstance(value, list):  # skipped_examples: the first 5 distinct (stream mode
+            # re-reads a bad row every epoch, and the same row 5 times said nothing more)
+            current.extend(v for v in dict.fromkeys(value) if v not in current)
+            del current[5:]
         else:
             setattr(total, name, current + value)
 

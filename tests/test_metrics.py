@@ -259,6 +259,16 @@ def test_skipped_examples_keep_the_first_five_over_the_run():
     assert total.skipped_examples == ["0.0", "0.1", "0.2", "1.0", "1.1"]
 
 
+def test_skipped_examples_list_a_row_reread_each_epoch_once():
+    """Stream mode re-reads (and re-skips) a bad row every epoch: counted each time, listed once,
+    so the other bad rows still get their places in the five."""
+    total = TokenizeCounts()
+    for epoch in range(3):
+        _merge(total, TokenizeCounts(skipped_rows=2, skipped_examples=["row 7", f"row {epoch}"]))
+    assert total.skipped_rows == 6
+    assert total.skipped_examples == ["row 7", "row 0", "row 1", "row 2"]
+
+
 def test_admit_grants_each_dataset_its_share_to_the_nearest_sample():
     ledger = Ledger.__ray_actor_class__(dedupe=True)
     ledger.set_budgets({(0, "a"): 10.0, (0, "b"): 5.0})
