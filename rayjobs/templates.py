@@ -11,7 +11,8 @@ trains the tokens that start in a trainable segment (see its module note).
   turn is found by rendering the conversation prefix by prefix: the text added by the assistant
   message is trained, the rest (system, user, tool turns, generation prompts) is not. This works for
   any prefix-stable template without ``{% generation %}`` markers; an unstable one is an error.
-  Tool use (see "Tool calls" below) reaches the template as ``apply_chat_template`` takes it.
+  Tool use and reasoning (see "Tool calls" below) reach the template as ``apply_chat_template``
+  takes them.
 - ``text``: the whole ``text`` field, trained.
 - ``preference`` (``task: dpo``): a prompt and two responses → a :class:`Preference` of three
   texts instead of segments. The prompt is text (``{prompt, chosen, rejected}``), or turns: a
@@ -56,10 +57,16 @@ LLaMA-Factory do:
   LLaMA-Factory layout; empty: none) is passed to the template as ``tools``; a bare schema
   ``{name, description, parameters}`` is wrapped as ``{type: function, function: schema}``.
 
-Design note: a template that ignores ``tools`` or ``tool_calls`` (most templates written before
-tool use) would train an empty assistant turn, or calls to functions the prompt never defined, so
-each tool's and each call's name must appear in the rendering (the call's in the text its turn
-trains): otherwise the row is a ``template_error``. Without a chat template the ChatML layout
+An OpenAI assistant turn's reasoning (``reasoning_content``, ``thinking`` or ``reasoning``: the
+names transformers aliases) reaches the template as ``reasoning_content`` and is trained with the
+turn (Qwen3 and DeepSeek-R1 templates write it in ``<think>`` tags, as the ChatML layout does).
+
+Design note: a template that ignores ``tools``, ``tool_calls`` or reasoning (most templates
+written before them) would train an empty assistant turn, calls to functions the prompt never
+defined, or answers without their thinking, so each tool's name must appear in the rendering, and
+each call's name and the reasoning's text in what their turn trains: otherwise the row is a
+``template_error`` (so is a template that keeps reasoning only after the last user turn, as
+Qwen3's does, on a multi-turn row: not prefix-stable). Without a chat template the ChatML layout
 writes tools in the system turn and each call as
 ``<tool_call>\n{"name", "arguments"}\n</tool_call>`` (the Hermes convention Qwen also uses).
 
@@ -107,7 +114,10 @@ OPENAI_ROLES = {
 
 Message = dict[str, Any]
 """A turn as the chat template sees it: ``role``, ``content`` and, where the data has them,
-``tool_calls`` (assistant), ``name`` and ``tool_call_id`` (tool)."""
+``tool_calls`` and ``reasoning_content`` (assistant), ``name`` and ``tool_call_id`` (tool)."""
+REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
+"""An OpenAI assistant turn's reasoning, under the names transformers aliases (the first set is
+used); it reaches the template as ``reasoning_content``."""
 Tool = dict[str, Any]
 RenderChat = Callable[..., str]
 """(messages, add_generation_prompt, tools=None) → rendered text; ``tools`` is the row's list of
@@ -314,6 +324,14 @@ def _turn(turn: Any, sharegpt: bool, field: str) -> Message:
     message: Message = {"role": role, "content": content}
     if calls:
         message["tool_calls"] = calls
+    reasoning = next((turn[k] for k in REASONING_KEYS if turn.get(k) is not None), None)
+    if role == "assistant" and not sharegpt and reasoning is not None:
+        if not isinstance(reasoning, str):
+            raise RowError(
+                field, f"the turn's reasoning is not text but {type(reasoning).__name__}"
+            )
+        if reasoning.strip():
+            message["reasoning_content"] = reasoning
     if role == "tool":
         for key in ("name", "tool_call_id"):
             if isinstance(turn.get(key), str):
@@ -376,6 +394,8 @@ def chatml(
     rendered = ""
     for message in turns:
         content = message["content"]
+        if message.get("reasoning_content"):
+            content = f"<think>\n{message['reasoning_content'].strip()}\n</think>\n\n{content}"
         calls = [
             f"<tool_call>\n{_call_json(c)}\n</tool_call>" for c in message.get("tool_calls", [])
         ]
@@ -396,16 +416,23 @@ def _check_tools_rendered(rendered: str, tools: list[Tool] | None) -> None:
             )
 
 
-def _check_calls_rendered(trained: str, message: Message, field: str) -> None:
-    for call in message.get("tool_calls", []):
-        name = call["function"]["name"]
-        if name not in trained:
-            raise RowError(
-                field,
-                f"the chat template does not render the turn's tool call {name!r}; set "
-                "tokenizer.chat_template to one that takes tool_calls",
-                reason="template_error",
-            )
+def _check_turn_rendered(trained: str, message: Message, field: str) -> None:
+    """What an assistant turn trains must hold its tool calls and reasoning (by name, by text):
+    a template that drops them would train an empty turn, or an answer without its thinking."""
+    missing = [
+        f"tool call {call['function']['name']!r}"
+        for call in message.get("tool_calls", [])
+        if call["function"]["name"] not in trained
+    ]
+    if message.get("reasoning_content", "").strip() not in trained:
+        missing.append("reasoning (reasoning_content)")
+    if missing:
+        raise RowError(
+            field,
+            f"the chat template does not render the turn's {', '.join(missing)}; set "
+            "tokenizer.chat_template to one that does",
+            reason="template_error",
+        )
 
 
 def _check_prefix(earlier: str, later: str) -> None:
@@ -447,7 +474,7 @@ def chat(
         full = render(messages[: index + 1], False, *extra)
         _check_prefix(done, prompt)
         _check_prefix(prompt, full)
-        _check_calls_rendered(full[len(prompt) :], message, f"{field}[{index - offset}]")
+        _check_turn_rendered(full[len(prompt) :], message, f"{field}[{index - offset}]")
         segments += [Segment(prompt[len(done) :], False), Segment(full[len(prompt) :], True)]
         done = full
     whole = render(messages, False, *extra)

@@ -157,6 +157,19 @@ CHAT = {
             Segment("5C.<|im_end|>\n", True),
         ],
     ),
+    # Reasoning under any of transformers' names is trained with the answer, in <think> tags.
+    "openai_reasoning_trains_in_think_tags": (
+        {
+            "messages": [
+                {"role": "user", "content": "2+2?"},
+                {"role": "assistant", "reasoning": "Add them.\n", "content": "4"},
+            ]
+        },
+        [
+            Segment("<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n", False),
+            Segment("<think>\nAdd them.\n</think>\n\n4<|im_end|>\n", True),
+        ],
+    ),
     # OpenAI: content null beside tool_calls, arguments as a JSON string, two parallel calls.
     "openai_parallel_tool_calls_with_string_arguments": (
         {
@@ -385,6 +398,13 @@ ROW_ERRORS = {
         {},
         "conversations[1]",
         "the call is not valid JSON",
+    ),
+    "chat_reasoning_not_text": (
+        _chat_with_chatml,
+        {"messages": [USER, {"role": "assistant", "content": "4", "thinking": ["a", "b"]}]},
+        {},
+        "messages[1]",
+        "the turn's reasoning is not text but list",
     ),
     "chat_tools_not_a_list": (
         _chat_with_chatml,

@@ -802,12 +802,13 @@ def test_add_bos_needs_a_bos_token(spm_folder):
 
 # A tool-use template in the style of Qwen2.5's / Hermes': tools listed in a system turn, each call
 # as <tool_call> JSON with ``arguments | tojson`` (an object, as transformers' tool format has it),
-# tool results in a user turn.
+# tool results in a user turn; an assistant's reasoning_content in <think> tags (Qwen3's way).
 TOOL_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in tools %}\n{{ t | tojson }}"
     "{% endfor %}\n</tools><|im_end|>\n{% endif %}"
     "{%- for m in messages %}{% if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n"
     "{{ m.content }}\n</tool_response><|im_end|>\n{% else %}<|im_start|>{{ m.role }}\n"
+    "{% if m.reasoning_content %}<think>\n{{ m.reasoning_content }}\n</think>\n\n{% endif %}"
     "{{ m.content or '' }}{% for c in m.tool_calls or [] %}\n<tool_call>\n"
     '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}'
     "\n</tool_call>{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
@@ -918,8 +919,18 @@ def test_tool_calls_and_tools_render_as_transformers_renders_them(gpt2_path):
             "messages[1]",
             "does not render the turn's tool call 'get_weather'",
         ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "2+2?"},
+                    {"role": "assistant", "reasoning": "Two and two.", "content": "4"},
+                ]
+            },
+            "messages[1]",
+            "does not render the turn's reasoning (reasoning_content)",
+        ),
     ],
-    ids=["tools", "tool_calls"],
+    ids=["tools", "tool_calls", "reasoning"],
 )
 def test_a_template_blind_to_tools_is_a_template_error(gpt2_path, fake_ledger, row, field, problem):
     """JINJA_TEMPLATE writes role and content only: the call would train as an empty assistant
@@ -958,3 +969,33 @@ def test_bundled_glaive_tool_calls_train_calls_and_keep_tools_in_the_prompt(gpt2
             if turn["from"] == "observation":
                 assert turn["value"] not in trained and turn["value"] in untrained
     assert (calls, tools, tooled_rows) == (73, 71, 59), "guard: the subset's calls and tools"
+
+
+def test_reasoning_trains_with_its_answer_as_transformers_renders_it(gpt2_path):
+    """An assistant turn's ``reasoning`` (or ``thinking`` / ``reasoning_content``, the names
+    transformers aliases) reaches the template as ``reasoning_content`` and is trained with the
+    answer; it was dropped without a word."""
+    from transformers import AutoTokenizer
+
+    row = {
+        "messages": [
+            {"role": "user", "content": "2+2?"},
+            {"role": "assistant", "thinking": "Two and two make four.", "content": "4"},
+        ]
+    }
+    theirs = AutoTokenizer.from_pretrained(gpt2_path)
+    theirs.chat_template = TOOL_TEMPLATE
+    ours = Tokenizer(TokenizerConfig(path=gpt2_path, chat_template=TOOL_TEMPLATE))
+    messages = tokenize.templates.chat_messages(row, {})
+    assert ours.render_chat(messages, False) == theirs.apply_chat_template(
+        row["messages"], tokenize=False
+    )
+    stage = Tokenize(
+        [_spec("chat")],
+        TokenizerConfig(path=gpt2_path, chat_template=TOOL_TEMPLATE),
+        4096,
+        "truncate",
+    )
+    [sample] = stage(_batch("d", [row])).to_pylist()
+    trained, _ = _trained_and_untrained(ours, sample)
+    assert trained == "<think>\nTwo and two make four.\n</think>\n\n4<|im_end|>\n<|endoftext|>"
