@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import ALPACA, GPT2
+from conftest import ALPACA, GPT2, ROOT
 from rayjobs.cli import main
 from rayjobs.config import ConfigError, config_from_dict, load_config
 from rayjobs.sources import record_table
@@ -672,3 +672,18 @@ def test_weight_on_some_datasets_only_is_refused():
         ConfigError, match=r"set weight on every dataset or on none; missing on \['b'\]"
     ):
         _cfg(datasets=datasets)
+
+
+SHIPPED_CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", SHIPPED_CONFIGS, ids=[p.name for p in SHIPPED_CONFIGS])
+def test_every_shipped_config_loads_with_its_data_in_the_repository(path):
+    """The configs README points users to validate and name files that exist in a fresh clone
+    (the demo and a few others are also run by tests; these are only loaded)."""
+    config = load_config(path)
+    for dataset in config.datasets:
+        assert dataset.files, dataset.name
+        for file in dataset.files:
+            assert Path(file).is_file() and Path(file).resolve().is_relative_to(ROOT), file
+    assert len(SHIPPED_CONFIGS) >= 7, "guard: the configs folder was found"
