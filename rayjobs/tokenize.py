@@ -488,25 +488,34 @@ class Tokenize:
         unit's, ``trained_tokens`` its labelled ones (C + R), cuts and drops by the policy."""
         # Each response is tokenized after its prompt, as one text, and keeps the tokens that
         # start past the prompt (on its own a SentencePiece tokenizer would give it a leading
-        # space); EOS is appended unless the text ends with it already.
+        # space). Where a token of that text straddles the boundary (GPT-2's " 4" after a
+        # prompt ending in a space) the prompt's own tokens differ from the text's, and the
+        # response is tokenized on its own, as TRL does: keeping only what starts past the
+        # prompt lost the straddling token, the answer's first word. EOS is appended unless the
+        # text ends with it already.
         texts = [
             t for *_, p in rows for t in (p.prompt, p.prompt + p.chosen, p.prompt + p.rejected)
         ]
         encoded = iter(self.tokenizer.encode_with_starts(texts))
         eos = [self.tokenizer.eos_id]
 
-        def response(preference: templates.Preference, text: str) -> list[int]:
+        def response(prompt_ids: list[int], at: int, text: str) -> list[int]:
             ids, starts = next(encoded)
-            at = len(preference.prompt)
-            tokens = [token for token, start in zip(ids, starts, strict=True) if start >= at]
-            return tokens if self.tokenizer.ends_with_eos(text) else tokens + eos
+            inside = sum(start < at for start in starts)
+            if ids[:inside] == prompt_ids:
+                tokens = ids[inside:]
+            else:  # a token straddles the boundary (rare): the response on its own
+                [(tokens, _)] = self.tokenizer.encode_with_starts([text])
+            return tokens if self.tokenizer.ends_with_eos(text) else [*tokens, *eos]
 
         columns: dict[str, list] = {name: [] for name in TRIPLE_COLUMNS}
         sources, uids, kept = [], [], []
         for index, spec, origin, preference in rows:
-            prompt, _ = self.tokenizer.with_bos(*next(encoded))
-            chosen = response(preference, preference.chosen)
-            rejected = response(preference, preference.rejected)
+            own, starts = next(encoded)
+            at = len(preference.prompt)
+            chosen = response(own, at, preference.chosen)
+            rejected = response(own, at, preference.rejected)
+            prompt, _ = self.tokenizer.with_bos(own, starts)
             tally = counts[spec.name]
             if not prompt:  # a prompt that renders to no token (an empty chat template output)
                 tally.dropped_samples += 1

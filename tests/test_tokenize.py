@@ -999,3 +999,23 @@ def test_reasoning_trains_with_its_answer_as_transformers_renders_it(gpt2_path):
     [sample] = stage(_batch("d", [row])).to_pylist()
     trained, _ = _trained_and_untrained(ours, sample)
     assert trained == "<think>\nTwo and two make four.\n</think>\n\n4<|im_end|>\n<|endoftext|>"
+
+
+def test_a_preference_response_keeps_a_token_that_straddles_its_prompt(gpt2_config, gpt2):
+    """A prompt ending in a space: GPT-2 encodes prompt + "4" as ... ":" " 4", a token that
+    starts inside the prompt. Keeping the tokens past the prompt left both responses [EOS] (the
+    pair taught nothing); such a response is now tokenized on its own, as TRL does."""
+    record = {"prompt": "Question: What is 2+2?\nAnswer: ", "chosen": "4", "rejected": "5"}
+    joint = gpt2.backend.encode(record["prompt"] + "4", add_special_tokens=False).tokens
+    assert joint[-2:] == [":", "Ġ4"], "guard: the answer's token straddles the prompt's end"
+    [row] = Tokenize([_spec("preference")], gpt2_config, 256, "truncate")(
+        _batch("d", [record])
+    ).to_pylist()
+    assert row["prompt_ids"] == gpt2.encode_batch([record["prompt"]])[0]
+    assert (row["chosen_ids"], row["rejected_ids"]) == ([19, EOS], [20, EOS])  # "4", "5"
+    # The usual case (hh-rlhf: responses start with their space) keeps the joint tokenization.
+    usual = {"prompt": "Q: 2+2?\nA:", "chosen": " 4", "rejected": " 5"}
+    [row] = Tokenize([_spec("preference")], gpt2_config, 256, "truncate")(
+        _batch("d", [usual])
+    ).to_pylist()
+    assert (row["chosen_ids"], row["rejected_ids"]) == ([604, EOS], [642, EOS])  # " 4", " 5"
