@@ -239,7 +239,19 @@ def build_model(
         raise ValueError(_cannot_build(spec, error)) from None
     packed = PackedLM(model.to(device), loss_chunk_tokens=chunk)
     packed.check_head()
+    if config.task == "dpo" and config.dpo.disable_dropout:
+        disable_dropout(packed)
     return packed
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Dropout off whatever the mode: every ``nn.Dropout`` at p 0 (GPT-2 passes its module's p to
+    SDPA too) and the float ``attention_dropout`` that Llama-style attention reads in training."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
 
 
 def check_model_config(config: Config, tokenizer: Tokenizer) -> None:

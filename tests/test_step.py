@@ -314,3 +314,51 @@ def test_groups_of_grad_accum_steps():
 
     assert [len(g) for g in _groups(iter(range(7)), 3)] == [3, 3, 1]
     assert list(_groups(iter(range(2)), 1)) == [[0], [1]]
+
+
+@pytest.mark.parametrize("disable_dropout, equal", [(True, True), (False, False)])
+def test_dpo_starts_at_log2_for_a_model_with_dropout(disable_dropout, equal):
+    """Policy and reference are the same weights at step 0, so every log-ratio is 0 and the loss
+    log 2, also for a model with dropout (GPT-2's config: 0.1): with it left on in the training
+    policy and off in the eval-mode reference the loss was 0.756 and the margins noise
+    (``dpo.disable_dropout``, default true as in TRL)."""
+    from conftest import GPT2
+    from rayjobs import dpo
+    from rayjobs.config import Config
+    from rayjobs.tokenize import Tokenizer
+
+    config = Config.model_validate(
+        {
+            "task": "dpo",
+            "datasets": [{"name": "d", "source": "x.jsonl", "template": "preference"}],
+            "tokenizer": {"path": str(GPT2)},
+            "packing": {"seq_len": 64},
+            "dpo": {"disable_dropout": disable_dropout},
+            "train": {
+                "model": {
+                    "kind": "hf",
+                    "config": {
+                        "model_type": "gpt2",
+                        "n_embd": 32,
+                        "n_layer": 2,
+                        "n_head": 2,
+                        "n_positions": 128,
+                        "initializer_range": 0.3,
+                    },
+                }
+            },
+        }
+    )
+    tokenizer = Tokenizer(config.tokenizer)
+    device = torch.device("cpu")
+    policy = train.build_model(config, tokenizer, device, "sdpa")
+    reference = train.build_model(config, tokenizer, device, "sdpa").eval().requires_grad_(False)
+    rng = np.random.default_rng(0)
+    triples = [dpo.Triple(*(rng.integers(0, VOCAB, n) for n in (6, 5, 5))) for _ in range(6)]
+    batch = collate(dpo.assemble_triples(triples, [np.arange(3), np.arange(3, 6)], 64, 0))
+    torch.manual_seed(0)
+    result = _step(
+        policy, [batch], optimizer=torch.optim.SGD(policy.parameters(), lr=0.0), reference=reference
+    )
+    assert (abs(result.loss - math.log(2)) < 1e-6) is equal
+    assert (result.dpo["reward_margin"] == 0.0) is equal
