@@ -430,6 +430,15 @@ def parallelize(packed: PackedLM, parallelism: str) -> torch.nn.Module:
     return packed
 
 
+def frozen_reference(packed: PackedLM, fsdp: bool) -> PackedLM:
+    """The DPO reference: eval mode, no gradients and, under FSDP, sharded as the policy is
+    (``parallelize``): unsharded, every rank held a whole fp32 copy, twice a 2-rank policy's
+    parameter memory and more with more ranks, of a model FSDP was chosen because it does not
+    fit whole. It only runs forward under ``no_grad``, where FSDP2 gathers each block in turn."""
+    packed = packed.eval().requires_grad_(False)
+    return parallelize(packed, "fsdp") if fsdp else packed
+
+
 @dataclasses.dataclass
 class TrainState:
     """What a restarted worker needs besides model, optimizer and schedule: where it stopped in
@@ -746,7 +755,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     state = _restore(model, optimizer, scheduler, fsdp)
     reference = None
     if config.task == "dpo":  # the frozen reference: the policy's initial weights, once a worker
-        reference = build_model(config, tokenizer, device, attention).eval().requires_grad_(False)
+        reference = frozen_reference(build_model(config, tokenizer, device, attention), fsdp)
     bf16 = use_bf16(spec.precision, device)
     seq_len = config.packing.seq_len
     series = TrainMetrics(loop_config.get("run_name", "rayjobs"), rank)

@@ -362,3 +362,51 @@ def test_dpo_starts_at_log2_for_a_model_with_dropout(disable_dropout, equal):
     )
     assert (abs(result.loss - math.log(2)) < 1e-6) is equal
     assert (result.dpo["reward_margin"] == 0.0) is equal
+
+
+def _fsdp_dpo_worker(rank: int, port: int, rows: dict, out: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    policy, reference = _dpo_models()
+    model = parallelize(policy, "fsdp")
+    reference = train.frozen_reference(reference, fsdp=True)  # as train_loop builds it
+    local = sum(p.to_local().numel() for p in reference.parameters())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    mine = {k: v[rank * 2 : rank * 2 + 2] for k, v in rows.items()}
+    result = _step(model, [_batch(mine, 0, 2)], optimizer, reference=reference, beta=0.5)
+    state, _ = _full_state(model, optimizer, fsdp=True)
+    if rank == 0:
+        torch.save({"state": state, "loss": result.loss, "dpo": result.dpo, "local": local}, out)
+    dist.destroy_process_group()
+
+
+def _dpo_models() -> tuple[PackedLM, PackedLM]:
+    reference = _model()
+    policy = copy.deepcopy(reference)
+    torch.manual_seed(1)
+    with torch.no_grad():  # a policy that already differs from the reference
+        for parameter in policy.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    return policy, reference
+
+
+def test_fsdp_dpo_shards_the_reference_and_takes_the_single_process_step(tmp_path):
+    """Under FSDP the frozen reference is sharded like the policy (each rank held a whole copy:
+    twice a 2-rank policy's parameters), and the DPO step over two processes equals one process
+    on both ranks' rows."""
+    rows = _preference_rows(seed=5)
+    out = str(tmp_path / "fsdp_dpo.pt")
+    mp.spawn(_fsdp_dpo_worker, args=(_free_port(), rows, out), nprocs=2)
+    result = torch.load(out, weights_only=False)
+    policy, reference = _dpo_models()
+    full = sum(p.numel() for p in reference.parameters())
+    assert result["local"] < 0.75 * full
+    optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
+    expected = _step(policy, [_batch(rows, 0, 4)], optimizer, reference=reference.eval(), beta=0.5)
+    assert result["loss"] == pytest.approx(expected.loss, abs=1e-6)
+    assert result["dpo"] == pytest.approx(expected.dpo, abs=1e-6)
+    for name, value in policy.state_dict().items():
+        torch.testing.assert_close(result["state"][name], value, atol=1e-6, rtol=1e-5, msg=name)
