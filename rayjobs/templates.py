@@ -249,13 +249,20 @@ def _json_value(value: Any, field: str, what: str) -> Any:
         raise RowError(field, f"{what} is not valid JSON ({error}): {value!r:.80}") from None
 
 
+def _function(entry: Any, field: str, what: str) -> tuple[Mapping[str, Any], str]:
+    """A call's or a tool schema's function (``{type: function, function: {...}}`` or the bare
+    function) and its name, or a ``RowError`` saying ``what`` was expected."""
+    function = entry.get("function", entry) if isinstance(entry, Mapping) else None
+    name = function.get("name") if isinstance(function, Mapping) else None
+    if not isinstance(name, str) or not name:
+        raise RowError(field, f"expected {what}, got {entry!r:.120}")
+    return function, name
+
+
 def _tool_call(call: Any, field: str) -> dict[str, Any]:
     """One call as templates take it: ``{type: function, function: {name, arguments: object}}``
     (its ``id`` kept), from the OpenAI shape or a bare ``{name, arguments}``."""
-    function = call.get("function", call) if isinstance(call, Mapping) else None
-    name = function.get("name") if isinstance(function, Mapping) else None
-    if not isinstance(name, str) or not name:
-        raise RowError(field, f"expected a call with a function name, got {call!r:.120}")
+    function, name = _function(call, field, "a call with a function name")
     arguments = function.get("arguments")
     arguments = {} if arguments in (None, "") else _json_value(arguments, field, "arguments")
     if not isinstance(arguments, Mapping):
@@ -289,10 +296,7 @@ def chat_tools(row: Mapping[str, Any], column_map: Mapping[str, str]) -> list[To
         raise RowError(shown, f"expected a list of tool schemas, got {type(tools).__name__}")
     wrapped: list[Tool] = []
     for index, tool in enumerate(tools):
-        function = tool.get("function", tool) if isinstance(tool, Mapping) else None
-        name = function.get("name") if isinstance(function, Mapping) else None
-        if not isinstance(name, str) or not name:
-            raise RowError(f"{shown}[{index}]", f"expected a schema with a name, got {tool!r:.120}")
+        _function(tool, f"{shown}[{index}]", "a schema with a name")
         wrapped.append(dict(tool) if "function" in tool else {"type": "function", "function": tool})
     return wrapped
 
@@ -404,6 +408,16 @@ def chatml(
     return rendered + ("<|im_start|>assistant\n" if add_generation_prompt else "")
 
 
+def _renderer(render_chat: RenderChat | None, tools: list[Tool] | None) -> Callable[..., str]:
+    """(messages, add_generation_prompt) → text, with the row's ``tools`` where it has some (a
+    row without them calls ``render_chat`` with two arguments, as templates registered before
+    tools do)."""
+    render = render_chat or chatml
+    if tools is None:
+        return render
+    return lambda messages, add_generation_prompt: render(messages, add_generation_prompt, tools)
+
+
 def _check_tools_rendered(rendered: str, tools: list[Tool] | None) -> None:
     for tool in tools or []:
         name = tool["function"]["name"]
@@ -462,22 +476,20 @@ def chat(
             field, "the conversation has no assistant turn to learn from", reason="missing_field"
         )
     offset = len(messages) - len(_field(row, field, column_map))  # a ``system`` column's turn
-    render = render_chat or chatml
-    extra = () if tools is None else (tools,)  # rows without tools: (messages, prompt) as before
-
+    render = _renderer(render_chat, tools)
     segments: list[Segment] = []
     done = ""
     for index, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        prompt = render(messages[:index], True, *extra)
-        full = render(messages[: index + 1], False, *extra)
+        prompt = render(messages[:index], True)
+        full = render(messages[: index + 1], False)
         _check_prefix(done, prompt)
         _check_prefix(prompt, full)
         _check_turn_rendered(full[len(prompt) :], message, f"{field}[{index - offset}]")
         segments += [Segment(prompt[len(done) :], False), Segment(full[len(prompt) :], True)]
         done = full
-    whole = render(messages, False, *extra)
+    whole = render(messages, False)
     _check_prefix(done, whole)
     _check_tools_rendered(whole, tools)
     if whole[len(done) :]:
@@ -537,13 +549,12 @@ def preference(
             "the prompt's last turn is an assistant turn; the responses answer the prompt",
         )
     tools = chat_tools(row, column_map)
-    render = render_chat or chatml
-    extra = () if tools is None else (tools,)
-    prompt_text = render(messages, True, *extra)
+    render = _renderer(render_chat, tools)
+    prompt_text = render(messages, True)
     _check_tools_rendered(prompt_text, tools)
     texts = []
     for reply in (chosen, rejected):
-        full = render([*messages, {"role": "assistant", "content": reply}], False, *extra)
+        full = render([*messages, {"role": "assistant", "content": reply}], False)
         _check_prefix(prompt_text, full)
         texts.append(full[len(prompt_text) :])
     return Preference(prompt_text, *texts)

@@ -887,13 +887,7 @@ def test_tool_calls_and_tools_render_as_transformers_renders_them(gpt2_path):
     rendered = ours.render_chat(messages, False, tokenize.templates.chat_tools(OPENAI_TOOL_ROW, {}))
     assert rendered == expected
     assert '"arguments": {"city": "Oslo"}' in rendered, "guard: arguments once encoded"
-    stage = Tokenize(
-        [_spec("chat")],
-        TokenizerConfig(path=gpt2_path, chat_template=TOOL_TEMPLATE),
-        4096,
-        "truncate",
-    )
-    [row] = stage(_batch("d", [OPENAI_TOOL_ROW])).to_pylist()
+    [row] = _tokenized(gpt2_path, _spec("chat"), [OPENAI_TOOL_ROW], chat_template=TOOL_TEMPLATE)
     trained, untrained = _trained_and_untrained(ours, row)
     assert trained == (  # its leading "\n" is GPT-2's "\n\n" token, begun by the prompt
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
@@ -990,13 +984,7 @@ def test_reasoning_trains_with_its_answer_as_transformers_renders_it(gpt2_path):
     assert ours.render_chat(messages, False) == theirs.apply_chat_template(
         row["messages"], tokenize=False
     )
-    stage = Tokenize(
-        [_spec("chat")],
-        TokenizerConfig(path=gpt2_path, chat_template=TOOL_TEMPLATE),
-        4096,
-        "truncate",
-    )
-    [sample] = stage(_batch("d", [row])).to_pylist()
+    [sample] = _tokenized(gpt2_path, _spec("chat"), [row], chat_template=TOOL_TEMPLATE)
     trained, _ = _trained_and_untrained(ours, sample)
     assert trained == "<think>\nTwo and two make four.\n</think>\n\n4<|im_end|>\n<|endoftext|>"
 
