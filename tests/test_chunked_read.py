@@ -399,17 +399,18 @@ def test_tables_are_blocks_of_the_whole_file(tmp_path):
     assert _outcome(tables) == _outcome(file_tables(data, "f", format="jsonl", dataset="d"))
 
 
-@pytest.mark.parametrize("fmt", ["parquet", "csv", "jsonl", "json", "jsonl.gz"])
+@pytest.mark.parametrize("fmt", ["parquet", "parquet.gz", "csv", "jsonl", "json", "jsonl.gz"])
 def test_a_read_task_opens_and_streams_each_format(tmp_path, alpaca_table, monkeypatch, fmt):
     """What a read task runs, in-process: ``sources.open_row_file`` (Parquet for random access,
-    the others as streams, a ``.gz`` one decompressed) then ``read_tables`` in parts of 256 bytes
-    (CSV: blocks of 8 KiB): the rows the whole file gives; ``read_files`` (the task's body) gives
-    them too. ``test_sources`` reads through Ray."""
+    the others as streams, a ``.gz`` one decompressed: a ``.parquet.gz`` then read whole) then
+    ``read_tables`` in parts of 256 bytes (CSV: blocks of 8 KiB): the rows the whole file gives;
+    ``read_files`` (the task's body) gives them too. ``test_sources`` reads through Ray."""
     from rayjobs.sources import FileRead, open_row_file, read_files
 
     path = str(tmp_path / f"a.{fmt}")
-    if fmt == "parquet":
-        pq.write_table(alpaca_table, path, row_group_size=64)
+    if fmt.startswith("parquet"):
+        with pa.output_stream(path, compression="detect") as out:  # gzip for .gz
+            pq.write_table(alpaca_table, out, row_group_size=64)
     elif fmt == "csv":
         pacsv.write_csv(alpaca_table, path)
     elif fmt.startswith("jsonl"):
@@ -423,9 +424,9 @@ def test_a_read_task_opens_and_streams_each_format(tmp_path, alpaca_table, monke
     options = {"format": base, "dataset": "d", "on_bad_row": "skip", "chunk_bytes": 256}
     with open_row_file(path, base) as file:
         assert file.seekable() == (fmt == "parquet")
-        counted = file if fmt == "parquet" else CountingStream(file)
+        counted = file if fmt.startswith("parquet") else CountingStream(file)
         got = _outcome(read_tables(counted, path, **options))
-    assert fmt == "parquet" or counted.reads > 20, "guard: read in many parts"
+    assert fmt.startswith("parquet") or counted.reads > 20, "guard: read in many parts"
     with pa.input_stream(path, compression="detect") as raw:
         whole = file_tables(raw.read(), path, format=base, dataset="d", on_bad_row="skip")
         whole = _outcome(whole)

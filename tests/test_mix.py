@@ -4,11 +4,13 @@ then the same properties end to end on real data through Ray."""
 from __future__ import annotations
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
 from conftest import ALPACA, GPT2, GPTEACHER, HH_CHAT, ROOT
 from rayjobs.config import ConfigError, config_from_dict
 from rayjobs.mix import plan_epoch
+from rayjobs.tokenize import TOKEN_LIST
 
 RNG = np.random.default_rng(7)
 LENGTHS = [RNG.integers(50, 400, 999), RNG.integers(100, 800, 2300), RNG.integers(20, 200, 1923)]
@@ -257,3 +259,126 @@ def test_each_epoch_draws_anew_by_tokens():
     a = plan_epoch(LENGTHS, WEIGHTS, by="tokens", seed=3, epoch=0, epoch_tokens=100_000)
     c = plan_epoch(LENGTHS, WEIGHTS, by="tokens", seed=3, epoch=1, epoch_tokens=100_000)
     assert set(a[1][a[0] == 1].tolist()) != set(c[1][c[0] == 1].tolist()), "same subsample"
+
+
+# -- guards a mutation run found missing: ``Epochs`` in-process, on stand-in samples
+
+
+class _Tokenized:
+    """Stands in for the tokenized Ray dataset: what ``Epochs`` pulls from it."""
+
+    def __init__(self, table: pa.Table):
+        self.table = table
+
+    def materialize(self):
+        return self
+
+    def select_columns(self, columns):
+        return _Tokenized(self.table.select(columns))
+
+    def to_arrow_refs(self):
+        return [self.table]
+
+
+def _samples(counts=(10, 7, 5)) -> pa.Table:
+    """``counts`` tokenized samples (source, uid, num_tokens) of each of ``_mix_config``'s
+    datasets, 5 to 40 tokens long."""
+    rng = np.random.default_rng(0)
+    names = [d["name"] for d in _mix_config("tokens")["datasets"]]
+    sources = [name for name, n in zip(names, counts) for _ in range(n)]
+    return pa.table(
+        {
+            "source": sources,
+            "uid": rng.permutation(10_000)[: len(sources)].astype(np.int64),
+            "num_tokens": rng.integers(5, 40, len(sources)),
+        }
+    )
+
+
+def _epochs(samples: pa.Table, ledger, window: int = 4):
+    """Planned mode over ``samples``, without weights, in rows of 64 tokens (``ledger``: the
+    ``fake_ledger`` fixture, whose ``ray.get`` hands the stand-in's table through)."""
+    from rayjobs.epochs import Epochs
+
+    raw = _mix_config("tokens")
+    for spec in raw["datasets"]:
+        del spec["weight"]
+    raw["packing"] = {"mode": "planned", "seq_len": 64, "window": window}
+    config = config_from_dict(raw, base_dir=ROOT)
+    return Epochs(config, _Tokenized(samples), pad_id=0, ledger=ledger)
+
+
+def test_planned_mode_without_weights_packs_every_sample_once(fake_ledger):
+    samples = _samples()
+    plan = _epochs(samples, fake_ledger).pack_plan(0)
+    assert len(np.unique(plan["group"])) >= 3, "guard: packs emitted over several windows"
+    assert sorted(plan["uid"].tolist()) == sorted(samples["uid"].to_pylist())
+    length = dict(zip(samples["uid"].to_pylist(), samples["num_tokens"].to_pylist()))
+    assert np.bincount(plan["pack"], weights=[length[u] for u in plan["uid"]]).max() <= 64
+
+
+def test_two_samples_with_one_uid_are_refused(fake_ledger):
+    samples = _samples()
+    uids = samples["uid"].to_numpy().copy()
+    uids[3] = uids[12]
+    with pytest.raises(ValueError, match="two samples share a uid"):
+        _epochs(samples.set_column(1, "uid", pa.array(uids)), fake_ledger)
+
+
+def test_a_dataset_left_without_samples_is_a_config_error(fake_ledger):
+    """Every row of a dataset skipped or dropped: a ``ConfigError`` naming it, not the
+    planner's bare ``ValueError``."""
+    with pytest.raises(ConfigError, match="dataset 'hh_chat' has no samples after tokenization"):
+        _epochs(_samples(counts=(10, 0, 5)), fake_ledger)
+
+
+def test_max_delay_is_the_largest_over_the_epochs_planned(fake_ledger):
+    epochs = _epochs(_samples(), fake_ledger)
+    delays = iter([2, 0])
+    epochs._pack_plan = lambda epoch: ({}, next(delays))
+    epochs.pack_plan(0), epochs.pack_plan(1)
+    assert epochs.max_delay_windows == 2
+
+
+def test_planned_mode_orders_each_epoch_anew(fake_ledger):
+    """``Epochs.plan`` plans the epoch it is asked for (the end-to-end check that epochs differ,
+    ``test_same_seed_same_packs_and_each_epoch_differs``, is met by the pack shuffle alone)."""
+    epochs = _epochs(_samples(counts=(30, 30, 30)), fake_ledger)
+    first, second = epochs._occurrences(0)[0], epochs._occurrences(1)[0]
+    assert sorted(first.tolist()) == sorted(second.tolist()), "guard: every sample, each epoch"
+    assert not np.array_equal(first, second)
+
+
+def test_the_pack_shuffle_is_drawn_anew_each_epoch(fake_ledger):
+    """Two epochs of the same occurrences in the same order still get other packs."""
+    epochs = _epochs(_samples(counts=(30, 30, 30)), fake_ledger, window=16)
+    fixed = epochs.plan(0)
+    epochs.plan = lambda epoch: fixed
+    a, b = epochs.pack_plan(0), epochs.pack_plan(1)
+    assert np.array_equal(a["uid"], b["uid"])
+    assert not (np.array_equal(a["pack"], b["pack"]) and np.array_equal(a["slot"], b["slot"]))
+
+
+def test_a_packs_documents_are_assembled_in_slot_order():
+    """``AssemblePacks`` orders a group's samples by pack, then slot, whatever order the groupby
+    hands them over in."""
+    from rayjobs.epochs import AssemblePacks
+
+    docs = {(0, 0): [1, 2], (0, 1): [3, 4, 5], (0, 2): [6], (1, 0): [7, 8], (1, 1): [9]}
+    order = [(0, 2), (1, 1), (0, 0), (1, 0), (0, 1)]
+    batch = pa.table(
+        {
+            "pack": [pack for pack, _ in order],
+            "slot": [slot for _, slot in order],
+            "group": [0] * len(order),
+            "source": ["alpaca"] * len(order),
+            "num_tokens": [len(docs[k]) for k in order],
+            "input_ids": pa.array([docs[k] for k in order], TOKEN_LIST),
+            "labels": pa.array([docs[k] for k in order], TOKEN_LIST),
+        }
+    )
+    rows = AssemblePacks(seq_len=8, pad_id=0)(batch)
+    assert np.asarray(rows["input_ids"]).tolist() == [
+        [1, 2, 3, 4, 5, 6, 0, 0],
+        [7, 8, 9, 0, 0, 0, 0, 0],
+    ]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from types import SimpleNamespace
 
 import pyarrow as pa
 import pyarrow.csv as pacsv
@@ -10,8 +12,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import ALPACA, ROOT, SHAKESPEARE
+from rayjobs import sources
 from rayjobs.config import config_from_dict
-from rayjobs.sources import read_dataset
+from rayjobs.formats import HF
+from rayjobs.sources import FileRead, RowFileDatasource, load_huggingface, read_dataset
 
 ROWS = [
     {"instruction": "Add", "input": "1 2", "output": "3"},
@@ -102,8 +106,10 @@ def test_huggingface_binary_column_is_refused_or_decoded(ray_local, tmp_path):
 
     rows = [{**r, "output": r["output"].encode()} for r in ROWS]
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "hf"))
-    with pytest.raises(Exception, match=r"column\(s\) \['output'\] hold binary"):
-        read_dataset(_spec(tmp_path, "hf", format="hf")).take_all()
+    spec = _spec(tmp_path, "hf", format="hf")
+    named = re.escape(f"dataset 'd', {spec.source}[train]: ")  # which dataset and split
+    with pytest.raises(Exception, match=named + r"column\(s\) \['output'\] hold binary"):
+        read_dataset(spec).take_all()
     decoded = read_dataset(_spec(tmp_path, "hf", format="hf", binary="utf8")).take_all()
     assert sorted(json.loads(r["_record"])["output"] for r in decoded) == ["3", "Hello"]
 
@@ -122,3 +128,61 @@ def test_jsonl_saved_as_json_gets_a_hint(ray_local, tmp_path):
     path.write_text("\n".join(json.dumps(r) for r in ROWS))
     with pytest.raises(Exception, match="set format: jsonl"):
         read_dataset(_spec(tmp_path, path)).take_all()
+
+
+# -- guards a mutation run found missing
+
+
+def test_no_read_task_without_a_read_however_much_parallelism_ray_asks():
+    """Ray may ask for more read tasks than there are reads (or a dataset may have none left):
+    one task per read, no empty ones."""
+    paths = ["/x/a.jsonl", "/x/b.jsonl"]
+
+    def read_tasks(reads):
+        sizes = dict.fromkeys(paths, 10)
+        source = RowFileDatasource(
+            reads, format="jsonl", dataset="d", text_split="paragraph", sizes=sizes
+        )
+        return source.get_read_tasks(8)
+
+    tasks = read_tasks([FileRead(p) for p in paths])
+    assert [task.metadata.input_files for task in tasks] == [(paths[0],), (paths[1],)]
+    assert read_tasks([]) == []
+
+
+def test_an_order_seed_reads_the_files_in_a_seeded_random_order(monkeypatch):
+    """``order_seed`` (each stream pass's own) permutes the files read, the same for the same
+    seed; without one they are read as listed."""
+    files = tuple(f"/x/{i}.jsonl" for i in range(8))
+    orders = []
+    monkeypatch.setattr(
+        sources, "read_file_list", lambda spec, reads, **_: orders.append([r.path for r in reads])
+    )
+    for seed in (None, 1, 1, 2):
+        read_dataset(SimpleNamespace(format="jsonl", files=files), order_seed=seed)
+    plain, one, again, two = orders
+    assert plain == list(files) and sorted(one) == list(files)
+    assert one == again and one != plain and two != one
+
+
+def test_an_order_seed_shuffles_a_hugging_face_datasets_blocks(monkeypatch):
+    seeds = []
+
+    class Rows:
+        def randomize_block_order(self, seed):
+            seeds.append(seed)
+            return "shuffled"
+
+    monkeypatch.setattr(sources, "_read_huggingface", lambda spec: Rows())
+    spec = SimpleNamespace(format=HF)
+    assert isinstance(read_dataset(spec), Rows) and seeds == []
+    assert read_dataset(spec, order_seed=7) == "shuffled" and seeds == [7]
+
+
+def test_a_saved_dataset_dict_gives_the_configured_split(tmp_path):
+    import datasets
+
+    train, test = (datasets.Dataset.from_list(rows) for rows in (ROWS, ROWS[:1]))
+    datasets.DatasetDict({"train": train, "test": test}).save_to_disk(str(tmp_path / "hf"))
+    loaded = load_huggingface(_spec(tmp_path, "hf", format="hf", split="test"))
+    assert isinstance(loaded, datasets.Dataset) and loaded.to_list() == ROWS[:1]

@@ -551,3 +551,37 @@ def test_budgets_are_in_tokens_by_tokens_and_set_for_every_epoch(tmp_path):
     assert stream.budgets(config, estimates, fractions) == pytest.approx(
         {(0, "a"): 1500.0, (0, "b"): 500.0, (1, "a"): 1500.0, (1, "b"): 500.0}
     )
+
+
+def test_size_estimates_count_only_the_share_a_read_keeps():
+    """Ray sizes a read task's output by the part of its files the reads keep (a pass's
+    subsample), not by the files' bytes."""
+    from rayjobs.sources import RowFileDatasource
+
+    reads = [stream.PassRead("/x/a.jsonl", sample=0.25), stream.PassRead("/x/b.jsonl")]
+    source = RowFileDatasource(
+        reads,
+        format="jsonl",
+        dataset="a",
+        text_split="paragraph",
+        sizes={"/x/a.jsonl": 1000, "/x/b.jsonl": 400},
+    )
+    assert source.estimate_inmemory_data_size() == 250 + 400
+    assert [task.metadata.size_bytes for task in source.get_read_tasks(2)] == [250, 400]
+
+
+def test_a_read_that_keeps_none_of_a_blocks_rows_emits_no_empty_block(tmp_path):
+    """A pass's read of a file keeps some of each block's rows (here: from a row on, as the main
+    lane's read of the warm-up head's file): a block it keeps none of is left out, not emitted
+    empty."""
+    from rayjobs.sources import FileRead, read_files
+
+    _, [path] = _jsonl_dataset(tmp_path, [2500])
+    options = {"format": "jsonl", "dataset": "a", "text_split": "paragraph"}
+
+    def blocks(read):
+        return [table.num_rows for table in read_files([read], options)]
+
+    assert blocks(FileRead(path)) == [1024, 1024, 452]  # guard: rows 1-1024, 1025-2048, 2049-
+    assert blocks(stream.PassRead(path, from_row=1100)) == [949, 452]
+    assert blocks(stream.PassRead(path, from_row=3000)) == []
