@@ -82,8 +82,10 @@ def ray_local():
 
     if not ray.is_initialized():
         # Workers import this checkout's rayjobs (whatever is pip-installed) and functions
-        # defined in test modules (train loops).
+        # defined in test modules (train loops). address "local": a new Ray even where a
+        # `ray start` cluster runs on the machine (joining one refuses num_cpus).
         ray.init(
+            address="local",
             num_cpus=4,
             include_dashboard=False,
             log_to_driver=False,
