@@ -258,6 +258,8 @@ class TrainConfig(_Strict):
     lr: float = Field(default=1e-3, gt=0)
     """Peak learning rate (AdamW)."""
     weight_decay: float = Field(default=0.0, ge=0)
+    """AdamW's decoupled weight decay, on weight matrices and embeddings only: biases and norm
+    gains (every parameter of fewer than 2 dimensions) never decay, as in HF's Trainer."""
     grad_accum_steps: int = Field(default=1, gt=0)
     """Micro-batches of ``batch_size`` rows per optimizer step on each worker; one step's loss is
     the mean over every labelled token of its micro-batches on every worker."""

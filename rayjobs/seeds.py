@@ -20,6 +20,9 @@ STREAMS: dict[str, tuple[int, tuple[str, ...]]] = {
     "model_init": (4, ()),  # the model's initial weights on every rank (train.py)
     "stream_order": (5, ("epoch", "dataset", "copy")),  # stream: a pass's order, subsample
     "pack_window": (6, ("epoch", "window")),  # stream: the packer's shuffles in one window
+    # a rank's torch RNG once its model is built (dropout): its own per rank, and anew from the
+    # step a restart resumes at (train.py)
+    "train_rng": (7, ("rank", "step")),
 }
 """Every random stream of a run; a new use of randomness gets a new row here."""
 

@@ -729,6 +729,29 @@ def train_step(
     return StepResult(loss, tokens, grad_norm, metrics, lr)
 
 
+def build_optimizer(model: torch.nn.Module, spec: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with ``train.weight_decay`` on weight matrices and embeddings only: biases and norm
+    gains (parameters of fewer than 2 dimensions) are in a group without decay, as HF's Trainer
+    (and so TRL) and nanoGPT do; decaying a norm gain pulls it toward 0 even where its gradient
+    is 0. By dimension rather than by name: it holds for any architecture (Qwen3's q/k norms,
+    Gemma's, the demo decoder's) and for FSDP2's DTensor parameters."""
+    params = list(model.parameters())
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": spec.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=spec.lr)
+
+
+def seed_rank(seed: int, rank: int, step: int) -> None:
+    """Seed this rank's torch RNG (dropout) once its models are built: ``build_model`` seeds
+    every rank alike, as the initial weights must be, and without this every rank would drop the
+    same activations at every step (torchtune seeds ``seed + rank`` for the same reason).
+    ``step``: where this attempt starts, so a restart from a checkpoint draws new masks rather
+    than those of the run's first steps again."""
+    torch.manual_seed(seeds.torch_seed(seed, "train_rng", rank, step))
+
+
 def train_loop(loop_config: dict[str, Any]) -> None:
     """The per-worker loop (``train_loop_per_worker`` of the TorchTrainer)."""
     import ray.train
@@ -748,7 +771,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     packed = build_model(config, tokenizer, device, attention)
     fsdp = spec.parallelism == "fsdp" and dist.is_initialized()
     model = parallelize(packed, spec.parallelism)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
+    optimizer = build_optimizer(model, spec)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(spec.schedule, spec.warmup_steps, spec.max_steps, spec.min_lr_ratio)
     )
@@ -756,6 +779,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     reference = None
     if config.task == "dpo":  # the frozen reference: the policy's initial weights, once a worker
         reference = frozen_reference(build_model(config, tokenizer, device, attention), fsdp)
+    seed_rank(config.seed, rank, state.steps)
     bf16 = use_bf16(spec.precision, device)
     seq_len = config.packing.seq_len
     series = TrainMetrics(loop_config.get("run_name", "rayjobs"), rank)

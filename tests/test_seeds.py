@@ -17,7 +17,7 @@ def test_docstring_examples():
 
 
 def test_no_two_streams_of_a_run_draw_the_same_numbers():
-    """Five datasets, three epochs: every (stream, keys) generator a run creates is distinct.
+    """Five datasets, three epochs, four ranks: every (stream, keys) generator a run creates is distinct.
     The old seeding gave dataset 2's draw and the packer the same stream."""
     keys = [("pack", (epoch,)) for epoch in range(3)] + [("model_init", ())]
     keys += [
@@ -28,6 +28,7 @@ def test_no_two_streams_of_a_run_draw_the_same_numbers():
     ]
     keys += [("stream_order", (e, d, c)) for e in range(3) for d in range(5) for c in range(2)]
     keys += [("pack_window", (e, w)) for e in range(3) for w in (0, 1, 2**40)]
+    keys += [("train_rng", (rank, step)) for rank in range(4) for step in (0, 3, 12)]
     assert {name for name, _ in keys} == set(seeds.STREAMS), "guard: every stream is covered"
     draws = {(name, k): tuple(seeds.rng(7, name, *k).integers(2**63, size=4)) for name, k in keys}
     assert len(set(draws.values())) == len(draws)

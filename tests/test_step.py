@@ -316,40 +316,35 @@ def test_groups_of_grad_accum_steps():
     assert list(_groups(iter(range(2)), 1)) == [[0], [1]]
 
 
+def _gpt2(template: str = "alpaca", **extra):
+    """A run's config training a tiny random GPT-2 (dropout 0.1, biases, LayerNorms) and its
+    tokenizer; ``extra``: more top-level config keys."""
+    from conftest import GPT2
+    from rayjobs.config import Config
+    from rayjobs.tokenize import Tokenizer
+
+    gpt2 = {"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 2, "n_positions": 128}
+    config = Config.model_validate(
+        {
+            "datasets": [{"name": "d", "source": "x.jsonl", "template": template}],
+            "tokenizer": {"path": str(GPT2)},
+            "packing": {"seq_len": 64},
+            "train": {"model": {"kind": "hf", "config": {**gpt2, "initializer_range": 0.3}}},
+            **extra,
+        }
+    )
+    return config, Tokenizer(config.tokenizer)
+
+
 @pytest.mark.parametrize("disable_dropout, equal", [(True, True), (False, False)])
 def test_dpo_starts_at_log2_for_a_model_with_dropout(disable_dropout, equal):
     """Policy and reference are the same weights at step 0, so every log-ratio is 0 and the loss
     log 2, also for a model with dropout (GPT-2's config: 0.1): with it left on in the training
     policy and off in the eval-mode reference the loss was 0.756 and the margins noise
     (``dpo.disable_dropout``, default true as in TRL)."""
-    from conftest import GPT2
     from rayjobs import dpo
-    from rayjobs.config import Config
-    from rayjobs.tokenize import Tokenizer
 
-    config = Config.model_validate(
-        {
-            "task": "dpo",
-            "datasets": [{"name": "d", "source": "x.jsonl", "template": "preference"}],
-            "tokenizer": {"path": str(GPT2)},
-            "packing": {"seq_len": 64},
-            "dpo": {"disable_dropout": disable_dropout},
-            "train": {
-                "model": {
-                    "kind": "hf",
-                    "config": {
-                        "model_type": "gpt2",
-                        "n_embd": 32,
-                        "n_layer": 2,
-                        "n_head": 2,
-                        "n_positions": 128,
-                        "initializer_range": 0.3,
-                    },
-                }
-            },
-        }
-    )
-    tokenizer = Tokenizer(config.tokenizer)
+    config, tokenizer = _gpt2("preference", task="dpo", dpo={"disable_dropout": disable_dropout})
     device = torch.device("cpu")
     policy = train.build_model(config, tokenizer, device, "sdpa")
     reference = train.build_model(config, tokenizer, device, "sdpa").eval().requires_grad_(False)
@@ -410,3 +405,50 @@ def test_fsdp_dpo_shards_the_reference_and_takes_the_single_process_step(tmp_pat
     assert result["dpo"] == pytest.approx(expected.dpo, abs=1e-6)
     for name, value in policy.state_dict().items():
         torch.testing.assert_close(result["state"][name], value, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_each_rank_draws_its_own_dropout_masks():
+    """``build_model`` seeds every rank alike (the same initial weights), so without
+    ``seed_rank`` every rank dropped the same activations at every step: one dropout pattern
+    for the whole global batch. Per rank and per resumed step, reproducibly."""
+    config, tokenizer = _gpt2()
+    rows = _batch(_rows(2, seed=5), 0, 2)
+    columns = [rows[k] for k in ("input_ids", "position_ids", "document_ids", "labels")]
+
+    def kept(seed_as: tuple[int, int] | None) -> torch.Tensor:
+        """What the embedding dropout kept in one training forward on a freshly built model,
+        its rank's RNG seeded as ``(rank, step)``."""
+        packed = train.build_model(config, tokenizer, torch.device("cpu"), "sdpa")
+        if seed_as is not None:
+            train.seed_rank(config.seed, *seed_as)
+        seen = []
+        packed.model.transformer.drop.register_forward_hook(lambda m, i, out: seen.append(out))
+        packed(*columns)
+        return seen[0] != 0
+
+    assert torch.equal(kept(None), kept(None))  # guard: built alike, the ranks' RNGs are alike
+    rank0 = kept((0, 0))
+    assert 0.8 < rank0.float().mean() < 0.97  # guard: dropout 0.1 is on
+    assert not torch.equal(rank0, kept((1, 0)))
+    assert torch.equal(rank0, kept((0, 0)))
+    assert not torch.equal(rank0, kept((0, 5)))  # a restart at step 5 draws new masks
+
+
+def test_weight_decay_spares_biases_and_norm_gains():
+    """``build_optimizer``: a step with zero gradients leaves biases and LayerNorm gains as they
+    were and shrinks every matrix and embedding by exactly 1 − lr × weight_decay (with one
+    group, norm gains were pulled toward 0 like the matrices)."""
+    config, tokenizer = _gpt2()
+    packed = train.build_model(config, tokenizer, torch.device("cpu"), "sdpa")
+    optimizer = train.build_optimizer(packed, TrainConfig(lr=0.01, weight_decay=0.1))
+    before = {name: p.detach().clone() for name, p in packed.named_parameters()}
+    for p in packed.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    spared = {name for name, p in packed.named_parameters() if torch.equal(p, before[name])}
+    vectors = {name for name, p in packed.named_parameters() if p.ndim < 2}
+    assert spared == vectors
+    assert any(".ln_" in n for n in vectors) and any(n.endswith(".bias") for n in vectors)
+    for name, p in packed.named_parameters():
+        if name not in vectors:  # wte (tied to the head), wpe, attention and MLP matrices
+            torch.testing.assert_close(p, before[name] * (1 - 0.01 * 0.1), msg=name)
