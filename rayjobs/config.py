@@ -260,6 +260,11 @@ class TrainConfig(_Strict):
     weight_decay: float = Field(default=0.0, ge=0)
     """AdamW's decoupled weight decay, on weight matrices and embeddings only: biases and norm
     gains (every parameter of fewer than 2 dimensions) never decay, as in HF's Trainer."""
+    drop_last: bool = False
+    """Skip each dataset's last batch on a worker when it is short (fewer than ``batch_size``
+    rows, the same on every worker): static batch shapes, at the cost of up to
+    ``num_workers × batch_size − 1`` untrained packs an epoch (planned) or a run (stream).
+    False (HF's Trainer default): trained, its loss weighed by its tokens like any other."""
     grad_accum_steps: int = Field(default=1, gt=0)
     """Micro-batches of ``batch_size`` rows per optimizer step on each worker; one step's loss is
     the mean over every labelled token of its micro-batches on every worker."""

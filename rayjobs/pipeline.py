@@ -265,12 +265,36 @@ def _train(config: Config, job: Job, hooks: dict[str, Any] | None) -> dict[str, 
     summary["run_name"] = job.name
     summary["checkpoint"] = result.checkpoint.path if result.checkpoint else None
     summary.update(job.accounting(complete=not summary["stopped_early"]))
+    summary["untrained_packs"] = untrained_packs(config, summary, len(datasets))
     ray.get(job.ledger.add_mix.remote([m["datasets"] for m in summary["mix"]]))  # final gauges
     # Final values are exported before the job exits: the ledger dies with the driver, and the
     # train workers fit() just killed may still be exiting. Waits one metrics report interval
     # (Ray's 10 s by default) plus a margin after the last update (README, "Metrics").
     ray.get(job.ledger.flush.remote())
     return summary
+
+
+def untrained_packs(config: Config, summary: dict[str, Any], num_datasets: int) -> int | None:
+    """Packs the pipeline produced that no rank trained on; None where that count means nothing
+    (``stopped_early``: the stream ran ahead; a resumed run: its data was read again). Raises
+    ``AccountingError`` beyond what the equal split may leave over: fewer than ``num_workers``
+    rows of each dataset (with ``train.drop_last``, fewer than ``num_workers × batch_size``).
+    No bound once the guard dropped a batch: a rank stops at the first batch another lacks, so
+    what it held after that is not counted (``guard_dropped_batches`` says it happened)."""
+    if summary["stopped_early"] or summary["resumes"]:
+        return None
+    spec = config.train
+    untrained = summary["packed"]["num_packs"] - summary["num_packs"]
+    workers = max(1, spec.num_workers)
+    bound = num_datasets * (workers * (spec.batch_size if spec.drop_last else 1) - 1)
+    if summary["guard_dropped_batches"]:
+        bound = summary["packed"]["num_packs"]
+    if not 0 <= untrained <= bound:
+        raise AccountingError(
+            f"the run's counts do not add up: {summary['packed']['num_packs']} packs made, "
+            f"{summary['num_packs']} trained; at most {bound} may be left untrained"
+        )
+    return untrained
 
 
 def _storage(path: str) -> str:

@@ -4,9 +4,11 @@ Design note.
 - The trainer consumes the datasets named in ``loop_config["datasets"]`` in order: one stream of
   every epoch (``train``, stream mode; rows carry their ``epoch``), or one dataset per epoch
   (``train_epoch_<e>``, planned mode). Ray Train splits each with ``streaming_split(world_size,
-  equal=True)``: equal rows per rank, and with a fixed batch size and ``drop_last`` equal batches
-  per rank. No local shuffle buffer (Ray bug #66085: a buffer < 2 × batch_size yields short
-  batches mid-stream); the packer already shuffles.
+  equal=True)``: equal rows per rank (the remainder, fewer than ``world_size`` rows a dataset, is
+  dropped by Ray), hence with a fixed batch size equal batches per rank, the last one short (the
+  same on every rank; trained unless ``train.drop_last``; the summary's ``untrained_packs``
+  counts what neither kept). No local shuffle buffer (Ray bug #66085: a buffer < 2 × batch_size
+  yields short batches mid-stream); the packer already shuffles.
 - A collective guard all-reduces "I have a batch" before every step, so if ranks ever disagree they
   stop together instead of hanging DDP; batches dropped that way are counted in the summary.
 - Loss = cross entropy summed over labels ≠ -100 divided by the *global* count of such labels (one
@@ -88,8 +90,10 @@ def rank_batches(
     batch_size: int,
     device: torch.device,
     guard: _Guard | None = None,
+    drop_last: bool = False,
 ) -> Iterator[dict[str, torch.Tensor]]:
-    """This rank's batches of one epoch, stopping on every rank as soon as any rank runs out.
+    """This rank's batches of one epoch, stopping on every rank as soon as any rank runs out;
+    the last may be short (``drop_last``: skipped).
 
     Before each step all ranks all-reduce (MIN) a "have a batch" flag; a batch held when another
     rank is out is not trained on and is counted in ``guard.dropped``.
@@ -98,7 +102,7 @@ def rank_batches(
     batches = read_ahead(
         shard.iter_torch_batches(
             batch_size=batch_size,
-            drop_last=True,
+            drop_last=drop_last,
             collate_fn=lambda b: collate(b, device),
             prefetch_batches=0,
         )
@@ -127,9 +131,12 @@ def train_batches(
     dtype: torch.dtype = torch.float32,
     device: torch.device | None = None,
     guard: _Guard | None = None,
+    drop_last: bool = False,
 ) -> Iterator[dict[str, torch.Tensor]]:
     """The library API for a user's own ``train_loop_per_worker``: this rank's packed batches, on
-    this rank's device, with the same number of batches on every rank.
+    this rank's device, with the same number of batches on every rank: ``batch_size`` rows each,
+    but for each dataset's last, which may be shorter (the same size on every rank; skipped with
+    ``drop_last``, for static shapes).
 
     ``datasets``: the dataset names the ``TorchTrainer`` was given, read in order (``Job.
     train_datasets()``: ``"train"`` in stream mode, one per epoch in planned mode). Each batch holds
@@ -150,7 +157,7 @@ def train_batches(
     device = device if device is not None else ray.train.torch.get_device()
     for name in [datasets] if isinstance(datasets, str) else datasets:
         shard = ray.train.get_dataset_shard(name)
-        for batch in rank_batches(shard, batch_size, device, guard):
+        for batch in rank_batches(shard, batch_size, device, guard, drop_last):
             if attn_implementation is not None or model_config is not None:
                 batch["attention_mask"] = attention_mask(
                     batch, attn_implementation, dtype, model_config
@@ -752,6 +759,13 @@ def seed_rank(seed: int, rank: int, step: int) -> None:
     torch.manual_seed(seeds.torch_seed(seed, "train_rng", rank, step))
 
 
+def _skip_rows(batches: Iterator[dict[str, torch.Tensor]], rows: int):
+    """The batches holding a rank's first ``rows`` rows (consumed before a checkpoint)."""
+    while rows > 0 and (batch := next(batches, None)) is not None:
+        rows -= len(batch["input_ids"])
+        yield batch
+
+
 def train_loop(loop_config: dict[str, Any]) -> None:
     """The per-worker loop (``train_loop_per_worker`` of the TorchTrainer)."""
     import ray.train
@@ -794,10 +808,12 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         skip = state.rows_consumed if index == state.dataset_index else 0
         state.dataset_index, state.rows_consumed = index, skip
         guard = _Guard()
-        batches = train_batches(name, spec.batch_size, device=device, guard=guard)
+        batches = train_batches(
+            name, spec.batch_size, device=device, guard=guard, drop_last=spec.drop_last
+        )
         # Resuming inside this dataset: its stream is read again from the start (Ray Data keeps no
         # iterator state), and each rank passes over the rows it had consumed by the checkpoint.
-        for batch in itertools.islice(batches, skip // spec.batch_size):
+        for batch in _skip_rows(batches, skip):
             _trace(loop_config, rank, state, batch, "skip")
         for group in _groups(batches, spec.grad_accum_steps):
             for batch in group:
@@ -820,7 +836,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             state.steps += 1
             state.rows += sum(len(b["input_ids"]) for b in group)
             state.pack_tokens += sum(int(b["num_tokens"].sum()) for b in group)
-            state.rows_consumed += len(group) * spec.batch_size
+            state.rows_consumed += sum(len(b["input_ids"]) for b in group)
             state.trained_tokens += trained
             series.step(step_loss, trained)
             _trace(loop_config, rank, state, None, "loss")

@@ -13,7 +13,8 @@ import pytest
 
 from conftest import ALPACA, GPT2, HH_CHAT, ROOT
 from rayjobs.config import config_from_dict
-from rayjobs.pipeline import accounting, start_job
+from rayjobs.metrics import AccountingError
+from rayjobs.pipeline import accounting, start_job, untrained_packs
 from rayjobs.sources import read_dataset
 from rayjobs.tokenize import Tokenize
 
@@ -270,3 +271,49 @@ def test_planned_mode_keeps_every_data_operator_on_the_data_nodes(monkeypatch):
     planned.packed(0)
     assert reads == [selector, selector]
     assert calls == [("Tokenize", selector), ("ExpandPlan", selector), ("AssemblePacks", selector)]
+
+
+# (packed, trained, workers, batch size, drop_last, datasets, guard-dropped batches, stopped
+# early, resumed) → untrained_packs, or None where the count means nothing, or "error" beyond what
+# the equal split (and drop_last's short batches, and the guard) may leave over.
+UNTRAINED = [
+    (103, 102, 2, 4, False, 1, 0, False, False, 1),  # the split's remainder: 1 of 103 rows
+    (103, 101, 2, 4, False, 1, 0, False, False, "error"),  # more than the split may drop
+    (103, 96, 2, 4, True, 1, 0, False, False, 7),  # 51 a rank, 12 batches of 4
+    (103, 95, 2, 4, True, 1, 0, False, False, "error"),
+    (450, 444, 2, 3, True, 2, 0, False, False, 6),  # planned, 2 epochs of 225: 3 each
+    (450, 439, 2, 3, True, 2, 0, False, False, "error"),  # over 2 × (2 × 3 − 1)
+    (60, 50, 2, 2, False, 1, 1, False, False, 10),  # the guard stopped a rank: no bound
+    (60, 61, 2, 2, False, 1, 1, False, False, "error"),  # never more trained than made
+    (60, 60, 1, 4, False, 1, 0, False, False, 0),
+    (61, 60, 0, 4, False, 1, 0, False, False, "error"),  # num_workers 0: one process, no split
+    (200, 64, 2, 4, False, 1, 0, True, False, None),  # max_steps: the stream ran ahead
+    (200, 64, 2, 4, False, 1, 0, False, True, None),  # resumed: its stream was read again
+]
+
+
+@pytest.mark.parametrize(
+    "packed,trained,workers,batch,drop_last,datasets,guard,early,resumed,expected", UNTRAINED
+)
+def test_untrained_packs(
+    packed, trained, workers, batch, drop_last, datasets, guard, early, resumed, expected
+):
+    config = config_from_dict(
+        {
+            "datasets": [{"name": "a", "source": str(ALPACA), "template": "alpaca"}],
+            "tokenizer": {"path": str(GPT2)},
+            "train": {"num_workers": workers, "batch_size": batch, "drop_last": drop_last},
+        }
+    )
+    summary = {
+        "packed": {"num_packs": packed},
+        "num_packs": trained,
+        "guard_dropped_batches": guard,
+        "stopped_early": early,
+        "resumes": [{"step": 3}] if resumed else [],
+    }
+    if expected == "error":
+        with pytest.raises(AccountingError, match=f"{packed} packs made, {trained} trained"):
+            untrained_packs(config, summary, datasets)
+    else:
+        assert untrained_packs(config, summary, datasets) == expected

@@ -36,8 +36,8 @@ def _packed_rows(num_rows: int, num_blocks: int) -> ray.data.Dataset:
 
 
 def _count_batches(loop_config: dict) -> None:
-    """For each (dataset, batch size) case: the rows every rank trained on and the batches its
-    guard dropped, gathered from all ranks."""
+    """For each (datasets, batch size, drop_last) case: the rows and batches every rank trained
+    on and the batches its guard dropped, gathered from all ranks."""
     import ray.train
     import torch.distributed as dist
 
@@ -46,14 +46,17 @@ def _count_batches(loop_config: dict) -> None:
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
     metrics = {}
-    for case, (names, batch_size) in enumerate(loop_config["cases"]):
+    for case, (names, batch_size, drop_last) in enumerate(loop_config["cases"]):
         guard = _Guard()
-        batches = train_batches(names[rank], batch_size, device=torch.device("cpu"), guard=guard)
-        rows = sum(len(b["input_ids"]) for b in batches)
-        counts = [torch.zeros(2, dtype=torch.long) for _ in range(world_size)]
-        dist.all_gather(counts, torch.tensor([rows, guard.dropped]))
+        batches = train_batches(
+            names[rank], batch_size, device=torch.device("cpu"), guard=guard, drop_last=drop_last
+        )
+        sizes = [len(b["input_ids"]) for b in batches]
+        counts = [torch.zeros(3, dtype=torch.long) for _ in range(world_size)]
+        dist.all_gather(counts, torch.tensor([sum(sizes), len(sizes), guard.dropped]))
         metrics[f"rows_{case}"] = [int(c[0]) for c in counts]
-        metrics[f"dropped_{case}"] = [int(c[1]) for c in counts]
+        metrics[f"batches_{case}"] = [int(c[1]) for c in counts]
+        metrics[f"dropped_{case}"] = [int(c[2]) for c in counts]
     with tempfile.TemporaryDirectory() as directory:  # Result.metrics keeps checkpointed reports
         checkpoint = ray.train.Checkpoint.from_directory(directory) if rank == 0 else None
         ray.train.report(metrics, checkpoint=checkpoint)
@@ -73,15 +76,16 @@ def _fit(datasets: dict, loop_config: dict, split: list[str], world_size: int = 
     return trainer.fit().metrics
 
 
-# Per world size, (rows, blocks, batch size, batches every rank gets) of each case, rows uneven
-# over the ranks or the blocks. Rows split equally (floor(rows / world) per rank, the remainder
-# dropped), then full batches only: e.g. 61 rows over 3 ranks = 20 each, 20 // 3 = 6 batches;
-# 9 rows over 2 ranks = 4 each, none for a batch of 5. Two cases a world size: each dataset costs
-# the run a split coordinator and its own execution. An even and an odd world size: a 4-rank run
-# (103 rows, 7 blocks, batch 4) checked nothing these two do not, for ~20 s of the suite.
+# Per world size, (rows, blocks, batch size, drop_last, batches and rows every rank gets) of each
+# case, rows uneven over the ranks or the blocks. Rows split equally (floor(rows / world) per rank,
+# the remainder dropped), then batches, the last short unless drop_last: e.g. 61 rows over 3 ranks
+# = 20 each, 6 batches of 3 and one of 2; 9 rows over 2 ranks = 4 each, none for a batch of 5 with
+# drop_last. Two cases a world size: each dataset costs the run a split coordinator and its own
+# execution. An even and an odd world size: a 4-rank run (103 rows, 7 blocks, batch 4) checked
+# nothing these two do not, for ~20 s of the suite.
 CASES = {
-    2: [(103, 7, 4, 12), (9, 4, 5, 0)],
-    3: [(61, 5, 3, 6), (103, 7, 4, 8)],
+    2: [(103, 7, 4, False, 13, 51), (9, 4, 5, True, 0, 0)],
+    3: [(61, 5, 3, False, 7, 20), (103, 7, 4, True, 8, 32)],
 }
 
 
@@ -95,14 +99,18 @@ def test_equal_batches_per_rank_and_the_guard(ray_local, world_size):
     datasets = {
         f"case_{i}": _packed_rows(rows, blocks) for i, (rows, blocks, *_) in enumerate(cases_here)
     }
-    cases = [([f"case_{i}"] * world_size, size) for i, (_, _, size, _) in enumerate(cases_here)]
+    cases = [
+        ([f"case_{i}"] * world_size, size, last)
+        for i, (_, _, size, last, *_) in enumerate(cases_here)
+    ]
     split = list(datasets)
     if world_size == 2:
         datasets |= {"short": _packed_rows(10, 3), "long": _packed_rows(14, 3)}
-        cases.append((["short", "long"], 2))
+        cases.append((["short", "long"], 2, False))
     metrics = _fit(datasets, {"cases": cases}, split=split, world_size=world_size)
-    for case, (_, _, batch_size, batches) in enumerate(cases_here):
-        assert metrics[f"rows_{case}"] == [batches * batch_size] * world_size, case
+    for case, (*_, batches, rows) in enumerate(cases_here):
+        assert metrics[f"batches_{case}"] == [batches] * world_size, case
+        assert metrics[f"rows_{case}"] == [rows] * world_size, case
         assert metrics[f"dropped_{case}"] == [0] * world_size
     if world_size == 2:
         assert metrics[f"rows_{len(cases_here)}"] == [10, 10]
