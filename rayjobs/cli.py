@@ -215,6 +215,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"packs {summary['num_packs']}  packing efficiency {summary['packing_efficiency']:.4f}  "
         f"tokens trained {summary['tokens_trained']}",
     ]
+    if summary.get("untrained_packs"):
+        lines[-1] += f"  ({summary['untrained_packs']} packs made, not trained: untrained_packs)"
     for name, stats in summary["datasets"].items():
         lines.append(
             f"  {name}: samples {stats['samples']} tokens {stats['tokens']} "

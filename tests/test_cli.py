@@ -192,3 +192,25 @@ def test_readme_usage_is_the_help_text_and_lists_every_flag():
                     missing.append(f"{name} {flag}")
     assert missing == []
     assert len(checked) == 9  # run export inspect submit status logs stop, bench, bench train
+
+
+@pytest.mark.parametrize("untrained, note", [(0, False), (None, False), (3, True)])
+def test_the_human_summary_says_when_packs_went_untrained(untrained, note):
+    from rayjobs.cli import format_summary
+
+    summary = {
+        "steps": 2,
+        "steps_per_rank": [2, 2],
+        "loss_first": 5.0,
+        "loss_last": 4.0,
+        "num_packs": 16,
+        "packing_efficiency": 0.97,
+        "tokens_trained": 900,
+        "untrained_packs": untrained,
+        "datasets": {},
+        "run_name": "r",
+        "checkpoint": None,
+    }
+    line = format_summary(summary).splitlines()[1]
+    assert line.startswith("packs 16  packing efficiency 0.9700  tokens trained 900")
+    assert ("(3 packs made, not trained: untrained_packs)" in line) is note
