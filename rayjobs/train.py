@@ -641,8 +641,10 @@ class StepResult(NamedTuple):
     grad_norm: float | None
     """The global gradient norm before clipping (None without ``max_grad_norm``)."""
     dpo: dict[str, float] | None = None
-    """DPO: ``reward_margin``, ``reward_accuracy``, ``chosen_logps``, ``rejected_logps`` (means
-    per triple over the step's triples on every rank) and ``triples`` (their count)."""
+    """DPO: ``reward_margin``, ``reward_accuracy``, ``chosen_logps``, ``rejected_logps``,
+    ``chosen_reward``, ``rejected_reward`` (beta × the policy's log-ratio to the reference, TRL's
+    ``rewards/chosen`` and ``rewards/rejected``; means per triple over the step's triples on every
+    rank) and ``triples`` (their count)."""
     lr: float = 0.0
     """The learning rate this step used (the scheduler has moved on to the next one since)."""
 
@@ -683,8 +685,9 @@ def train_step(
     tokens = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in group)
     units = tokens if reference is None else sum(_triples(b["response_role"]) for b in group)
     global_units = max(1, int(_all_reduce(torch.tensor(units, device=device))))
-    # loss sum, then (DPO) margin sum, correct count, chosen and rejected log-prob sums
-    sums = torch.zeros(5, dtype=torch.float64, device=device)
+    # loss sum, then (DPO) margin sum, correct count, chosen and rejected log-prob sums, chosen
+    # and rejected reward sums
+    sums = torch.zeros(7, dtype=torch.float64, device=device)
     for i, batch in enumerate(group):
         last = i == len(group) - 1
         sync = contextlib.nullcontext()
@@ -709,9 +712,18 @@ def train_step(
                     local_sum, _ = dpo.dpo_loss_sum(
                         chosen, rejected, ref_chosen, ref_rejected, beta
                     )
-                    margin = beta * ((chosen - ref_chosen) - (rejected - ref_rejected)).detach()
+                    chosen_reward = beta * (chosen - ref_chosen).detach()
+                    rejected_reward = beta * (rejected - ref_rejected).detach()
+                    margin = chosen_reward - rejected_reward
                     sums[1:] += torch.stack(
-                        [margin.sum(), (margin > 0).sum(), chosen.sum(), rejected.sum()]
+                        [
+                            margin.sum(),
+                            (margin > 0).sum(),
+                            chosen.sum(),
+                            rejected.sum(),
+                            chosen_reward.sum(),
+                            rejected_reward.sum(),
+                        ]
                     ).detach()
             (local_sum.float() / global_units * world_size).backward()
         sums[0] += local_sum.detach().double()
@@ -723,7 +735,9 @@ def train_step(
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    loss, margin, correct, chosen, rejected = (float(v) / global_units for v in _all_reduce(sums))
+    loss, margin, correct, chosen, rejected, chosen_reward, rejected_reward = (
+        float(v) / global_units for v in _all_reduce(sums)
+    )
     metrics = None
     if reference is not None:
         metrics = {
@@ -731,6 +745,8 @@ def train_step(
             "reward_accuracy": correct,
             "chosen_logps": chosen,
             "rejected_logps": rejected,
+            "chosen_reward": chosen_reward,
+            "rejected_reward": rejected_reward,
             "triples": global_units,
         }
     return StepResult(loss, tokens, grad_norm, metrics, lr)

@@ -17,8 +17,8 @@ def test_docstring_examples():
 
 
 def test_no_two_streams_of_a_run_draw_the_same_numbers():
-    """Five datasets, three epochs, four ranks: every (stream, keys) generator a run creates is distinct.
-    The old seeding gave dataset 2's draw and the packer the same stream."""
+    """Five datasets, three epochs, four ranks: every (stream, keys) generator a run creates is
+    distinct. The old seeding gave dataset 2's draw and the packer the same stream."""
     keys = [("pack", (epoch,)) for epoch in range(3)] + [("model_init", ())]
     keys += [
         (stream, (epoch, dataset))

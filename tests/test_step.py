@@ -303,7 +303,11 @@ def test_a_dpo_step_accumulates_like_one_batch_and_scores_like_dpo_loss():
         assert result.loss == pytest.approx(float(expected.loss), abs=1e-6)
         assert result.dpo["reward_margin"] == pytest.approx(float(expected.reward_margin), abs=1e-6)
         assert result.dpo["reward_accuracy"] == float(expected.reward_accuracy)
+        for side in ("chosen", "rejected"):
+            rewards = getattr(expected, f"{side}_rewards")
+            assert result.dpo[f"{side}_reward"] == pytest.approx(float(rewards.mean()), abs=1e-6)
     assert 0 < float(expected.reward_accuracy) < 1  # guard: margins of both signs
+    assert float(expected.chosen_rewards.mean()) != float(expected.rejected_rewards.mean())
     for a, b in zip(whole.parameters(), accumulated.parameters(), strict=True):
         torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5)
 
