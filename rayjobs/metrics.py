@@ -88,6 +88,9 @@ class TokenizeCounts:
     truncated_tokens: int = 0
     dropped_samples: int = 0
     split_samples: int = 0
+    responses_tokenized_alone: int = 0
+    """Preference data: responses tokenized on their own, not after their prompt, because a
+    token of prompt + response straddled the prompt's end (TRL's fallback)."""
     skipped_rows: int = 0
     """Bad rows skipped under ``on_bad_row: skip``, all reasons."""
     skipped_by_reason: dict[str, int] = field(default_factory=dict)

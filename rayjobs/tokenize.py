@@ -499,13 +499,14 @@ class Tokenize:
         encoded = iter(self.tokenizer.encode_with_starts(texts))
         eos = [self.tokenizer.eos_id]
 
-        def response(prompt_ids: list[int], at: int, text: str) -> list[int]:
+        def response(prompt_ids: list[int], at: int, text: str, tally: TokenizeCounts):
             ids, starts = next(encoded)
             inside = sum(start < at for start in starts)
             if ids[:inside] == prompt_ids:
                 tokens = ids[inside:]
             else:  # a token straddles the boundary (rare): the response on its own
                 [(tokens, _)] = self.tokenizer.encode_with_starts([text])
+                tally.responses_tokenized_alone += 1
             return tokens if self.tokenizer.ends_with_eos(text) else [*tokens, *eos]
 
         columns: dict[str, list] = {name: [] for name in TRIPLE_COLUMNS}
@@ -513,10 +514,10 @@ class Tokenize:
         for index, spec, origin, preference in rows:
             own, starts = next(encoded)
             at = len(preference.prompt)
-            chosen = response(own, at, preference.chosen)
-            rejected = response(own, at, preference.rejected)
-            prompt, _ = self.tokenizer.with_bos(own, starts)
             tally = counts[spec.name]
+            chosen = response(own, at, preference.chosen, tally)
+            rejected = response(own, at, preference.rejected, tally)
+            prompt, _ = self.tokenizer.with_bos(own, starts)
             if not prompt:  # a prompt that renders to no token (an empty chat template output)
                 tally.dropped_samples += 1
                 continue

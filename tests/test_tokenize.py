@@ -989,21 +989,23 @@ def test_reasoning_trains_with_its_answer_as_transformers_renders_it(gpt2_path):
     assert trained == "<think>\nTwo and two make four.\n</think>\n\n4<|im_end|>\n<|endoftext|>"
 
 
-def test_a_preference_response_keeps_a_token_that_straddles_its_prompt(gpt2_config, gpt2):
+def test_a_preference_response_keeps_a_token_that_straddles_its_prompt(
+    gpt2_config, gpt2, fake_ledger
+):
     """A prompt ending in a space: GPT-2 encodes prompt + "4" as ... ":" " 4", a token that
     starts inside the prompt. Keeping the tokens past the prompt left both responses [EOS] (the
-    pair taught nothing); such a response is now tokenized on its own, as TRL does."""
+    pair taught nothing); such a response is now tokenized on its own, as TRL does, and counted
+    (``responses_tokenized_alone``)."""
     record = {"prompt": "Question: What is 2+2?\nAnswer: ", "chosen": "4", "rejected": "5"}
     joint = gpt2.backend.encode(record["prompt"] + "4", add_special_tokens=False).tokens
     assert joint[-2:] == [":", "Ġ4"], "guard: the answer's token straddles the prompt's end"
-    [row] = Tokenize([_spec("preference")], gpt2_config, 256, "truncate")(
-        _batch("d", [record])
-    ).to_pylist()
-    assert row["prompt_ids"] == gpt2.encode_batch([record["prompt"]])[0]
-    assert (row["chosen_ids"], row["rejected_ids"]) == ([19, EOS], [20, EOS])  # "4", "5"
     # The usual case (hh-rlhf: responses start with their space) keeps the joint tokenization.
     usual = {"prompt": "Q: 2+2?\nA:", "chosen": " 4", "rejected": " 5"}
-    [row] = Tokenize([_spec("preference")], gpt2_config, 256, "truncate")(
-        _batch("d", [usual])
+    rows = Tokenize([_spec("preference")], gpt2_config, 256, "truncate", ledger=fake_ledger)(
+        _batch("d", [record, usual])
     ).to_pylist()
-    assert (row["chosen_ids"], row["rejected_ids"]) == ([604, EOS], [642, EOS])  # " 4", " 5"
+    assert rows[0]["prompt_ids"] == gpt2.encode_batch([record["prompt"]])[0]
+    assert (rows[0]["chosen_ids"], rows[0]["rejected_ids"]) == ([19, EOS], [20, EOS])  # "4", "5"
+    assert (rows[1]["chosen_ids"], rows[1]["rejected_ids"]) == ([604, EOS], [642, EOS])  # " 4"
+    [(by_dataset, _key, _lengths)] = fake_ledger.calls
+    assert by_dataset["d"].responses_tokenized_alone == 2  # both of the first row's, once each
