@@ -346,6 +346,14 @@ def _turn(turn: Any, sharegpt: bool, field: str) -> Message:
 def chat_messages(row: Mapping[str, Any], column_map: Mapping[str, str]) -> list[Message]:
     """Normalise OpenAI ``messages`` or ShareGPT ``conversations`` to messages (role, content and
     tool calls; see the module note)."""
+    return _conversation(row, column_map)[0]
+
+
+def _conversation(
+    row: Mapping[str, Any], column_map: Mapping[str, str]
+) -> tuple[list[Message], str, int]:
+    """``chat_messages``' messages, the field they came from (``messages`` or ``conversations``)
+    and the index of its first turn among them (1 after a ``system`` column's turn)."""
     messages = _field(row, "messages", column_map, required=False)
     sharegpt = messages is None
     if sharegpt:
@@ -368,9 +376,10 @@ def chat_messages(row: Mapping[str, Any], column_map: Mapping[str, str]) -> list
         raise RowError(_shown("system", column_map), f"expected text, got {type(system).__name__}")
     if system:
         normalised.append({"role": "system", "content": system})
+    offset = len(normalised)
     for turn_index, turn in enumerate(messages):
         normalised.append(_turn(turn, sharegpt, f"{field}[{turn_index}]"))
-    return normalised
+    return normalised, field, offset
 
 
 def _call_json(call: dict[str, Any]) -> str:
@@ -464,18 +473,12 @@ def chat(
     row: Mapping[str, Any], column_map: Mapping[str, str], render_chat: RenderChat | None = None
 ) -> list[Segment]:
     """A conversation → segments; only the text each assistant message adds is trainable."""
-    messages = chat_messages(row, column_map)
+    messages, field, offset = _conversation(row, column_map)
     tools = chat_tools(row, column_map)
-    field = (
-        "conversations"
-        if _field(row, "messages", column_map, required=False) is None
-        else "messages"
-    )
     if not any(m["role"] == "assistant" for m in messages):
         raise RowError(
             field, "the conversation has no assistant turn to learn from", reason="missing_field"
         )
-    offset = len(messages) - len(_field(row, field, column_map))  # a ``system`` column's turn
     render = _renderer(render_chat, tools)
     segments: list[Segment] = []
     done = ""
