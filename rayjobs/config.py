@@ -294,6 +294,10 @@ class TrainConfig(_Strict):
     storage_path: str = "runs"
     """Where Ray Train writes checkpoints: a folder (relative to the config file's folder, like
     every path in the config) or a URI with a scheme (``s3://bucket/runs``), kept as is."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer block's activations in backward instead of keeping them
+    (torchtune's ``enable_activation_checkpointing``, HF's ``gradient_checkpointing``): memory
+    for about one more forward per step."""
     loss_chunk_tokens: int = Field(default=1024, ge=0)
     """Labelled positions whose logits the loss computes at once (chunked cross entropy, each
     chunk recomputed in backward); 0: the whole batch's logits at once."""

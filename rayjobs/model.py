@@ -150,7 +150,20 @@ class Block(nn.Module):
         self.mlp_norm = nn.RMSNorm(config.dim)
         self.mlp = SwiGLU(config)
 
+    checkpointing = False
+    """Activation checkpointing (``train.activation_checkpointing``): in training, the block's
+    activations are recomputed in backward instead of kept. Its forward is checkpointed, not its
+    ``__call__``, so hooks on the block (FSDP2's unshard and reshard) run once, outside the
+    recomputation, as in Hugging Face's layers."""
+
     def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend
+    ) -> torch.Tensor:
+        if self.checkpointing and self.training and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, cos, sin, attend, use_reentrant=False)
+        return self._forward(x, cos, sin, attend)
+
+    def _forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend
     ) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin, attend)

@@ -234,7 +234,10 @@ def build_model(
                 n_heads=spec.n_heads,
             )
         )
-        return PackedLM(decoder, attention, chunk).to(device)
+        packed = PackedLM(decoder, attention, chunk).to(device)
+        if config.train.activation_checkpointing:
+            enable_activation_checkpointing(packed)
+        return packed
     implementation = hf_attention(config, device)
     try:
         model = build_hf_model(
@@ -246,9 +249,37 @@ def build_model(
         raise ValueError(_cannot_build(spec, error)) from None
     packed = PackedLM(model.to(device), loss_chunk_tokens=chunk)
     packed.check_head()
+    if config.train.activation_checkpointing:
+        enable_activation_checkpointing(packed)
     if config.task == "dpo" and config.dpo.disable_dropout:
         disable_dropout(packed)
     return packed
+
+
+def enable_activation_checkpointing(packed: PackedLM) -> None:
+    """Each transformer block recomputes its activations in backward (training mode only, so a
+    DPO reference never does): the demo decoder's blocks' ``checkpointing``, a Hugging Face
+    model's own ``activation_checkpointing_enable`` (``gradient_checkpointing_enable`` before),
+    both non-reentrant ``torch.utils.checkpoint``, which replays the RNG state (dropout masks
+    are the same in the recomputation) and composes with FSDP2 and DDP.
+
+    Raises:
+        ValueError: for a Hugging Face model without gradient checkpointing support.
+    """
+    if not packed.is_hf:
+        for block in packed.model.blocks:
+            block.checkpointing = True
+        return
+    if not getattr(packed.model, "supports_gradient_checkpointing", False):
+        raise ValueError(
+            f"train.activation_checkpointing: {type(packed.model).__name__} does not support "
+            "gradient checkpointing"
+        )
+    kwargs = {"use_reentrant": False}
+    if hasattr(packed.model, "activation_checkpointing_enable"):  # its name from transformers 5.2x
+        packed.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        packed.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def disable_dropout(model: torch.nn.Module) -> None:

@@ -196,7 +196,9 @@ def _fsdp_worker(rank: int, port: int, kind: str, rows: dict, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     torch.set_num_threads(1)
-    packed = _model(kind)
+    packed = _model(kind.removesuffix("+ac"))
+    if kind.endswith("+ac"):  # activation checkpointing under FSDP2's hooks
+        train.enable_activation_checkpointing(packed)
     full = sum(p.numel() for p in packed.parameters())
     model = parallelize(packed, "fsdp")
     local = sum(p.to_local().numel() for p in model.parameters())
@@ -223,14 +225,14 @@ def _fsdp_worker(rank: int, port: int, kind: str, rows: dict, out: str) -> None:
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("kind", ["demo", "llama"])
+@pytest.mark.parametrize("kind", ["demo", "llama", "demo+ac"])
 def test_fsdp_over_two_processes_takes_the_single_process_step(kind, tmp_path):
     rows = _rows(8, seed=4)
     out = str(tmp_path / "fsdp.pt")
     mp.spawn(_fsdp_worker, args=(_free_port(), kind, rows, out), nprocs=2)
     result = torch.load(out, weights_only=True)
     assert result["local"] < 0.75 * result["full"]  # guard: the parameters were sharded
-    reference = _model(kind)
+    reference = _model(kind.removesuffix("+ac"))
     assert len(transformer_blocks(reference)) == 2
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     loss, _, norm, *_ = _step(reference, [_batch(rows, 0, 8)], optimizer)
@@ -320,9 +322,9 @@ def test_groups_of_grad_accum_steps():
     assert list(_groups(iter(range(2)), 1)) == [[0], [1]]
 
 
-def _gpt2(template: str = "alpaca", **extra):
+def _gpt2(template: str = "alpaca", train_keys: dict | None = None, **extra):
     """A run's config training a tiny random GPT-2 (dropout 0.1, biases, LayerNorms) and its
-    tokenizer; ``extra``: more top-level config keys."""
+    tokenizer; ``train_keys``: more ``train`` keys, ``extra``: more top-level config keys."""
     from conftest import GPT2
     from rayjobs.config import Config
     from rayjobs.tokenize import Tokenizer
@@ -333,7 +335,10 @@ def _gpt2(template: str = "alpaca", **extra):
             "datasets": [{"name": "d", "source": "x.jsonl", "template": template}],
             "tokenizer": {"path": str(GPT2)},
             "packing": {"seq_len": 64},
-            "train": {"model": {"kind": "hf", "config": {**gpt2, "initializer_range": 0.3}}},
+            "train": {
+                "model": {"kind": "hf", "config": {**gpt2, "initializer_range": 0.3}},
+                **(train_keys or {}),
+            },
             **extra,
         }
     )
@@ -456,3 +461,37 @@ def test_weight_decay_spares_biases_and_norm_gains():
     for name, p in packed.named_parameters():
         if name not in vectors:  # wte (tied to the head), wpe, attention and MLP matrices
             torch.testing.assert_close(p, before[name] * (1 - 0.01 * 0.1), msg=name)
+
+
+@pytest.mark.parametrize("kind", ["demo", "llama", "gpt2"])
+def test_activation_checkpointing_recomputes_each_block_for_the_same_gradients(kind):
+    """``train.activation_checkpointing``: every block runs twice per training step (its forward
+    recomputed in backward) and the gradients are the ones without it, for GPT-2's dropout too
+    (the recomputation replays the RNG: a different mask would change the gradient)."""
+    rows = _batch(_rows(2, seed=6), 0, 2)
+    columns = [rows[k] for k in ("input_ids", "position_ids", "document_ids", "labels")]
+
+    def run(checkpointing: bool) -> tuple[dict[str, torch.Tensor], int]:
+        if kind == "gpt2":
+            config, tokenizer = _gpt2(train_keys={"activation_checkpointing": checkpointing})
+            packed = train.build_model(config, tokenizer, torch.device("cpu"), "sdpa")
+        else:
+            packed = _model(kind)
+            if checkpointing:
+                train.enable_activation_checkpointing(packed)
+        calls = []
+        for block in transformer_blocks(packed):
+            # On the block's first submodule, as a pre-hook: HF checkpoints a layer's forward,
+            # not its __call__ (its own hooks run once), and the recomputation stops once it has
+            # what backward needs (torch's early stop), before a forward hook would fire.
+            next(block.children()).register_forward_pre_hook(lambda *_: calls.append(1))
+        torch.manual_seed(1)
+        loss, _ = packed(*columns)
+        loss.backward()
+        return {n: p.grad for n, p in packed.named_parameters()}, len(calls)
+
+    (plain, plain_calls), (recomputed, calls) = run(False), run(True)
+    assert plain_calls == 2 and calls == 4  # two blocks, each recomputed once in backward
+    assert set(plain) == set(recomputed)
+    for name, grad in plain.items():
+        torch.testing.assert_close(recomputed[name], grad, atol=1e-6, rtol=1e-5, msg=name)
