@@ -303,6 +303,9 @@ class TrainConfig(_Strict):
     chunk recomputed in backward); 0: the whole batch's logits at once."""
     checkpoint_every: int | None = Field(default=None, gt=0)
     """Also save a checkpoint every this many steps (the summary lists them)."""
+    keep_checkpoints: int | None = Field(default=None, gt=0)
+    """Keep only the latest this many periodic checkpoints (Ray Train deletes older ones; the
+    final checkpoint is kept besides them), as HF's ``save_total_limit``; null: keep all."""
     model: ModelConfig | HFModelConfig = Field(default_factory=ModelConfig)
     """``kind: demo`` (default) or ``kind: hf``; see ``ModelConfig`` and ``HFModelConfig``."""
 

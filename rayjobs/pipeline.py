@@ -229,12 +229,13 @@ def run(
 
 def _train(config: Config, job: Job, hooks: dict[str, Any] | None) -> dict[str, Any]:
     """``run`` once its job is set up: train on its datasets, then the summary."""
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     from rayjobs.train import train_loop
 
     datasets = job.train_datasets()
+    keep = config.train.keep_checkpoints
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={
@@ -258,12 +259,21 @@ def _train(config: Config, job: Job, hooks: dict[str, Any] | None) -> dict[str, 
             name=job.name,
             storage_path=_storage(config.train.storage_path),
             failure_config=FailureConfig(max_failures=config.train.max_failures),
+            # the most recent N periodic checkpoints and the final one (reported last)
+            checkpoint_config=CheckpointConfig(num_to_keep=keep + 1 if keep else None),
         ),
     )
     result = trainer.fit()
     summary = dict(result.metrics)
     summary["run_name"] = job.name
     summary["checkpoint"] = result.checkpoint.path if result.checkpoint else None
+    if keep:  # the periodic checkpoints Ray Train kept (listed by the workers as they saved)
+        kept = {os.path.basename(c.path) for c, _ in result.best_checkpoints}
+        summary["checkpoints"] = [
+            c
+            for c in summary["checkpoints"]
+            if c["path"] is None or os.path.basename(c["path"]) in kept
+        ]
     summary.update(job.accounting(complete=not summary["stopped_early"]))
     summary["untrained_packs"] = untrained_packs(config, summary, len(datasets))
     ray.get(job.ledger.add_mix.remote([m["datasets"] for m in summary["mix"]]))  # final gauges

@@ -74,7 +74,8 @@ def test_killed_workers_and_a_resumed_run_continue_from_the_last_checkpoint(ray_
         # rank 0 dies after step 6 (just checkpointed): a second failure, over max_failures
         {"rank": 0, "step": 6, "marker": str(tmp_path / "fault2")},
     ]
-    config = _config(tmp_path / "runs", max_failures=1)
+    # keep_checkpoints: the restarts need only the latest; older ones are deleted as they go
+    config = _config(tmp_path / "runs", max_failures=1, keep_checkpoints=2)
     with pytest.raises(ray.train.TrainingFailedError):
         run(config, hooks={"faults": faults, "trace": str(trace)})
     assert (tmp_path / "fault1").exists() and (tmp_path / "fault2").exists()
@@ -127,7 +128,11 @@ def test_killed_workers_and_a_resumed_run_continue_from_the_last_checkpoint(ray_
         first = losses[attempt][checkpoint_step + 1]
         assert first < initial - 0.5 * (initial - at_checkpoint), (attempt, losses)
     assert summary["loss_last"] < summary["loss_first"]
-    assert [c["step"] for c in summary["checkpoints"]] == [3, 6, 9, 12]
+    assert [c["step"] for c in summary["checkpoints"]] == [9, 12]  # the latest 2 of 3, 6, 9, 12
+    run_folder = tmp_path / "runs" / name
+    saved = sorted(p.name for p in run_folder.glob("checkpoint_step_*"))
+    assert saved == ["checkpoint_step_000009", "checkpoint_step_000012"]
+    assert os.path.isdir(summary["checkpoint"])  # the final one, besides them
 
 
 def test_resume_names_a_run_that_has_checkpoints(tmp_path):
