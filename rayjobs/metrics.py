@@ -304,6 +304,26 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
         ("run", "rank"),
         "This rank's labelled tokens per second over its last step (data wait included)",
     ),
+    "rayjobs_dpo_reward_accuracy": (
+        "gauge",
+        ("run",),
+        "DPO: last step's share of triples whose chosen reward beats the rejected one",
+    ),
+    "rayjobs_dpo_reward_margin": (
+        "gauge",
+        ("run",),
+        "DPO: last step's mean chosen minus rejected reward",
+    ),
+    "rayjobs_dpo_chosen_reward": (
+        "gauge",
+        ("run",),
+        "DPO: last step's mean beta x (policy - reference) log-prob of the chosen responses",
+    ),
+    "rayjobs_dpo_rejected_reward": (
+        "gauge",
+        ("run",),
+        "DPO: last step's mean beta x (policy - reference) log-prob of the rejected responses",
+    ),
 }
 """Every series the job exports (the README's metrics table and cluster/grafana are checked against
 it). A histogram is exported as ``_bucket`` (cumulative, by ``le``), ``_sum`` and ``_count``."""
@@ -382,6 +402,10 @@ def _series(names) -> dict[str, Any]:
     return series
 
 
+DPO_GAUGES = ("reward_accuracy", "reward_margin", "chosen_reward", "rejected_reward")
+"""``StepResult.dpo`` keys exported as ``rayjobs_dpo_<key>``."""
+
+
 class TrainMetrics:
     """The training series, recorded by every train worker (steps and loss by rank 0 only;
     tokens per second by every rank, tagged with it). The counters count work done: a worker
@@ -400,12 +424,16 @@ class TrainMetrics:
                 "rayjobs_train_tokens_per_s",
             ]
         ).values()
+        self._dpo = _series([f"rayjobs_dpo_{name}" for name in DPO_GAUGES])
         self._last = time.monotonic()
         _init_counter(self._tokens, self.tags)  # every rank adds its own tokens
         if rank == 0:
             _init_counter(self._steps, self.tags)
 
-    def step(self, loss: float, local_tokens: int) -> None:
+    def step(self, loss: float, local_tokens: int, dpo: dict[str, float] | None = None) -> None:
+        """One optimizer step: its global loss, this rank's labelled tokens and, for DPO, the
+        step's ``StepResult.dpo`` (rank 0 sets the ``rayjobs_dpo_*`` gauges from it; an SFT run
+        never exports them)."""
         now = time.monotonic()
         self._speed.set(local_tokens / max(now - self._last, 1e-9), tags=self._rank_tags)
         self._last = now
@@ -414,6 +442,8 @@ class TrainMetrics:
         if self.rank == 0:
             self._steps.inc(1, tags=self.tags)
             self._loss.set(loss, tags=self.tags)
+            for name in DPO_GAUGES if dpo else ():
+                self._dpo[f"rayjobs_dpo_{name}"].set(dpo[name], tags=self.tags)
 
 
 @ray.remote(num_cpus=0)

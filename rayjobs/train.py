@@ -885,7 +885,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             state.pack_tokens += sum(int(b["num_tokens"].sum()) for b in group)
             state.rows_consumed += sum(len(b["input_ids"]) for b in group)
             state.trained_tokens += trained
-            series.step(step_loss, trained)
+            series.step(step_loss, trained, result.dpo)
             _trace(loop_config, rank, state, None, "loss")
             every = spec.checkpoint_every
             due = bool(every and state.steps % every == 0)

@@ -299,3 +299,31 @@ def test_batch_key_tells_where_one_column_ends_and_the_next_begins():
 
     assert batch_key("tokenize", ["ab"], ["c"]) != batch_key("tokenize", ["a"], ["bc"])
     assert batch_key("tokenize", ["ab"], ["c"]) == batch_key("tokenize", ["ab"], ["c"])
+
+
+def test_dpo_steps_set_the_dpo_gauges_on_rank_0_only(monkeypatch):
+    from ray.util import metrics
+
+    for kind in ("Counter", "Gauge", "Histogram"):
+        monkeypatch.setattr(metrics, kind, _Recorded)
+    monkeypatch.setattr(_Recorded, "records", [])
+    dpo = {
+        "reward_accuracy": 0.75,
+        "reward_margin": 0.5,
+        "chosen_reward": 0.25,
+        "rejected_reward": -0.25,
+        "chosen_logps": -40.0,
+        "rejected_logps": -42.0,
+        "triples": 8,
+    }
+    for rank in (0, 1):
+        series = TrainMetrics("r", rank=rank)
+        series.step(0.6, 100, dpo)
+        series.step(0.5, 100)  # an SFT step sets none
+    gauges = [(n, v, t) for n, v, t in _Recorded.records if n.startswith("rayjobs_dpo_")]
+    assert gauges == [
+        ("rayjobs_dpo_reward_accuracy", 0.75, {"run": "r"}),
+        ("rayjobs_dpo_reward_margin", 0.5, {"run": "r"}),
+        ("rayjobs_dpo_chosen_reward", 0.25, {"run": "r"}),
+        ("rayjobs_dpo_rejected_reward", -0.25, {"run": "r"}),
+    ]
