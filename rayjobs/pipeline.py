@@ -48,7 +48,9 @@ def init_ray(config: Config) -> None:
         ray.init(address=address, log_to_driver=True)
         return
     num_cpus = config.ray.num_cpus or max(4, 2 * (os.cpu_count() or 1))
-    ray.init(num_cpus=num_cpus, log_to_driver=True)  # dashboard on: metrics, State API
+    # address "local": a new Ray of its own even where a `ray start` cluster runs on the machine
+    # (ray.init() alone would join that one and refuse num_cpus).
+    ray.init(address="local", num_cpus=num_cpus, log_to_driver=True)  # dashboard: metrics
 
 
 def load_tokenizer(config: Config) -> Tokenizer:

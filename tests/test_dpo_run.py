@@ -82,7 +82,11 @@ def test_dpo_demo_trains_with_two_workers_and_rewards_the_chosen(ray_local, tmp_
     steps = summary["steps"]
     assert steps >= 12 and summary["steps_per_rank"] == [steps, steps]
     assert summary["guard_dropped_batches"] == 0
-    assert summary["untrained_packs"] == 0 and summary["num_packs"] == steps * 2 * 2
+    # Every pack trained but an odd one out of the equal split (fewer than 2 workers' worth);
+    # the last step's batches may be short (train.drop_last is false).
+    untrained = summary["untrained_packs"]
+    assert 0 <= untrained < 2 and summary["num_packs"] + untrained == summary["packed"]["num_packs"]
+    assert (steps - 1) * 2 * 2 < summary["num_packs"] <= steps * 2 * 2
     result = summary["dpo"]
     assert result["beta"] == 0.1 and result["triples"] == 2 * 149  # one blank response skipped
     # One run (15 steps): accuracy 0.00 over the first tenth of the steps (the policy is the

@@ -317,3 +317,30 @@ def test_untrained_packs(
             untrained_packs(config, summary, datasets)
     else:
         assert untrained_packs(config, summary, datasets) == expected
+
+
+@pytest.mark.parametrize(
+    "address, env, expected",
+    [
+        (None, None, {"address": "local", "num_cpus": 6}),  # a Ray of its own, not a `ray start`
+        (None, "ray://head:10001", {"address": "ray://head:10001"}),
+        ("auto", "ray://head:10001", {"address": "auto"}),  # the config's address first
+    ],
+)
+def test_init_ray_joins_the_named_cluster_or_starts_its_own(monkeypatch, address, env, expected):
+    import ray
+
+    from rayjobs import pipeline
+
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(pipeline.os, "cpu_count", lambda: 3)
+    if env is None:
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    else:
+        monkeypatch.setenv("RAY_ADDRESS", env)
+    config = _config().model_copy()
+    config = config.model_copy(update={"ray": config.ray.model_copy(update={"address": address})})
+    pipeline.init_ray(config)
+    assert calls == [{**expected, "log_to_driver": True}]
