@@ -688,6 +688,68 @@ def _triples(response_role: torch.Tensor) -> int:
     return int(starts.sum())
 
 
+SUMS = (
+    "loss",
+    "reward_margin",
+    "reward_accuracy",
+    "chosen_logps",
+    "rejected_logps",
+    "chosen_reward",
+    "rejected_reward",
+)
+"""What ``_forward`` sums over a batch: the loss (SFT: cross entropy over labelled tokens; DPO:
+the DPO loss over triples), then, for DPO, the margin, the triples whose margin is positive, the
+chosen and rejected log-probs and rewards; each a mean per unit once divided by the global count
+of units (``_means``)."""
+
+
+def _forward(
+    model: torch.nn.Module,
+    batch: dict[str, torch.Tensor],
+    bf16: bool,
+    reference: PackedLM | None = None,
+    beta: float = 0.1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One micro-batch's forward, shared by training and evaluation: its loss sum (with the
+    graph, for ``backward``) and its ``SUMS`` as a detached fp64 vector. ``reference``: the
+    frozen DPO reference, run without gradients on the same rows."""
+    sums = torch.zeros(len(SUMS), dtype=torch.float64, device=batch["input_ids"].device)
+    columns = (batch["input_ids"], batch["position_ids"], batch["document_ids"], batch["labels"])
+    with torch.autocast(batch["input_ids"].device.type, dtype=torch.bfloat16, enabled=bf16):
+        if reference is None:
+            local_sum, _ = model(*columns)
+        else:
+            chosen, rejected = dpo.packed_logps(model, batch)
+            with torch.no_grad():
+                ref_chosen, ref_rejected = dpo.packed_logps(reference, batch)
+            local_sum, _ = dpo.dpo_loss_sum(chosen, rejected, ref_chosen, ref_rejected, beta)
+            chosen_reward = beta * (chosen - ref_chosen).detach()
+            rejected_reward = beta * (rejected - ref_rejected).detach()
+            margin = chosen_reward - rejected_reward
+            sums[1:] += torch.stack(
+                [
+                    margin.sum(),
+                    (margin > 0).sum(),
+                    chosen.sum(),
+                    rejected.sum(),
+                    chosen_reward.sum(),
+                    rejected_reward.sum(),
+                ]
+            ).detach()
+    sums[0] += local_sum.detach().double()
+    return local_sum, sums
+
+
+def _means(
+    sums: torch.Tensor, units: int, preference: bool
+) -> tuple[float, dict[str, float] | None]:
+    """Global ``SUMS`` over the global count of units → (the mean loss, for DPO the other means
+    with ``triples``: the count)."""
+    means = {name: float(value) / units for name, value in zip(SUMS, sums, strict=True)}
+    loss = means.pop("loss")
+    return loss, ({**means, "triples": units} if preference else None)
+
+
 def train_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -716,9 +778,7 @@ def train_step(
     tokens = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in group)
     units = tokens if reference is None else sum(_triples(b["response_role"]) for b in group)
     global_units = max(1, int(_all_reduce(torch.tensor(units, device=device))))
-    # loss sum, then (DPO) margin sum, correct count, chosen and rejected log-prob sums, chosen
-    # and rejected reward sums
-    sums = torch.zeros(7, dtype=torch.float64, device=device)
+    sums = torch.zeros(len(SUMS), dtype=torch.float64, device=device)
     for i, batch in enumerate(group):
         last = i == len(group) - 1
         sync = contextlib.nullcontext()
@@ -727,37 +787,9 @@ def train_step(
         elif not last and hasattr(model, "no_sync"):
             sync = model.no_sync()
         with sync:
-            columns = (
-                batch["input_ids"],
-                batch["position_ids"],
-                batch["document_ids"],
-                batch["labels"],
-            )
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-                if reference is None:
-                    local_sum, _ = model(*columns)
-                else:
-                    chosen, rejected = dpo.packed_logps(model, batch)
-                    with torch.no_grad():
-                        ref_chosen, ref_rejected = dpo.packed_logps(reference, batch)
-                    local_sum, _ = dpo.dpo_loss_sum(
-                        chosen, rejected, ref_chosen, ref_rejected, beta
-                    )
-                    chosen_reward = beta * (chosen - ref_chosen).detach()
-                    rejected_reward = beta * (rejected - ref_rejected).detach()
-                    margin = chosen_reward - rejected_reward
-                    sums[1:] += torch.stack(
-                        [
-                            margin.sum(),
-                            (margin > 0).sum(),
-                            chosen.sum(),
-                            rejected.sum(),
-                            chosen_reward.sum(),
-                            rejected_reward.sum(),
-                        ]
-                    ).detach()
+            local_sum, batch_sums = _forward(model, batch, bf16, reference, beta)
             (local_sum.float() / global_units * world_size).backward()
-        sums[0] += local_sum.detach().double()
+        sums += batch_sums
     grad_norm = None
     if spec.max_grad_norm is not None:
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), spec.max_grad_norm)
@@ -766,20 +798,7 @@ def train_step(
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    loss, margin, correct, chosen, rejected, chosen_reward, rejected_reward = (
-        float(v) / global_units for v in _all_reduce(sums)
-    )
-    metrics = None
-    if reference is not None:
-        metrics = {
-            "reward_margin": margin,
-            "reward_accuracy": correct,
-            "chosen_logps": chosen,
-            "rejected_logps": rejected,
-            "chosen_reward": chosen_reward,
-            "rejected_reward": rejected_reward,
-            "triples": global_units,
-        }
+    loss, metrics = _means(_all_reduce(sums), global_units, reference is not None)
     return StepResult(loss, tokens, grad_norm, metrics, lr)
 
 
