@@ -208,6 +208,14 @@ def _user_error(error: BaseException) -> str | None:
     return None
 
 
+def _dataset_line(name: str, stats: dict[str, Any]) -> str:
+    return (
+        f"  {name}: samples {stats['samples']} tokens {stats['tokens']} "
+        f"truncated_tokens {stats['truncated_tokens']} dropped_samples "
+        f"{stats['dropped_samples']} skipped_rows {stats['skipped_rows']}"
+    )
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     lines = [
         f"steps {summary['steps']} per rank {summary['steps_per_rank']}  "
@@ -218,11 +226,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     if summary.get("untrained_packs"):
         lines[-1] += f"  ({summary['untrained_packs']} packs made, not trained: untrained_packs)"
     for name, stats in summary["datasets"].items():
-        lines.append(
-            f"  {name}: samples {stats['samples']} tokens {stats['tokens']} "
-            f"truncated_tokens {stats['truncated_tokens']} dropped_samples "
-            f"{stats['dropped_samples']} skipped_rows {stats['skipped_rows']}"
-        )
+        lines.append(_dataset_line(name, stats))
     if "dpo" in summary:
         dpo = summary["dpo"]
         lines.append(
@@ -230,6 +234,15 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"{dpo['reward_accuracy']:.3f}  reward margin {dpo['reward_margin_first']:.3f} → "
             f"{dpo['reward_margin']:.3f}  (beta {dpo['beta']}, {dpo['triples']} triples trained)"
         )
+    if "eval" in summary:
+        evaluation = summary["eval"]
+        losses = " → ".join(f"{e['loss']:.4f} (step {e['step']})" for e in evaluation["history"])
+        last = evaluation["history"][-1]
+        lines.append(f"eval: loss {losses}  over {last['rows']} packs, {last['tokens']} tokens")
+        if "reward_accuracy" in last:
+            lines[-1] += f", reward accuracy {last['reward_accuracy']:.3f}"
+        for name, stats in evaluation["datasets"].items():
+            lines.append(_dataset_line(name, stats))
     for resume in summary.get("resumes", []):
         lines.append(
             f"resumed from step {resume['step']} (skipped {resume['rows_skipped_per_rank']} "

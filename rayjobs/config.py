@@ -413,6 +413,41 @@ class DPOConfig(_Strict):
     not log 2)."""
 
 
+class EvalConfig(_Strict):
+    """Held-out evaluation: the loss (DPO: loss and rewards) over datasets never trained on, as
+    HF's ``eval_dataset`` / ``eval_steps`` and torchtune's ``dataset_val``."""
+
+    datasets: list[DatasetConfig] = Field(default_factory=list)
+    """Datasets to evaluate on, in the same form as ``datasets`` (template, column_map,
+    on_bad_row, ...) but without ``weight``: each is read, tokenized and packed once, whole,
+    before training starts, and every evaluation runs over all of its packs. Empty: no
+    evaluation."""
+    every_steps: int | None = Field(default=None, gt=0)
+    """Evaluate every this many optimizer steps, and always once when training ends; null: at
+    the end only."""
+    batch_size: int | None = Field(default=None, gt=0)
+    """Packed rows per forward on each worker; null: ``train.batch_size``."""
+
+    @field_validator("datasets")
+    @classmethod
+    def _unweighted(cls, datasets: list[DatasetConfig]) -> list[DatasetConfig]:
+        weighted = [d.name for d in datasets if d.weight is not None]
+        if weighted:
+            raise ValueError(
+                f"eval datasets {weighted} set weight: an evaluation reads each dataset whole, "
+                "once; remove weight"
+            )
+        return _unique(datasets)
+
+
+def _unique(datasets: list[DatasetConfig]) -> list[DatasetConfig]:
+    names = [d.name for d in datasets]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"dataset names must be unique; repeated: {duplicates}")
+    return datasets
+
+
 class Config(_Strict):
     task: Literal["sft", "dpo"] = "sft"
     """sft: samples packed as documents, token cross entropy; dpo: preference triples (template
@@ -424,24 +459,26 @@ class Config(_Strict):
     mix: MixConfig = Field(default_factory=MixConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     dpo: DPOConfig = Field(default_factory=DPOConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
     seed: int = 0
 
     @model_validator(mode="after")
     def _task_fits(self) -> Config:
-        preference = [d.name for d in self.datasets if d.template in templates.PREFERENCE_TEMPLATES]
-        if self.task == "sft" and preference:
-            raise ValueError(
-                f"datasets {preference} use a preference template: set task: dpo to train on "
-                "preference triples"
-            )
-        if self.task == "dpo":
-            others = [d.name for d in self.datasets if d.name not in preference]
-            if others:
+        for section, specs in (("datasets", self.datasets), ("eval.datasets", self.eval.datasets)):
+            preference = [d.name for d in specs if d.template in templates.PREFERENCE_TEMPLATES]
+            if self.task == "sft" and preference:
                 raise ValueError(
-                    f"task: dpo trains on preference triples; datasets {others} need template: "
+                    f"{section} {preference} use a preference template: set task: dpo to train "
+                    "on preference triples"
+                )
+            others = [d.name for d in specs if d.name not in preference]
+            if self.task == "dpo" and others:
+                raise ValueError(
+                    f"task: dpo trains on preference triples; {section} {others} need template: "
                     "preference"
                 )
+        if self.task == "dpo":
             if self.packing.mode != "stream":
                 raise ValueError(
                     "task: dpo packs in stream mode (packing.mode: stream); the planned path "
@@ -457,10 +494,7 @@ class Config(_Strict):
     @field_validator("datasets")
     @classmethod
     def _unique_names(cls, datasets: list[DatasetConfig]) -> list[DatasetConfig]:
-        names = [d.name for d in datasets]
-        duplicates = sorted({n for n in names if names.count(n) > 1})
-        if duplicates:
-            raise ValueError(f"dataset names must be unique; repeated: {duplicates}")
+        _unique(datasets)
         weighted = [d.weight is not None for d in datasets]
         if any(weighted) and not all(weighted):
             unset = [d.name for d in datasets if d.weight is None]
@@ -538,11 +572,16 @@ def config_from_dict(raw: dict[str, Any], base_dir: str | os.PathLike = ".") -> 
         raise ConfigError(_describe(error)) from None
     base_dir = Path(base_dir).resolve()
     datasets = [_resolve_dataset(d, i, base_dir) for i, d in enumerate(config.datasets)]
+    held_out = [
+        _resolve_dataset(spec, i, base_dir, "eval.datasets")
+        for i, spec in enumerate(config.eval.datasets)
+    ]
     tokenizer_path = _resolve_tokenizer(config.tokenizer.path, base_dir)
     storage_path = _resolve_storage(config.train.storage_path, base_dir)
     return config.model_copy(
         update={
             "datasets": datasets,
+            "eval": config.eval.model_copy(update={"datasets": held_out}),
             "tokenizer": config.tokenizer.model_copy(update={"path": tokenizer_path}),
             "train": config.train.model_copy(
                 update={
@@ -598,8 +637,10 @@ def _describe(error: ValidationError) -> str:
     return "\n".join(lines)
 
 
-def _resolve_dataset(spec: DatasetConfig, index: int, base_dir: Path) -> DatasetConfig:
-    key = f"datasets.{index}.source"
+def _resolve_dataset(
+    spec: DatasetConfig, index: int, base_dir: Path, section: str = "datasets"
+) -> DatasetConfig:
+    key = f"{section}.{index}.source"
     if spec.files:  # the field exists so workers get the list validation resolved, once
         raise ConfigError(
             f"datasets.{index}.files: filled in from {key}, not set in a config; "
@@ -650,7 +691,7 @@ def _resolve_dataset(spec: DatasetConfig, index: int, base_dir: Path) -> Dataset
         found = {formats.format_of(f) for f in files}
         if len(found) != 1 or None in found:
             raise ConfigError(
-                f"datasets.{index}.format (dataset {spec.name!r}): cannot infer the "
+                f"{section}.{index}.format (dataset {spec.name!r}): cannot infer the "
                 f"format from the extensions of {files[:3]}; set format to one of "
                 f"{', '.join(formats.FORMATS)}"
             )

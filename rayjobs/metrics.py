@@ -304,6 +304,11 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
         ("run", "rank"),
         "This rank's labelled tokens per second over its last step (data wait included)",
     ),
+    "rayjobs_eval_loss": (
+        "gauge",
+        ("run",),
+        "Last evaluation's mean loss over every held-out pack (eval.datasets)",
+    ),
     "rayjobs_dpo_reward_accuracy": (
         "gauge",
         ("run",),
@@ -425,6 +430,7 @@ class TrainMetrics:
             ]
         ).values()
         self._dpo = _series([f"rayjobs_dpo_{name}" for name in DPO_GAUGES])
+        self._eval_loss = _series(["rayjobs_eval_loss"])["rayjobs_eval_loss"]
         self._last = time.monotonic()
         _init_counter(self._tokens, self.tags)  # every rank adds its own tokens
         if rank == 0:
@@ -444,6 +450,12 @@ class TrainMetrics:
             self._loss.set(loss, tags=self.tags)
             for name in DPO_GAUGES if dpo else ():
                 self._dpo[f"rayjobs_dpo_{name}"].set(dpo[name], tags=self.tags)
+
+    def evaluation(self, loss: float) -> None:
+        """An evaluation's global loss (rank 0 sets ``rayjobs_eval_loss``; a run without
+        ``eval.datasets`` never exports it)."""
+        if self.rank == 0:
+            self._eval_loss.set(loss, tags=self.tags)
 
 
 @ray.remote(num_cpus=0)

@@ -15,6 +15,7 @@ trainers starve the data operators and the job hangs: README, "Design").
 
 from __future__ import annotations
 
+import math
 import os
 import uuid
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ import ray
 import ray.data
 
 from rayjobs import stream
-from rayjobs.config import Config, ConfigError
+from rayjobs.config import Config, ConfigError, MixConfig
 from rayjobs.epochs import Epochs
 from rayjobs.metrics import (
     FINAL_SUMMARY,
@@ -88,13 +89,18 @@ class Job:
     rows: ray.data.Dataset | None = None
     """stream mode: the packed rows of every epoch, one lazy dataset (column ``epoch``)."""
 
+    held_out: HeldOut | None = None
+    """The packed ``eval.datasets`` (``held_out``), once set up."""
+
     def snapshot(self) -> dict[str, Any]:
         return ray.get(self.ledger.snapshot.remote())
 
     def close(self) -> None:
-        """End the run's ``Ledger`` actor once its counts are read: a driver that outlives its
-        jobs (a notebook, a service, a test session) would otherwise keep one actor per job."""
+        """End the run's ``Ledger`` actors once their counts are read: a driver that outlives its
+        jobs (a notebook, a service, a test session) would otherwise keep them, one per job."""
         ray.kill(self.ledger)
+        if self.held_out is not None:
+            ray.kill(self.held_out.ledger)
 
     def train_datasets(self) -> dict[str, ray.data.Dataset]:
         """What the trainer consumes, in order: one stream, or one dataset per epoch."""
@@ -144,6 +150,72 @@ class Job:
             summary["packed"]["max_delay_windows"] = self.epochs.max_delay_windows
             summary["packed"]["plan_seconds"] = self.epochs.plan_seconds
         return summary
+
+
+@dataclass
+class HeldOut:
+    """``eval.datasets``, read, tokenized and packed once: what every evaluation runs over."""
+
+    ledger: Any
+    """Their own ``Ledger`` (run ``<run>-eval``): their counts are not the training data's."""
+    datasets: dict[str, ray.data.Dataset]
+    """Each rank's share of the packs (``train.EVAL_DATASET`` + rank), materialized: consecutive
+    slices of the packs, their sizes differing by at most one row."""
+    batches: int
+    """Forwards per rank per evaluation: the largest share's batches."""
+    num_packs: int
+
+    def summary(self, evals: list[dict[str, Any]]) -> dict[str, Any]:
+        """The summary's ``eval`` counts: per-dataset tokenization and the packs. Raises
+        ``AccountingError`` when the counts do not add up, or an evaluation did not see every
+        pack exactly once."""
+        snapshot = ray.get(self.ledger.snapshot.remote())
+        problems = check_accounting(snapshot, streamed=True, complete=True)
+        problems += [
+            f"the evaluation at step {e['step']} saw {e['rows']} of {self.num_packs} eval packs"
+            for e in evals
+            if e["rows"] != self.num_packs
+        ]
+        if problems:
+            raise AccountingError("the evaluation's counts do not add up: " + "; ".join(problems))
+        return accounting(snapshot)
+
+
+def eval_config(config: Config) -> Config:
+    """The config that reads ``eval.datasets``: each dataset whole, once (one epoch, no mix, no
+    warm-up lane: the packs are made before training starts)."""
+    return config.model_copy(
+        update={
+            "datasets": config.eval.datasets,
+            "mix": MixConfig(),
+            "packing": config.packing.model_copy(update={"mode": "stream", "warmup_tokens": 0}),
+            "train": config.train.model_copy(update={"epochs": 1}),
+        }
+    )
+
+
+def held_out(config: Config, job: Job) -> HeldOut | None:
+    """Pack ``eval.datasets`` once (None without them) and cut the packs into one share per
+    rank. Materialized before training: every evaluation reads them again, and a lazy stream
+    would re-read, re-tokenize and re-count them each time; an eval set is meant to be small."""
+    if not config.eval.datasets:
+        return None
+    names = [spec.name for spec in config.eval.datasets]
+    ledger = Ledger.remote(f"{job.name}-eval", None, True, names)
+    rows = stream.packed_rows(eval_config(config), job.tokenizer.pad_id, ledger).materialize()
+    num_packs = rows.count()
+    if num_packs == 0:
+        ray.kill(ledger)
+        raise AccountingError(f"eval.datasets {names}: no sample left to evaluate on")
+    workers = max(1, config.train.num_workers)
+    cuts = [num_packs * rank // workers for rank in range(1, workers)]
+    shares = rows.split_at_indices(cuts) if cuts else [rows]
+    batch_size = config.eval.batch_size or config.train.batch_size
+    batches = math.ceil(math.ceil(num_packs / workers) / batch_size)
+    from rayjobs.train import EVAL_DATASET
+
+    datasets = {f"{EVAL_DATASET}{rank}": share for rank, share in enumerate(shares)}
+    return HeldOut(ledger, datasets, batches, num_packs)
 
 
 def start_job(
@@ -231,12 +303,14 @@ def run(
 
 def _train(config: Config, job: Job, hooks: dict[str, Any] | None) -> dict[str, Any]:
     """``run`` once its job is set up: train on its datasets, then the summary."""
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     from rayjobs.train import train_loop
 
     datasets = job.train_datasets()
+    job.held_out = held_out(config, job)
+    evaluation = job.held_out.datasets if job.held_out else {}
     keep = config.train.keep_checkpoints
     trainer = TorchTrainer(
         train_loop,
@@ -245,6 +319,7 @@ def _train(config: Config, job: Job, hooks: dict[str, Any] | None) -> dict[str, 
             "vocab_size": job.tokenizer.vocab_size,
             "run_name": job.name,
             "datasets": list(datasets),
+            "eval_batches": job.held_out.batches if job.held_out else None,
             **(hooks or {}),
         },
         scaling_config=ScalingConfig(
@@ -256,7 +331,9 @@ def _train(config: Config, job: Job, hooks: dict[str, Any] | None) -> dict[str, 
             },
             label_selector=config.train.label_selector or None,
         ),
-        datasets=datasets,
+        datasets={**datasets, **evaluation},
+        # the training data split over the ranks; each rank reads its own eval share whole
+        dataset_config=DataConfig(datasets_to_split=list(datasets)),
         run_config=RunConfig(
             name=job.name,
             storage_path=_storage(config.train.storage_path),
@@ -277,6 +354,8 @@ def _train(config: Config, job: Job, hooks: dict[str, Any] | None) -> dict[str, 
             if c["path"] is None or os.path.basename(c["path"]) in kept
         ]
     summary.update(job.accounting(complete=not summary["stopped_early"]))
+    if job.held_out is not None:
+        summary["eval"].update(job.held_out.summary(summary["eval"]["history"]))
     summary["untrained_packs"] = untrained_packs(config, summary, len(datasets))
     ray.get(job.ledger.add_mix.remote([m["datasets"] for m in summary["mix"]]))  # final gauges
     # Final values are exported before the job exits: the ledger dies with the driver, and the

@@ -497,7 +497,13 @@ class TrainState:
     """One entry per restart from a checkpoint: its step and the rows each rank skipped."""
     series: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     """Per-step values besides the loss (DPO: ``StepResult.dpo``'s), global."""
+    evals: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    """One entry per evaluation (``eval``): its step, loss, rows and labelled tokens, DPO means."""
 
+
+EVAL_DATASET = "eval_rank_"
+"""The trainer's held-out datasets: ``eval_rank_<r>``, rank r's share of the eval packs
+(``pipeline.eval_datasets``)."""
 
 TRAIN_STATE = "train_state.pt"
 """The file of a periodic checkpoint that holds what resuming needs: the model's and the
@@ -802,6 +808,87 @@ def train_step(
     return StepResult(loss, tokens, grad_norm, metrics, lr)
 
 
+class EvalResult(NamedTuple):
+    """``evaluate``'s outcome: global means over every held-out pack, each counted once."""
+
+    loss: float
+    """SFT: mean cross entropy per labelled token; DPO: mean DPO loss per triple."""
+    tokens: int
+    """Labelled tokens evaluated, on every rank."""
+    rows: int
+    """Packed rows evaluated, on every rank."""
+    dpo: dict[str, float] | None = None
+    """DPO: the means of ``StepResult.dpo``, over every held-out triple."""
+
+
+def _padding_row(seq_len: int, preference: bool, device: torch.device) -> dict[str, torch.Tensor]:
+    """A row with nothing to learn (every label ignored, no triple): what a rank whose held-out
+    share has run out evaluates while another still has batches, so every rank runs the same
+    forwards (FSDP gathers each block's parameters from every rank in each)."""
+    zeros = torch.zeros(1, seq_len, dtype=torch.int64, device=device)
+    row = {
+        "input_ids": zeros,
+        "labels": torch.full_like(zeros, IGNORE_INDEX),
+        "position_ids": torch.arange(seq_len, device=device).unsqueeze(0),
+        "document_ids": zeros,
+    }
+    if preference:
+        row |= {"parent_ids": zeros, "response_role": zeros}
+    return row
+
+
+def evaluate(
+    model: torch.nn.Module,
+    shard: Any,
+    num_batches: int,
+    batch_size: int,
+    *,
+    seq_len: int,
+    device: torch.device,
+    bf16: bool,
+    reference: PackedLM | None = None,
+    beta: float = 0.1,
+) -> EvalResult:
+    """The held-out loss (DPO: loss and rewards) over this rank's share of the eval packs
+    (``shard``: a Ray Data iterator, read whole), without gradients and with dropout off.
+
+    Every rank runs ``num_batches`` forwards (the driver's count for the largest share), rows of
+    padding once its own are done, so the sums hold every held-out pack exactly once: unlike the
+    training split, nothing is left over, and the result does not depend on the number of
+    workers but for rounding."""
+    training = model.training
+    model.eval()
+    sums = torch.zeros(len(SUMS), dtype=torch.float64, device=device)
+    counts = torch.zeros(3, dtype=torch.int64, device=device)  # units, labelled tokens, rows
+    batches = iter(
+        shard.iter_torch_batches(
+            batch_size=batch_size, collate_fn=lambda b: collate(b, device), prefetch_batches=0
+        )
+    )
+    try:
+        with torch.no_grad():
+            for _ in range(num_batches):
+                batch = next(batches, None)
+                if batch is None:
+                    batch = _padding_row(seq_len, reference is not None, device)
+                else:
+                    counts[2] += len(batch["input_ids"])
+                tokens = int((batch["labels"] != IGNORE_INDEX).sum())
+                counts[0] += tokens if reference is None else _triples(batch["response_role"])
+                counts[1] += tokens
+                sums += _forward(model, batch, bf16, reference, beta)[1]
+            if next(batches, None) is not None:
+                raise RuntimeError(
+                    f"evaluation: this rank holds more than the {num_batches} batches of "
+                    f"{batch_size} rows the driver counted for its share"
+                )
+    finally:
+        model.train(training)
+    units, tokens, rows = (int(v) for v in _all_reduce(counts))
+    loss, metrics = _means(_all_reduce(sums), max(1, units), reference is not None)
+    return EvalResult(loss, tokens, rows, metrics)
+
+
 def build_optimizer(model: torch.nn.Module, spec: TrainConfig) -> torch.optim.AdamW:
     """AdamW with ``train.weight_decay`` on weight matrices and embeddings only: biases and norm
     gains (parameters of fewer than 2 dimensions) are in a group without decay, as HF's Trainer
@@ -863,6 +950,31 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     bf16 = use_bf16(spec.precision, device)
     seq_len = config.packing.seq_len
     series = TrainMetrics(loop_config.get("run_name", "rayjobs"), rank)
+    held_out = None  # this rank's share of the eval packs (Job.eval_datasets), and its batches
+    if loop_config.get("eval_batches") is not None:
+        held_out = ray.train.get_dataset_shard(f"{EVAL_DATASET}{rank}")
+
+    def evaluation() -> dict[str, float]:
+        """Evaluate now: ``state.evals`` and the gauge get the result, a report its metrics."""
+        result = evaluate(
+            model,
+            held_out,
+            loop_config["eval_batches"],
+            config.eval.batch_size or spec.batch_size,
+            seq_len=seq_len,
+            device=device,
+            bf16=bf16,
+            reference=reference,
+            beta=config.dpo.beta,
+        )
+        entry = {"step": state.steps, "loss": result.loss, "rows": result.rows}
+        entry |= {"tokens": result.tokens, **(result.dpo or {})}
+        state.evals.append(entry)
+        series.evaluation(result.loss)
+        return {"eval_loss": result.loss} | {
+            f"eval/dpo/{k}": v for k, v in (result.dpo or {}).items()
+        }
+
     # max_steps reached: the stream may not have ended. Already at the start when the workers
     # restarted from a checkpoint of the last step (a failure after it): nothing left to train.
     stopped_early = spec.max_steps is not None and state.steps >= spec.max_steps
@@ -908,7 +1020,11 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             _trace(loop_config, rank, state, None, "loss")
             every = spec.checkpoint_every
             due = bool(every and state.steps % every == 0)
-            if state.steps % spec.report_every == 0 or due:
+            evaluated = {}
+            eval_every = config.eval.every_steps
+            if held_out is not None and eval_every and state.steps % eval_every == 0:
+                evaluated = evaluation()
+            if state.steps % spec.report_every == 0 or due or evaluated:
                 epoch = int(group[-1]["epoch"].max()) if "epoch" in group[-1] else index
                 metrics = {
                     "step": state.steps,
@@ -919,6 +1035,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
                 if grad_norm is not None:
                     metrics["grad_norm"] = grad_norm
                 metrics.update({f"dpo/{k}": v for k, v in (result.dpo or {}).items()})
+                metrics.update(evaluated)
                 if due:
                     _save_checkpoint(
                         packed, model, optimizer, scheduler, state, tokenizer, fsdp, device, metrics
@@ -932,6 +1049,8 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         state.guard_dropped += guard.dropped
         if stopped_early:
             break
+    if held_out is not None and (not state.evals or state.evals[-1]["step"] != state.steps):
+        evaluation()  # the trained model's, once, unless its last step was just evaluated
     totals = torch.tensor(
         [state.rows, state.pack_tokens, state.trained_tokens, state.guard_dropped], device=device
     )
@@ -965,6 +1084,8 @@ def train_loop(loop_config: dict[str, Any]) -> None:
                 summary["dpo"][f"{name}_first"] = _mean(values[:tenth])
                 summary["dpo"][name] = _mean(values[-tenth:])
         summary["dpo"]["triples"] = int(sum(state.series["triples"]))
+    if state.evals:
+        summary["eval"] = {"loss": state.evals[-1]["loss"], "history": state.evals}
     model_state = _full_state(model, optimizer, fsdp)[0] if fsdp else None
     with tempfile.TemporaryDirectory() as directory:
         save_model(packed, tokenizer, directory, model_state, write=rank == 0)

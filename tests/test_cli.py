@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -44,6 +45,7 @@ def test_run_trains_a_tiny_llama_on_real_data_and_saves_checkpoints_from_pretrai
         "train.max_steps=8",
         "train.checkpoint_every=4",
         "train.report_every=4",
+        "eval.every_steps=4",
         f"train.storage_path={tmp_path}",
         "--json",
     ]
@@ -91,6 +93,50 @@ def test_run_trains_a_tiny_llama_on_real_data_and_saves_checkpoints_from_pretrai
     text = "Describe a process of making crepes."
     assert tokenizer(text)["input_ids"] == reference.encode_batch([text])[0]
     assert tokenizer.eos_token_id == reference.eos_id == model.config.eos_token_id
+    _check_eval(summary, model)
+
+
+def _check_eval(summary: dict, model) -> None:
+    """The held-out loss (eval.datasets) at steps 4 and 8 counts every held-out labelled token
+    exactly once over the 2 workers, and the final one equals the loss of the loaded checkpoint
+    on each held-out sample run alone (unpacked, no document mask: packing changes nothing)."""
+    import pyarrow as pa
+    import torch
+
+    from conftest import file_tables
+    from rayjobs.config import load_config
+    from rayjobs.tokenize import Tokenize
+
+    evaluation = summary["eval"]
+    assert [e["step"] for e in evaluation["history"]] == [4, 8]
+    held_out = evaluation["datasets"]
+    assert set(held_out) == {"alpaca_heldout", "hh_chat_heldout"}
+    assert [s["samples"] for s in held_out.values()] == [60, 60]
+    trained = sum(s["trained_tokens"] for s in held_out.values())
+    for entry in evaluation["history"]:
+        assert entry["rows"] == evaluation["packed"]["num_packs"] > 2  # guard: both ranks' shares
+        assert entry["tokens"] == trained
+    assert evaluation["history"][1]["loss"] < evaluation["history"][0]["loss"]
+    assert evaluation["loss"] == evaluation["history"][-1]["loss"]
+
+    config = load_config(ROOT / "configs" / "tiny_llama.yaml", ["packing.seq_len=256"])
+    tokenize = Tokenize(config.eval.datasets, config.tokenizer, 256, "truncate")
+    total, count = 0.0, 0
+    for spec in config.eval.datasets:
+        [path] = spec.files
+        data = Path(path).read_bytes()
+        tables = file_tables(data, path, format=spec.format, dataset=spec.name)
+        samples = tokenize(pa.concat_tables(list(tables)))
+        for ids, labels in zip(
+            samples.column("input_ids").to_pylist(), samples.column("labels").to_pylist()
+        ):
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([ids])).logits[0]
+            labels = torch.tensor(labels)
+            total += float(torch.nn.functional.cross_entropy(logits, labels, reduction="sum"))
+            count += int((labels != -100).sum())
+    assert count == trained
+    assert abs(evaluation["loss"] - total / count) < 1e-4, (evaluation["loss"], total / count)
 
 
 def test_overrides_may_follow_options(tmp_path, monkeypatch):

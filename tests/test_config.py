@@ -171,6 +171,36 @@ BAD_CONFIGS = {
         [],
         ["task: dpo trains on preference triples; datasets ['alpaca'] need template: preference"],
     ),
+    "eval_dataset_with_weight": (
+        {"eval": {"datasets": _dataset(weight=1.0)["datasets"]}},
+        [],
+        ["eval.datasets: Value error, eval datasets ['alpaca'] set weight"],
+    ),
+    "eval_dataset_names_repeated": (
+        {"eval": {"datasets": _dataset()["datasets"] * 2}},
+        [],
+        ["eval.datasets: Value error, dataset names must be unique; repeated: ['alpaca']"],
+    ),
+    "eval_preference_data_in_sft": (
+        {"eval": _dataset(template="preference")},
+        [],
+        ["eval.datasets ['alpaca'] use a preference template: set task: dpo"],
+    ),
+    "eval_sft_data_in_dpo": (
+        {**_dataset(template="preference"), "task": "dpo", "eval": _dataset()},
+        [],
+        ["task: dpo trains on preference triples; eval.datasets ['alpaca'] need template"],
+    ),
+    "eval_missing_file": (
+        {"eval": {"datasets": _dataset(source="data/heldout.json")["datasets"]}},
+        [],
+        ["eval.datasets.0.source (dataset 'alpaca'): no file matches {tmp}/data/heldout.json"],
+    ),
+    "eval_every_zero_steps": (
+        {"eval": {"every_steps": 0}},
+        [],
+        ["eval.every_steps", "greater than 0"],
+    ),
     "dpo_planned": (
         {**_dataset(template="preference"), "task": "dpo", "packing": {"mode": "planned"}},
         [],

@@ -95,7 +95,15 @@ def test_dpo_demo_trains_with_two_workers_and_rewards_the_chosen(ray_local, tmp_
     assert result["reward_accuracy"] > 0.55, result
     assert result["reward_margin"] > result["reward_margin_first"] + 0.5, result
     assert summary["loss_last"] < summary["loss_first"]
-    print(json.dumps(result))
+    # The held-out triples (eval.datasets), evaluated once at the end: each exactly once.
+    [evaluation] = summary["eval"]["history"]
+    held_out = summary["eval"]["datasets"]["hh_harmless_heldout"]
+    assert evaluation["step"] == steps and held_out["samples"] == 40
+    assert evaluation["triples"] == held_out["samples"]
+    assert evaluation["rows"] == summary["eval"]["packed"]["num_packs"] >= 2
+    assert evaluation["tokens"] == held_out["trained_tokens"]
+    assert 0 <= evaluation["reward_accuracy"] <= 1 and evaluation["loss"] > 0
+    print(json.dumps(result), json.dumps(evaluation))
 
 
 def test_inspect_previews_a_row_as_prompt_chosen_rejected(ray_local):

@@ -327,3 +327,17 @@ def test_dpo_steps_set_the_dpo_gauges_on_rank_0_only(monkeypatch):
         ("rayjobs_dpo_chosen_reward", 0.25, {"run": "r"}),
         ("rayjobs_dpo_rejected_reward", -0.25, {"run": "r"}),
     ]
+
+
+def test_evaluations_set_the_eval_loss_on_rank_0_only(monkeypatch):
+    from ray.util import metrics
+
+    for kind in ("Counter", "Gauge", "Histogram"):
+        monkeypatch.setattr(metrics, kind, _Recorded)
+    monkeypatch.setattr(_Recorded, "records", [])
+    for rank in (0, 1):
+        series = TrainMetrics("r", rank=rank)
+        series.step(0.6, 100)  # a step sets no eval loss
+        series.evaluation(2.5)
+    gauges = [(n, v, t) for n, v, t in _Recorded.records if n.startswith("rayjobs_eval_")]
+    assert gauges == [("rayjobs_eval_loss", 2.5, {"run": "r"})]

@@ -287,7 +287,7 @@ def _mismatches(prometheus: Prometheus, summary: dict, seq_len: int, run: str) -
     table = _readme_metrics()
     held = set(_get(f"{prometheus.url}/api/v1/label/__name__/values")["data"])
     for name, kind in sorted(table.items()):
-        if name.startswith("rayjobs_dpo_"):  # an SFT run's; test_metrics checks they are set
+        if name.startswith(("rayjobs_dpo_", "rayjobs_eval_")):  # not this run's: test_metrics
             continue
         if _exported(name, kind) not in held:
             problems.append(f"{_exported(name, kind)}: not in Prometheus")
@@ -400,11 +400,11 @@ def test_submit_and_prometheus_hold_the_run_summary_and_every_dashboard_series(
     # returns data over the run: not all zeros where it is no rate (a rate may miss a burst
     # that a scrape or two saw whole), and the bad-rows panel ends at the summary's counts.
     dashboard = json.loads(DASHBOARD.read_text())
-    # (the DPO panels aside: an SFT run exports no DPO series)
+    # (the DPO and eval panels aside: an SFT run without eval.datasets exports no such series)
     queries = [
         t["expr"]
         for panel in dashboard["panels"]
-        if not panel["title"].startswith("DPO")
+        if not panel["title"].startswith(("DPO", "Eval"))
         for t in panel.get("targets", [])
     ]
     assert len(queries) >= 14, "guard: every other panel's queries"

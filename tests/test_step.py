@@ -495,3 +495,49 @@ def test_activation_checkpointing_recomputes_each_block_for_the_same_gradients(k
     assert set(plain) == set(recomputed)
     for name, grad in plain.items():
         torch.testing.assert_close(recomputed[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+class _Shard:
+    """Stands in for a rank's Ray Data iterator: ``iter_torch_batches`` over numpy rows."""
+
+    def __init__(self, rows: dict[str, np.ndarray]):
+        self.rows = rows
+
+    def iter_torch_batches(self, batch_size, collate_fn, prefetch_batches):
+        num_rows = len(self.rows["input_ids"])
+        for start in range(0, num_rows, batch_size):
+            yield collate_fn({k: v[start : start + batch_size] for k, v in self.rows.items()})
+
+
+def test_evaluate_sees_every_row_once_through_padding_and_restores_training():
+    rows = _rows(7, seed=3)
+    model = _model().train()
+    whole = _batch(rows, 0, 7)
+    with torch.no_grad():
+        total, _ = model(
+            whole["input_ids"], whole["position_ids"], whole["document_ids"], whole["labels"]
+        )
+    tokens = int((whole["labels"] != IGNORE_INDEX).sum())
+    # 7 rows in batches of 3: 3 + 3 + 1, then two rows of padding (another rank's share is
+    # longer): they add nothing.
+    kwargs = {"seq_len": SEQ, "device": torch.device("cpu"), "bf16": False}
+    result = train.evaluate(model, _Shard(rows), 5, 3, **kwargs)
+    assert (result.rows, result.tokens) == (7, tokens)
+    assert result.loss == pytest.approx(float(total) / tokens, rel=1e-6)
+    assert model.training and result.dpo is None
+    exact = train.evaluate(model, _Shard(rows), 3, 3, **kwargs)  # no padding: the same loss
+    assert exact.loss == pytest.approx(result.loss, rel=1e-12)
+    with pytest.raises(RuntimeError, match="more than the 2 batches of 3 rows"):
+        train.evaluate(model, _Shard(rows), 2, 3, **kwargs)
+    assert model.training  # restored after an error too
+
+
+@pytest.mark.parametrize("preference", [False, True])
+def test_a_padding_row_adds_nothing_to_an_evaluation(preference):
+    model = _model().eval()
+    row = train._padding_row(SEQ, preference, torch.device("cpu"))
+    reference = model if preference else None
+    with torch.no_grad():
+        loss, sums = train._forward(model, row, False, reference)
+    assert float(loss) == 0.0 and not sums.any()
+    assert row["input_ids"].shape == (1, SEQ) and ("response_role" in row) == preference
