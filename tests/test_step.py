@@ -213,6 +213,11 @@ def _fsdp_worker(rank: int, port: int, kind: str, rows: dict, out: str) -> None:
     loss, _, norm, *_ = train_step(
         model, optimizer, scheduler, group, fsdp=True, bf16=False, spec=spec
     )
+    # Evaluation over unequal shares (rows 0-4 and 5-7, batches of 2): rank 1 runs a padding
+    # row while rank 0 runs its third batch; FSDP2 needs both in every forward.
+    share = {k: v[:5] if rank == 0 else v[5:] for k, v in rows.items()}
+    kwargs = {"seq_len": SEQ, "device": torch.device("cpu"), "bf16": False}
+    evaluation = train.evaluate(model, _Shard(share), 3, 2, **kwargs)
     state, optimizer_state = _full_state(model, optimizer, fsdp=True)
     if kind == "llama":  # the final model as a checkpoint writes it: every rank, rank 0 writes
         train.save_tokenizer = lambda *_: None  # the tokenizer files: the DDP run's test
@@ -221,6 +226,7 @@ def _fsdp_worker(rank: int, port: int, kind: str, rows: dict, out: str) -> None:
     if rank == 0:
         momentum = {k: v["momentum_buffer"] for k, v in optimizer_state["state"].items()}
         result = {"state": state, "momentum": momentum, "loss": loss, "norm": norm}
+        result |= {"eval_loss": evaluation.loss, "eval_rows": evaluation.rows}
         torch.save({**result, "full": full, "local": local}, out)
     dist.destroy_process_group()
 
@@ -238,6 +244,10 @@ def test_fsdp_over_two_processes_takes_the_single_process_step(kind, tmp_path):
     loss, _, norm, *_ = _step(reference, [_batch(rows, 0, 8)], optimizer)
     assert result["loss"] == pytest.approx(loss, abs=1e-5)
     assert result["norm"] == pytest.approx(norm, rel=1e-4)
+    kwargs = {"seq_len": SEQ, "device": torch.device("cpu"), "bf16": False}
+    evaluation = train.evaluate(reference, _Shard(rows), 4, 2, **kwargs)
+    assert result["eval_rows"] == evaluation.rows == 8
+    assert result["eval_loss"] == pytest.approx(evaluation.loss, abs=1e-5)
     state = reference.state_dict()
     assert set(result["state"]) == set(state)
     for name, value in state.items():
