@@ -486,6 +486,7 @@ class Ledger:
         self._admitted: dict[str, dict[str, int]] = {}
         self._seen: set[str] = set()
         self.repeated_reports = self.injected_faults = 0
+        self.attempts = 0  # worker groups started on the run (start_attempt)
         self._series = _series(name for name in METRICS if not name.startswith("rayjobs_train_"))
         self._counters = {name: self._series[f"rayjobs_{name}"] for name in _TOKENIZE_COUNTERS}
         self._packs, self._pack_slots, self._pack_tokens, self._efficiency = (
@@ -641,6 +642,12 @@ class Ledger:
         """An actor of ``kind`` (Tokenize, PackStream, ...) started on ``node_id``."""
         self.actors[kind][node_id] += 1
 
+    def start_attempt(self) -> int:
+        """A train worker group started (its rank 0 calls this first): 1 for a run's first, one
+        more for each restart, with or without a checkpoint to resume from."""
+        self.attempts += 1
+        return self.attempts
+
     def snapshot(self) -> dict[str, Any]:
         """Plain-dict copy: ``{"tokenize": {dataset: counts}, "pack": {epoch: counts},
         "actors": {kind: {node id: actors started}}}`` (tokenization counted over the run,
@@ -651,4 +658,5 @@ class Ledger:
             "actors": {kind: dict(nodes) for kind, nodes in sorted(self.actors.items())},
             "repeated_reports": self.repeated_reports,
             "injected_faults": self.injected_faults,
+            "attempts": self.attempts,
         }

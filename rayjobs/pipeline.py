@@ -320,6 +320,7 @@ def _train(config: Config, job: Job, hooks: dict[str, Any] | None) -> dict[str, 
             "run_name": job.name,
             "datasets": list(datasets),
             "eval_batches": job.held_out.batches if job.held_out else None,
+            "ledger": job.ledger,  # rank 0 counts the worker groups started (attempts)
             **(hooks or {}),
         },
         scaling_config=ScalingConfig(
@@ -354,6 +355,7 @@ def _train(config: Config, job: Job, hooks: dict[str, Any] | None) -> dict[str, 
             if c["path"] is None or os.path.basename(c["path"]) in kept
         ]
     summary.update(job.accounting(complete=not summary["stopped_early"]))
+    summary["attempts"] = job.snapshot()["attempts"]
     if job.held_out is not None:
         summary["eval"].update(job.held_out.summary(summary["eval"]["history"]))
     summary["untrained_packs"] = untrained_packs(config, summary, len(datasets))
@@ -367,12 +369,13 @@ def _train(config: Config, job: Job, hooks: dict[str, Any] | None) -> dict[str, 
 
 def untrained_packs(config: Config, summary: dict[str, Any], num_datasets: int) -> int | None:
     """Packs the pipeline produced that no rank trained on; None where that count means nothing
-    (``stopped_early``: the stream ran ahead; a resumed run: its data was read again). Raises
+    (``stopped_early``: the stream ran ahead; a resumed run, or workers restarted with or without
+    a checkpoint (``attempts`` > 1): its data was read again). Raises
     ``AccountingError`` beyond what the equal split may leave over: fewer than ``num_workers``
     rows of each dataset (with ``train.drop_last``, fewer than ``num_workers × batch_size``).
     No bound once the guard dropped a batch: a rank stops at the first batch another lacks, so
     what it held after that is not counted (``guard_dropped_batches`` says it happened)."""
-    if summary["stopped_early"] or summary["resumes"]:
+    if summary["stopped_early"] or summary["resumes"] or summary.get("attempts", 1) > 1:
         return None
     spec = config.train
     untrained = summary["packed"]["num_packs"] - summary["num_packs"]

@@ -928,6 +928,8 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     spec = config.train
     context = ray.train.get_context()
     world_size, rank = context.get_world_size(), context.get_world_rank()
+    if rank == 0 and loop_config.get("ledger") is not None:
+        ray.get(loop_config["ledger"].start_attempt.remote())
     device = ray.train.torch.get_device()
     attention = resolve_attention(spec.attention, device)
     # Ray leaves OMP_NUM_THREADS unset for fractional-CPU actors, so torch would start one thread

@@ -58,6 +58,7 @@ def test_run_trains_a_tiny_llama_on_real_data_and_saves_checkpoints_from_pretrai
     summary = json.loads(done.stdout.splitlines()[-1])
     assert "packing efficiency" in done.stdout  # the human summary precedes the JSON line
     assert summary["steps"] == 8 and summary["steps_per_rank"] == [8, 8]
+    assert summary["attempts"] == 1 and summary["untrained_packs"] is None  # max_steps stopped it
     assert summary["num_packs"] == 8 * 2 * 2
     assert summary["guard_dropped_batches"] == 0
     assert summary["tokens_trained"] > 0 and 0 < summary["packing_efficiency"] <= 1

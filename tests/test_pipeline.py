@@ -274,29 +274,32 @@ def test_planned_mode_keeps_every_data_operator_on_the_data_nodes(monkeypatch):
 
 
 # (packed, trained, workers, batch size, drop_last, datasets, guard-dropped batches, stopped
-# early, resumed) → untrained_packs, or None where the count means nothing, or "error" beyond what
-# the equal split (and drop_last's short batches, and the guard) may leave over.
+# early, resumed from a checkpoint, worker-group attempts) → untrained_packs, or None where the
+# count means nothing, or "error" beyond what the equal split (and drop_last's short batches, and
+# the guard) may leave over.
 UNTRAINED = [
-    (103, 102, 2, 4, False, 1, 0, False, False, 1),  # the split's remainder: 1 of 103 rows
-    (103, 101, 2, 4, False, 1, 0, False, False, "error"),  # more than the split may drop
-    (103, 96, 2, 4, True, 1, 0, False, False, 7),  # 51 a rank, 12 batches of 4
-    (103, 95, 2, 4, True, 1, 0, False, False, "error"),
-    (450, 444, 2, 3, True, 2, 0, False, False, 6),  # planned, 2 epochs of 225: 3 each
-    (450, 439, 2, 3, True, 2, 0, False, False, "error"),  # over 2 × (2 × 3 − 1)
-    (60, 50, 2, 2, False, 1, 1, False, False, 10),  # the guard stopped a rank: no bound
-    (60, 61, 2, 2, False, 1, 1, False, False, "error"),  # never more trained than made
-    (60, 60, 1, 4, False, 1, 0, False, False, 0),
-    (61, 60, 0, 4, False, 1, 0, False, False, "error"),  # num_workers 0: one process, no split
-    (200, 64, 2, 4, False, 1, 0, True, False, None),  # max_steps: the stream ran ahead
-    (200, 64, 2, 4, False, 1, 0, False, True, None),  # resumed: its stream was read again
+    (103, 102, 2, 4, False, 1, 0, False, False, 1, 1),  # the split's remainder: 1 of 103 rows
+    (103, 101, 2, 4, False, 1, 0, False, False, 1, "error"),  # more than the split may drop
+    (103, 96, 2, 4, True, 1, 0, False, False, 1, 7),  # 51 a rank, 12 batches of 4
+    (103, 95, 2, 4, True, 1, 0, False, False, 1, "error"),
+    (450, 444, 2, 3, True, 2, 0, False, False, 1, 6),  # planned, 2 epochs of 225: 3 each
+    (450, 439, 2, 3, True, 2, 0, False, False, 1, "error"),  # over 2 × (2 × 3 − 1)
+    (60, 50, 2, 2, False, 1, 1, False, False, 1, 10),  # the guard stopped a rank: no bound
+    (60, 61, 2, 2, False, 1, 1, False, False, 1, "error"),  # never more trained than made
+    (60, 60, 1, 4, False, 1, 0, False, False, 1, 0),
+    (61, 60, 0, 4, False, 1, 0, False, False, 1, "error"),  # num_workers 0: one process, no split
+    (200, 64, 2, 4, False, 1, 0, True, False, 1, None),  # max_steps: the stream ran ahead
+    (200, 64, 2, 4, False, 1, 0, False, True, 1, None),  # --resume: its stream was read again
+    (200, 150, 2, 4, False, 1, 0, False, False, 2, None),  # a restart without a checkpoint
 ]
 
 
 @pytest.mark.parametrize(
-    "packed,trained,workers,batch,drop_last,datasets,guard,early,resumed,expected", UNTRAINED
+    "packed,trained,workers,batch,drop_last,datasets,guard,early,resumed,attempts,expected",
+    UNTRAINED,
 )
 def test_untrained_packs(
-    packed, trained, workers, batch, drop_last, datasets, guard, early, resumed, expected
+    packed, trained, workers, batch, drop_last, datasets, guard, early, resumed, attempts, expected
 ):
     config = config_from_dict(
         {
@@ -311,6 +314,7 @@ def test_untrained_packs(
         "guard_dropped_batches": guard,
         "stopped_early": early,
         "resumes": [{"step": 3}] if resumed else [],
+        "attempts": attempts,
     }
     if expected == "error":
         with pytest.raises(AccountingError, match=f"{packed} packs made, {trained} trained"):

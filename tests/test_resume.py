@@ -87,6 +87,9 @@ def test_killed_workers_and_a_resumed_run_continue_from_the_last_checkpoint(ray_
     summary = run(config, resume="latest", hooks={"faults": [last], "trace": str(trace)})
     assert summary["run_name"] == name
     assert (tmp_path / "fault3").exists()
+    # Two worker groups started in this run (the restart after step 12): its stream was read
+    # again, so the packs made say nothing of what went untrained.
+    assert summary["attempts"] == 2 and summary["untrained_packs"] is None
 
     resumes = summary["resumes"]
     assert [r["step"] for r in resumes] == [3, 6, 12]
