@@ -499,15 +499,16 @@ class Tokenize:
         encoded = iter(self.tokenizer.encode_with_starts(texts))
         eos = [self.tokenizer.eos_id]
 
-        def response(prompt_ids: list[int], at: int, text: str, tally: TokenizeCounts):
+        def response(prompt_ids: list[int], at: int, text: str) -> tuple[list[int], int]:
+            """The response's tokens, and 1 where it was tokenized on its own (else 0)."""
             ids, starts = next(encoded)
             inside = sum(start < at for start in starts)
-            if ids[:inside] == prompt_ids:
-                tokens = ids[inside:]
-            else:  # a token straddles the boundary (rare): the response on its own
-                [(tokens, _)] = self.tokenizer.encode_with_starts([text])
-                tally.responses_tokenized_alone += 1
-            return tokens if self.tokenizer.ends_with_eos(text) else [*tokens, *eos]
+            alone = int(ids[:inside] != prompt_ids)
+            if alone:  # a token straddles the boundary (rare): the response on its own
+                [(ids, _)] = self.tokenizer.encode_with_starts([text])
+                inside = 0
+            tokens = ids[inside:]
+            return (tokens if self.tokenizer.ends_with_eos(text) else [*tokens, *eos]), alone
 
         columns: dict[str, list] = {name: [] for name in TRIPLE_COLUMNS}
         sources, uids, kept = [], [], []
@@ -515,8 +516,8 @@ class Tokenize:
             own, starts = next(encoded)
             at = len(preference.prompt)
             tally = counts[spec.name]
-            chosen = response(own, at, preference.chosen, tally)
-            rejected = response(own, at, preference.rejected, tally)
+            chosen, chosen_alone = response(own, at, preference.chosen)
+            rejected, rejected_alone = response(own, at, preference.rejected)
             prompt, _ = self.tokenizer.with_bos(own, starts)
             if not prompt:  # a prompt that renders to no token (an empty chat template output)
                 tally.dropped_samples += 1
@@ -533,6 +534,7 @@ class Tokenize:
             kept.append(index)
             tally.samples += 1
             tally.tokens += triple.unit_length
+            tally.responses_tokenized_alone += chosen_alone + rejected_alone  # of kept triples
             tally.trained_tokens += len(triple.chosen) + len(triple.rejected)
         out = {name: pa.array(values, type=TOKEN_LIST) for name, values in columns.items()}
         out["source"] = pa.array(sources, type=pa.string())

@@ -1009,3 +1009,17 @@ def test_a_preference_response_keeps_a_token_that_straddles_its_prompt(
     assert (rows[1]["chosen_ids"], rows[1]["rejected_ids"]) == ([604, EOS], [642, EOS])  # " 4"
     [(by_dataset, _key, _lengths)] = fake_ledger.calls
     assert by_dataset["d"].responses_tokenized_alone == 2  # both of the first row's, once each
+
+
+def test_a_dropped_triple_counts_no_response_tokenized_alone(gpt2_config, fake_ledger):
+    """``responses_tokenized_alone`` counts the responses of the triples kept: a triple dropped
+    for its length (``overflow: drop``) is counted in ``dropped_samples`` only."""
+    long = {"prompt": "Question: " + "why " * 20 + "2+2?\nAnswer: ", "chosen": "4", "rejected": "5"}
+    short = {"prompt": "Answer: ", "chosen": "4", "rejected": "5"}
+    rows = Tokenize([_spec("preference")], gpt2_config, 16, "drop", ledger=fake_ledger)(
+        _batch("d", [long, short])
+    ).to_pylist()
+    assert len(rows) == 1  # guard: the long one was dropped, the short one kept
+    [(by_dataset, _key, _lengths)] = fake_ledger.calls
+    assert by_dataset["d"].dropped_samples == 1
+    assert by_dataset["d"].responses_tokenized_alone == 2  # the short triple's two, alone
