@@ -226,7 +226,8 @@ def _object_store_used() -> int:
 def _consume(iterator, stamps: list, tokens: list, step_s: float = 0.0) -> None:
     """Take every batch of one split, recording (arrival, highest epoch, lowest epoch) and its
     tokens; with ``step_s`` spend that long on each batch, as a trainer's step would."""
-    # As the trainers take theirs (train.rank_batches): read ahead in a thread, not Ray's prefetch.
+    # As the trainers take theirs (train.rank_batches): read ahead in a thread, not Ray's prefetch
+    # (whole batches only, as with train.drop_last: a bench of the stream's pace, not of its tail).
     batches = iterator.iter_batches(batch_size=BATCH_ROWS, drop_last=True, prefetch_batches=0)
     for batch in read_ahead(batches):
         stamps.append((time.perf_counter(), int(batch["epoch"].max()), int(batch["epoch"].min())))
