@@ -199,6 +199,9 @@ def _fsdp_worker(rank: int, port: int, kind: str, rows: dict, out: str) -> None:
     packed = _model(kind.removesuffix("+ac"))
     if kind.endswith("+ac"):  # activation checkpointing under FSDP2's hooks
         train.enable_activation_checkpointing(packed)
+    calls = []  # block forwards (as test_activation_checkpointing_recomputes_each_block_...)
+    for block in transformer_blocks(packed):
+        next(block.children()).register_forward_pre_hook(lambda *_: calls.append(1))
     full = sum(p.numel() for p in packed.parameters())
     model = parallelize(packed, "fsdp")
     local = sum(p.to_local().numel() for p in model.parameters())
@@ -213,6 +216,7 @@ def _fsdp_worker(rank: int, port: int, kind: str, rows: dict, out: str) -> None:
     loss, _, norm, *_ = train_step(
         model, optimizer, scheduler, group, fsdp=True, bf16=False, spec=spec
     )
+    block_calls = len(calls)
     # Evaluation over unequal shares (rows 0-4 and 5-7, batches of 2): rank 1 runs a padding
     # row while rank 0 runs its third batch; FSDP2 needs both in every forward.
     share = {k: v[:5] if rank == 0 else v[5:] for k, v in rows.items()}
@@ -227,6 +231,7 @@ def _fsdp_worker(rank: int, port: int, kind: str, rows: dict, out: str) -> None:
         momentum = {k: v["momentum_buffer"] for k, v in optimizer_state["state"].items()}
         result = {"state": state, "momentum": momentum, "loss": loss, "norm": norm}
         result |= {"eval_loss": evaluation.loss, "eval_rows": evaluation.rows}
+        result["block_calls"] = block_calls
         torch.save({**result, "full": full, "local": local}, out)
     dist.destroy_process_group()
 
@@ -238,6 +243,8 @@ def test_fsdp_over_two_processes_takes_the_single_process_step(kind, tmp_path):
     mp.spawn(_fsdp_worker, args=(_free_port(), kind, rows, out), nprocs=2)
     result = torch.load(out, weights_only=True)
     assert result["local"] < 0.75 * result["full"]  # guard: the parameters were sharded
+    # 2 micro-batches through 2 blocks, each recomputed in backward under activation checkpointing
+    assert result["block_calls"] == (8 if kind.endswith("+ac") else 4)
     reference = _model(kind.removesuffix("+ac"))
     assert len(transformer_blocks(reference)) == 2
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
