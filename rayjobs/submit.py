@@ -220,14 +220,19 @@ def plan_submission(
         problems.append(f"the config {config_rel} {_left_out()}")
     raw = _raw(config_file, overrides)
     checker = _InputCheck(wd, config_file.parent, files, allow_absolute, problems)
-    for index, spec in enumerate(config.datasets):
-        key = f"datasets.{index}.source (dataset {spec.name!r})"
-        spelled = raw["datasets"][index]["source"]
-        for source in [spelled] if isinstance(spelled, str) else spelled:
-            if spec.format == formats.HF:
-                checker.folder_or_name(key, str(source))
-            else:
-                checker.files(key, str(source), spec.format)
+    held_out = (raw.get("eval") or {}).get("datasets") or []
+    for section, specs, spelled_specs in (
+        ("datasets", config.datasets, raw["datasets"]),
+        ("eval.datasets", config.eval.datasets, held_out),
+    ):
+        for index, spec in enumerate(specs):
+            key = f"{section}.{index}.source (dataset {spec.name!r})"
+            spelled = spelled_specs[index]["source"]
+            for source in [spelled] if isinstance(spelled, str) else spelled:
+                if spec.format == formats.HF:
+                    checker.folder_or_name(key, str(source))
+                else:
+                    checker.files(key, str(source), spec.format)
     checker.folder_or_name("tokenizer.path", str(raw["tokenizer"]["path"]))
     model = (raw.get("train") or {}).get("model") or {}
     for name in ("path", "config_path"):  # a checkpoint or config.json to start from

@@ -142,6 +142,10 @@ def test_inputs_outside_the_working_directory_are_refused_naming_key_and_path(tm
         f"to the cluster ({wd.resolve()}); put it under that folder" in message
     )
     assert "--allow-absolute" in message
+    # The held-out datasets too (eval.datasets): the job reads them on the cluster as well.
+    held_out = f"eval.datasets=[{{name: h, source: {outside}, template: alpaca}}]"
+    message = _refusal(config, [held_out], working_dir=wd)
+    assert f"eval.datasets.0.source (dataset 'h'): {outside} is outside the working" in message
     # A relative path that climbs out is refused the same way (no flag makes it work there).
     message = _refusal(config, ["tokenizer.path=../elsewhere/tok"], working_dir=wd)
     assert f"tokenizer.path: ../elsewhere/tok ({tmp_path.resolve() / 'elsewhere'}" in message
