@@ -241,7 +241,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines.append(f"eval: loss {losses}  over {last['rows']} packs, {last['tokens']} tokens")
         if "reward_accuracy" in last:
             lines[-1] += f", reward accuracy {last['reward_accuracy']:.3f}"
-        for name, stats in evaluation["datasets"].items():
+        for name, stats in evaluation.get("datasets", {}).items():  # none: eval.datasets gone
             lines.append(_dataset_line(name, stats))
     for resume in summary.get("resumes", []):
         lines.append(

@@ -439,6 +439,16 @@ class EvalConfig(_Strict):
             )
         return _unique(datasets)
 
+    @model_validator(mode="after")
+    def _settings_need_datasets(self) -> EvalConfig:
+        settings = [k for k in ("every_steps", "batch_size") if getattr(self, k) is not None]
+        if settings and not self.datasets:
+            raise ValueError(
+                f"eval.{settings[0]} is set but eval.datasets is empty: list the held-out "
+                "datasets to evaluate on"
+            )
+        return self
+
 
 def _unique(datasets: list[DatasetConfig]) -> list[DatasetConfig]:
     names = [d.name for d in datasets]
@@ -643,7 +653,7 @@ def _resolve_dataset(
     key = f"{section}.{index}.source"
     if spec.files:  # the field exists so workers get the list validation resolved, once
         raise ConfigError(
-            f"datasets.{index}.files: filled in from {key}, not set in a config; "
+            f"{section}.{index}.files: filled in from {key}, not set in a config; "
             f"list the files in {key} instead"
         )
     sources = [spec.source] if isinstance(spec.source, str) else list(spec.source)

@@ -171,10 +171,10 @@ class HeldOut:
         pack exactly once."""
         snapshot = ray.get(self.ledger.snapshot.remote())
         problems = check_accounting(snapshot, streamed=True, complete=True)
-        problems += [
-            f"the evaluation at step {e['step']} saw {e['rows']} of {self.num_packs} eval packs"
+        problems += [  # each against its own set: a resumed run's may predate a changed config
+            f"the evaluation at step {e['step']} saw {e['rows']} of {e['packs']} eval packs"
             for e in evals
-            if e["rows"] != self.num_packs
+            if e["rows"] != e.get("packs", e["rows"])
         ]
         if problems:
             raise AccountingError("the evaluation's counts do not add up: " + "; ".join(problems))
@@ -202,11 +202,14 @@ def held_out(config: Config, job: Job) -> HeldOut | None:
         return None
     names = [spec.name for spec in config.eval.datasets]
     ledger = Ledger.remote(f"{job.name}-eval", None, True, names)
-    rows = stream.packed_rows(eval_config(config), job.tokenizer.pad_id, ledger).materialize()
-    num_packs = rows.count()
-    if num_packs == 0:
-        ray.kill(ledger)
-        raise AccountingError(f"eval.datasets {names}: no sample left to evaluate on")
+    try:
+        rows = stream.packed_rows(eval_config(config), job.tokenizer.pad_id, ledger).materialize()
+        num_packs = rows.count()
+        if num_packs == 0:
+            raise AccountingError(f"eval.datasets {names}: no sample left to evaluate on")
+    except BaseException:
+        ray.kill(ledger)  # the run fails here: nothing will read or close it
+        raise
     workers = max(1, config.train.num_workers)
     cuts = [num_packs * rank // workers for rank in range(1, workers)]
     shares = rows.split_at_indices(cuts) if cuts else [rows]
@@ -320,6 +323,7 @@ def _train(config: Config, job: Job, hooks: dict[str, Any] | None) -> dict[str, 
             "run_name": job.name,
             "datasets": list(datasets),
             "eval_batches": job.held_out.batches if job.held_out else None,
+            "eval_packs": job.held_out.num_packs if job.held_out else None,
             "ledger": job.ledger,  # rank 0 counts the worker groups started (attempts)
             **(hooks or {}),
         },

@@ -503,7 +503,7 @@ class TrainState:
 
 EVAL_DATASET = "eval_rank_"
 """The trainer's held-out datasets: ``eval_rank_<r>``, rank r's share of the eval packs
-(``pipeline.eval_datasets``)."""
+(``pipeline.held_out``)."""
 
 TRAIN_STATE = "train_state.pt"
 """The file of a periodic checkpoint that holds what resuming needs: the model's and the
@@ -952,7 +952,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     bf16 = use_bf16(spec.precision, device)
     seq_len = config.packing.seq_len
     series = TrainMetrics(loop_config.get("run_name", "rayjobs"), rank)
-    held_out = None  # this rank's share of the eval packs (Job.eval_datasets), and its batches
+    held_out = None  # this rank's share of the eval packs (pipeline.held_out), and its batches
     if loop_config.get("eval_batches") is not None:
         held_out = ray.train.get_dataset_shard(f"{EVAL_DATASET}{rank}")
 
@@ -970,6 +970,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             beta=config.dpo.beta,
         )
         entry = {"step": state.steps, "loss": result.loss, "rows": result.rows}
+        entry["packs"] = loop_config["eval_packs"]  # of the eval set this evaluation ran over
         entry |= {"tokens": result.tokens, **(result.dpo or {})}
         state.evals.append(entry)
         series.evaluation(result.loss)

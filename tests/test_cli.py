@@ -261,3 +261,27 @@ def test_the_human_summary_says_when_packs_went_untrained(untrained, note):
     line = format_summary(summary).splitlines()[1]
     assert line.startswith("packs 16  packing efficiency 0.9700  tokens trained 900")
     assert ("(3 packs made, not trained: untrained_packs)" in line) is note
+
+
+def test_the_human_summary_shows_an_evaluation_history_without_its_eval_set():
+    """A run resumed without the eval.datasets it was started with keeps the evaluations its
+    checkpoint holds, but has no eval set of its own to count: the summary still prints."""
+    from rayjobs.cli import format_summary
+
+    summary = {
+        "steps": 4,
+        "steps_per_rank": [4, 4],
+        "loss_first": 5.0,
+        "loss_last": 4.0,
+        "num_packs": 32,
+        "packing_efficiency": 0.97,
+        "tokens_trained": 900,
+        "datasets": {},
+        "eval": {
+            "loss": 4.5,
+            "history": [{"step": 2, "loss": 4.5, "rows": 10, "tokens": 300, "packs": 10}],
+        },
+        "run_name": "r",
+        "checkpoint": None,
+    }
+    assert "eval: loss 4.5000 (step 2)  over 10 packs, 300 tokens" in format_summary(summary)

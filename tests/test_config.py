@@ -196,8 +196,18 @@ BAD_CONFIGS = {
         [],
         ["eval.datasets.0.source (dataset 'alpaca'): no file matches {tmp}/data/heldout.json"],
     ),
+    "eval_settings_without_datasets": (
+        {"eval": {"every_steps": 10}},
+        [],
+        ["eval.every_steps is set but eval.datasets is empty"],
+    ),
+    "eval_files_set": (
+        {"eval": {"datasets": _dataset(files=["data/alpaca.json"])["datasets"]}},
+        [],
+        ["eval.datasets.0.files: filled in from eval.datasets.0.source, not set in a config"],
+    ),
     "eval_every_zero_steps": (
-        {"eval": {"every_steps": 0}},
+        {"eval": {"every_steps": 0, **_dataset()}},
         [],
         ["eval.every_steps", "greater than 0"],
     ),
