@@ -558,3 +558,18 @@ def test_a_padding_row_adds_nothing_to_an_evaluation(preference):
         loss, sums = train._forward(model, row, False, reference)
     assert float(loss) == 0.0 and not sums.any()
     assert row["input_ids"].shape == (1, SEQ) and ("response_role" in row) == preference
+
+
+def test_evaluate_runs_without_dropout_and_leaves_it_on_for_training():
+    config, tokenizer = _gpt2()  # dropout 0.1
+    packed = train.build_model(config, tokenizer, torch.device("cpu"), "sdpa").train()
+    rows = _rows(4, seed=5)
+    kwargs = {"seq_len": SEQ, "device": torch.device("cpu"), "bf16": False}
+    first = train.evaluate(packed, _Shard(rows), 2, 2, **kwargs)
+    second = train.evaluate(packed, _Shard(rows), 2, 2, **kwargs)
+    assert first.loss == second.loss  # no dropout: the same forward twice
+    assert packed.training
+    batch = _batch(rows, 0, 4)
+    columns = [batch[k] for k in ("input_ids", "position_ids", "document_ids", "labels")]
+    with torch.no_grad():  # guard: in training mode, dropout changes the loss from call to call
+        assert float(packed(*columns)[0]) != float(packed(*columns)[0])
