@@ -453,7 +453,9 @@ class TrainMetrics:
 
     def evaluation(self, loss: float) -> None:
         """An evaluation's global loss (rank 0 sets ``rayjobs_eval_loss``; a run without
-        ``eval.datasets`` never exports it)."""
+        ``eval.datasets`` never exports it), once it has run: the next step's tokens per second
+        count from here, not over the evaluation's time."""
+        self._last = time.monotonic()
         if self.rank == 0:
             self._eval_loss.set(loss, tags=self.tags)
 
