@@ -241,24 +241,26 @@ def test_readme_usage_is_the_help_text_and_lists_every_flag():
     assert len(checked) == 9  # run export inspect submit status logs stop, bench, bench train
 
 
+SUMMARY = {
+    "steps": 2,
+    "steps_per_rank": [2, 2],
+    "loss_first": 5.0,
+    "loss_last": 4.0,
+    "num_packs": 16,
+    "packing_efficiency": 0.97,
+    "tokens_trained": 900,
+    "datasets": {},
+    "run_name": "r",
+    "checkpoint": None,
+}
+"""A run summary's keys that ``format_summary`` always prints."""
+
+
 @pytest.mark.parametrize("untrained, note", [(0, False), (None, False), (3, True)])
 def test_the_human_summary_says_when_packs_went_untrained(untrained, note):
     from rayjobs.cli import format_summary
 
-    summary = {
-        "steps": 2,
-        "steps_per_rank": [2, 2],
-        "loss_first": 5.0,
-        "loss_last": 4.0,
-        "num_packs": 16,
-        "packing_efficiency": 0.97,
-        "tokens_trained": 900,
-        "untrained_packs": untrained,
-        "datasets": {},
-        "run_name": "r",
-        "checkpoint": None,
-    }
-    line = format_summary(summary).splitlines()[1]
+    line = format_summary({**SUMMARY, "untrained_packs": untrained}).splitlines()[1]
     assert line.startswith("packs 16  packing efficiency 0.9700  tokens trained 900")
     assert ("(3 packs made, not trained: untrained_packs)" in line) is note
 
@@ -268,20 +270,6 @@ def test_the_human_summary_shows_an_evaluation_history_without_its_eval_set():
     checkpoint holds, but has no eval set of its own to count: the summary still prints."""
     from rayjobs.cli import format_summary
 
-    summary = {
-        "steps": 4,
-        "steps_per_rank": [4, 4],
-        "loss_first": 5.0,
-        "loss_last": 4.0,
-        "num_packs": 32,
-        "packing_efficiency": 0.97,
-        "tokens_trained": 900,
-        "datasets": {},
-        "eval": {
-            "loss": 4.5,
-            "history": [{"step": 2, "loss": 4.5, "rows": 10, "tokens": 300, "packs": 10}],
-        },
-        "run_name": "r",
-        "checkpoint": None,
-    }
-    assert "eval: loss 4.5000 (step 2)  over 10 packs, 300 tokens" in format_summary(summary)
+    history = [{"step": 2, "loss": 4.5, "rows": 10, "tokens": 300, "packs": 10}]
+    text = format_summary({**SUMMARY, "eval": {"loss": 4.5, "history": history}})
+    assert "eval: loss 4.5000 (step 2)  over 10 packs, 300 tokens" in text
