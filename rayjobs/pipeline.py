@@ -174,7 +174,7 @@ class HeldOut:
         problems += [  # each against its own set: a resumed run's may predate a changed config
             f"the evaluation at step {e['step']} saw {e['rows']} of {e['packs']} eval packs"
             for e in evals
-            if e["rows"] != e.get("packs", e["rows"])
+            if e["rows"] != e["packs"]
         ]
         if problems:
             raise AccountingError("the evaluation's counts do not add up: " + "; ".join(problems))

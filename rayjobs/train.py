@@ -694,6 +694,14 @@ def _triples(response_role: torch.Tensor) -> int:
     return int(starts.sum())
 
 
+def _units(batch: dict[str, torch.Tensor], preference: bool) -> tuple[int, int]:
+    """A batch's loss units, what its loss sum is divided by once summed over every rank
+    (labelled tokens; preference rows: triples), and its labelled tokens: one definition for
+    training and evaluation."""
+    tokens = int((batch["labels"] != IGNORE_INDEX).sum())
+    return (_triples(batch["response_role"]) if preference else tokens), tokens
+
+
 SUMS = (
     "loss",
     "reward_margin",
@@ -781,8 +789,8 @@ def train_step(
     policy's initial weights), run without gradients on the same rows."""
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     device = group[0]["input_ids"].device
-    tokens = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in group)
-    units = tokens if reference is None else sum(_triples(b["response_role"]) for b in group)
+    counted = [_units(batch, reference is not None) for batch in group]
+    units, tokens = (sum(column) for column in zip(*counted, strict=True))
     global_units = max(1, int(_all_reduce(torch.tensor(units, device=device))))
     sums = torch.zeros(len(SUMS), dtype=torch.float64, device=device)
     for i, batch in enumerate(group):
@@ -873,8 +881,8 @@ def evaluate(
                     batch = _padding_row(seq_len, reference is not None, device)
                 else:
                     counts[2] += len(batch["input_ids"])
-                tokens = int((batch["labels"] != IGNORE_INDEX).sum())
-                counts[0] += tokens if reference is None else _triples(batch["response_role"])
+                units, tokens = _units(batch, reference is not None)
+                counts[0] += units
                 counts[1] += tokens
                 sums += _forward(model, batch, bf16, reference, beta)[1]
             if next(batches, None) is not None:
