@@ -498,7 +498,8 @@ class TrainState:
     series: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     """Per-step values besides the loss (DPO: ``StepResult.dpo``'s), global."""
     evals: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    """One entry per evaluation (``eval``): its step, loss, rows and labelled tokens, DPO means."""
+    """One entry per evaluation (``eval``): its step, loss, rows, labelled tokens and the packs
+    of its eval set, DPO means."""
 
 
 EVAL_DATASET = "eval_rank_"
