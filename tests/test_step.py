@@ -236,7 +236,7 @@ def _fsdp_worker(rank: int, port: int, kind: str, rows: dict, out: str) -> None:
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("kind", ["demo", "llama", "demo+ac"])
+@pytest.mark.parametrize("kind", ["demo", "llama", "llama+ac"])
 def test_fsdp_over_two_processes_takes_the_single_process_step(kind, tmp_path):
     rows = _rows(8, seed=4)
     out = str(tmp_path / "fsdp.pt")
