@@ -42,6 +42,11 @@ Design note.
   job then reads the cut dataset as it would the whole one: without weights every epoch reads
   exactly N rows of each dataset holding that many, with weights the mix repeats or subsamples
   the N rows to its shares. Bad-row messages name the copy for the cut file.
+- **Eval sets** (``eval.datasets``): packed once, as a run packs them before training
+  (``pipeline.eval_rows``, their own ledger), and reported apart (``eval``: per-dataset counts,
+  packs, fill), never mixed into the figures above; ``--limit`` cuts them as it cuts the
+  training datasets. ``export`` writes the same rows to ``eval/`` and the same counts to its
+  manifest.
 - **Trained tokens in the preview.** Labels are shifted per sample (``labels[t]`` is the target
   of position ``t``), so a token is trained when it is a target: token ``t`` of a document is
   marked when ``labels[t - 1] != -100``. The response and its EOS are marked, the prompt is not,
@@ -278,6 +283,26 @@ def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
     ]
 
 
+def _eval_lines(evaluation: dict[str, Any]) -> list[str]:
+    """The report's ``eval`` (held-out sets, packed once as a run packs them) as text."""
+    packed = evaluation["packed"]
+    lines = [
+        f"eval (held out): packs {packed['num_packs']}  packing efficiency "
+        f"{packed['efficiency']:.4f}  samples per pack: mean "
+        f"{packed['samples_per_pack']['mean']:.2f}"
+    ]
+    for name, stats in evaluation["datasets"].items():
+        reasons = ", ".join(f"{k} {v}" for k, v in sorted(stats["skipped_by_reason"].items()))
+        lines.append(
+            f"  {name}: rows {stats['rows']} skipped {stats['skipped_rows']}"
+            + (f" ({reasons})" if reasons else "")
+            + f" samples {stats['samples']} tokens {stats['tokens']} trained "
+            f"{stats['trained_tokens']} truncated {stats['truncated_tokens']} dropped "
+            f"{stats['dropped_samples']}"
+        )
+    return lines
+
+
 def _number(value: float) -> str:
     return f"{value:g}" if float(value).is_integer() else f"{value:.1f}"
 
@@ -341,6 +366,8 @@ def format_report(report: dict[str, Any]) -> str:
         f"pack fill (tokens / seq_len): min {fill['min']:.3f}, p5 {fill['p5']:.3f}, "
         f"p50 {fill['p50']:.3f}, mean {fill['mean']:.4f}"
     )
+    if report.get("eval") is not None:
+        lines += _eval_lines(report["eval"])
     shown = report["preview"]
     if shown is not None:
         lines.append(
@@ -419,7 +446,16 @@ def limit_config(config: Config, limit: int, folder: str | Path) -> Config:
         _limit_dataset(spec, limit, folder / f"dataset-{index}")
         for index, spec in enumerate(config.datasets)
     ]
-    return config.model_copy(update={"datasets": datasets})
+    held_out = [
+        _limit_dataset(spec, limit, folder / f"eval-{index}")
+        for index, spec in enumerate(config.eval.datasets)
+    ]
+    return config.model_copy(
+        update={
+            "datasets": datasets,
+            "eval": config.eval.model_copy(update={"datasets": held_out}),
+        }
+    )
 
 
 def _limit_dataset(spec: DatasetConfig, limit: int, folder: Path) -> DatasetConfig:
@@ -564,7 +600,11 @@ def _report(
     config: Config, job: Any, limit: int | None, plot_path: str | Path | None
 ) -> dict[str, Any]:
     """``inspect`` once its job is set up: the rows read back, the report, the plot."""
-    num_tokens, num_documents, candidate = _read_rows(job)
+    if job.rows is not None:
+        parts = [(job.rows, 0)]
+    else:
+        parts = [(job.epochs.packed(e), e) for e in range(config.train.epochs)]
+    num_tokens, num_documents, candidate = _read_rows(parts)
     summary = job.accounting()
     packs = job.snapshot()["pack"]
     packed = summary["packed"]
@@ -620,6 +660,8 @@ def _report(
             None if config.task == "dpo" else [found.get(digest, []) for digest, _ in wanted],
         ),
     }
+    if config.eval.datasets:
+        report["eval"] = _eval_report(config, job)
     if plot_path is not None:
         by_dataset = {spec.name: lengths.get(spec.name, []) for spec in config.datasets}
         panels = plot(by_dataset, num_tokens / seq_len, seq_len, plot_path)
@@ -627,13 +669,12 @@ def _report(
     return report
 
 
-def _read_rows(job: Any) -> tuple[np.ndarray, np.ndarray, dict[str, Any] | None]:
-    """Every packed row of the job, reduced by ``row_stats``: (tokens per row, documents per
-    row, the preview row: the first seen with the most documents, or None without rows)."""
-    if job.rows is not None:
-        parts = [(job.rows, 0)]
-    else:
-        parts = [(job.epochs.packed(e), e) for e in range(job.config.train.epochs)]
+def _read_rows(
+    parts: list[tuple[Any, int]],
+) -> tuple[np.ndarray, np.ndarray, dict[str, Any] | None]:
+    """Every packed row of ``parts`` (datasets of rows, each with its epoch), reduced by
+    ``row_stats``: (tokens per row, documents per row, the preview row: the first seen with the
+    most documents, or None without rows)."""
     tokens, documents = [], []
     candidate = None
     for rows, epoch in parts:
@@ -656,6 +697,30 @@ def _read_rows(job: Any) -> tuple[np.ndarray, np.ndarray, dict[str, Any] | None]
     if not tokens:
         return np.empty(0, np.int64), np.empty(0, np.int64), None
     return np.concatenate(tokens).astype(np.int64), np.concatenate(documents), candidate
+
+
+def _eval_report(config: Config, job: Any) -> dict[str, Any]:
+    """The packed ``eval.datasets`` (``pipeline.eval_rows``, as a run packs them): their
+    ledger's counts (what ``export`` writes to its manifest's ``eval``) and the packs' samples
+    per pack and fill, from the rows read back."""
+    import ray
+
+    from rayjobs.pipeline import eval_accounting, eval_rows
+
+    rows, ledger = eval_rows(config, job)
+    try:
+        num_tokens, num_documents, _ = _read_rows([(rows, 0)])
+        counts = eval_accounting(ledger)
+    finally:
+        ray.kill(ledger)
+    packed = counts["packed"]
+    if (len(num_tokens), int(num_tokens.sum())) != (packed["num_packs"], packed["num_tokens"]):
+        raise AccountingError(
+            f"inspect read {len(num_tokens)} eval rows of {int(num_tokens.sum())} tokens back, "
+            f"but the ledger counted {packed['num_packs']} packs of {packed['num_tokens']} tokens"
+        )
+    packed.update(pack_stats(num_tokens, num_documents, config.packing.seq_len))
+    return counts
 
 
 def sample_stats(batch: pa.Table, wanted: list[tuple[int, int]]) -> pa.Table:

@@ -169,16 +169,24 @@ class HeldOut:
         """The summary's ``eval`` counts: per-dataset tokenization and the packs. Raises
         ``AccountingError`` when the counts do not add up, or an evaluation did not see every
         pack exactly once."""
-        snapshot = ray.get(self.ledger.snapshot.remote())
-        problems = check_accounting(snapshot, streamed=True, complete=True)
-        problems += [  # each against its own set: a resumed run's may predate a changed config
-            f"the evaluation at step {e['step']} saw {e['rows']} of {e['packs']} eval packs"
-            for e in evals
-            if e["rows"] != e["packs"]
-        ]
-        if problems:
-            raise AccountingError("the evaluation's counts do not add up: " + "; ".join(problems))
-        return accounting(snapshot)
+        return eval_accounting(
+            self.ledger,
+            [  # each against its own set: a resumed run's may predate a changed config
+                f"the evaluation at step {e['step']} saw {e['rows']} of {e['packs']} eval packs"
+                for e in evals
+                if e["rows"] != e["packs"]
+            ],
+        )
+
+
+def eval_accounting(ledger: Any, problems: list[str] | None = None) -> dict[str, Any]:
+    """The eval sets' counts (``datasets``, ``packed``) from their ledger, every pack made.
+    Raises ``AccountingError`` when they, or ``problems`` found by the caller, do not add up."""
+    snapshot = ray.get(ledger.snapshot.remote())
+    problems = check_accounting(snapshot, streamed=True, complete=True) + (problems or [])
+    if problems:
+        raise AccountingError("the evaluation's counts do not add up: " + "; ".join(problems))
+    return accounting(snapshot)
 
 
 def eval_config(config: Config) -> Config:
@@ -194,6 +202,19 @@ def eval_config(config: Config) -> Config:
     )
 
 
+def eval_rows(config: Config, job: Job) -> tuple[ray.data.Dataset, Any]:
+    """``eval.datasets`` packed (lazy: read, tokenized and packed when consumed) and their own
+    ``Ledger`` (run ``<run>-eval``: their counts are not the training data's), which the caller
+    ends. ``held_out`` trains with them; ``export`` and ``inspect`` write and report them."""
+    names = [spec.name for spec in config.eval.datasets]
+    ledger = Ledger.remote(f"{job.name}-eval", None, True, names)
+    try:
+        return stream.packed_rows(eval_config(config), job.tokenizer.pad_id, ledger), ledger
+    except BaseException:
+        ray.kill(ledger)
+        raise
+
+
 def held_out(config: Config, job: Job) -> HeldOut | None:
     """Pack ``eval.datasets`` once (None without them) and cut the packs into one share per
     rank. Materialized before training: every evaluation reads them again, and a lazy stream
@@ -201,9 +222,9 @@ def held_out(config: Config, job: Job) -> HeldOut | None:
     if not config.eval.datasets:
         return None
     names = [spec.name for spec in config.eval.datasets]
-    ledger = Ledger.remote(f"{job.name}-eval", None, True, names)
+    rows, ledger = eval_rows(config, job)
     try:
-        rows = stream.packed_rows(eval_config(config), job.tokenizer.pad_id, ledger).materialize()
+        rows = rows.materialize()
         num_packs = rows.count()
         if num_packs == 0:
             raise AccountingError(f"eval.datasets {names}: no sample left to evaluate on")

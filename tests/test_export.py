@@ -112,6 +112,8 @@ def test_export_into_a_non_empty_folder_is_refused_without_overwrite(tmp_path, m
 def test_overwrite_empties_an_earlier_export_before_the_job_starts(tmp_path, monkeypatch):
     monkeypatch.setattr("rayjobs.pipeline.start_job", _no_job)
     _earlier_export(tmp_path)
+    (tmp_path / "eval").mkdir()  # an earlier export's eval sets
+    (tmp_path / "eval" / "part-0.parquet").write_bytes(b"PAR1")
     with pytest.raises(_Started):
         export(None, tmp_path, overwrite=True)
     assert list(tmp_path.iterdir()) == []
@@ -128,11 +130,17 @@ def test_overwrite_never_deletes_what_no_export_writes(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize(
     "name, files",
-    [("epoch=2024", ["notes.csv"]), ("epoch=0", ["part-0.parquet", "notes.txt"]), ("epoch=x", [])],
+    [
+        ("epoch=2024", ["notes.csv"]),
+        ("epoch=0", ["part-0.parquet", "notes.txt"]),
+        ("epoch=x", []),
+        ("eval", ["part-0.parquet", "notes.txt"]),
+    ],
 )
 def test_overwrite_keeps_epoch_folders_an_export_did_not_write(tmp_path, monkeypatch, name, files):
-    """Only ``epoch=<number>`` folders of Parquet files count as an earlier export's: a user's
-    own Hive-partitioned folder (``epoch=2024/notes.csv``) was emptied with the export."""
+    """Only ``epoch=<number>`` (and ``eval``) folders of Parquet files count as an earlier
+    export's: a user's own Hive-partitioned folder (``epoch=2024/notes.csv``) was emptied with
+    the export."""
     monkeypatch.setattr("rayjobs.pipeline.start_job", _no_job)
     (tmp_path / name).mkdir()
     for file in files:

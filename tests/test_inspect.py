@@ -29,6 +29,8 @@ from rayjobs.tokenize import Tokenize
 
 SEQ_LEN = 256
 LIMIT = 40
+HELD_OUT = ROOT / "configs" / "data" / "eval" / "hh_rlhf_harmless_chosen.last60.messages.jsonl"
+"""The config's eval set (60 rows): packed and reported apart from the training datasets."""
 TIMERS = ("seconds", "cpu_seconds")
 
 
@@ -74,6 +76,7 @@ def setup(tmp_path_factory):
                 "on_bad_row": "skip",
             },
         ],
+        "eval": {"datasets": [{"name": "held_out", "source": str(HELD_OUT), "template": "chat"}]},
         "tokenizer": {"path": str(GPT2)},
         "packing": {"seq_len": SEQ_LEN, "warmup_tokens": 0},
         "train": {"epochs": 1},
@@ -128,6 +131,41 @@ def test_inspect_json_equals_export(inspected, exported):
     documents = sum(s["samples"] for s in report["datasets"].values())
     assert packed["samples_per_pack"]["mean"] == pytest.approx(documents / packed["num_packs"])
     assert packed["fill"]["mean"] == pytest.approx(packed["efficiency"])
+
+
+def test_eval_sets_are_packed_apart_reported_and_exported_whole(inspected, exported, setup):
+    """``eval.datasets``: inspect reports them apart from the training datasets (their own
+    counts and packs, never in the training figures) and export writes their packed rows to
+    ``eval/`` with the same counts in its manifest; every held-out sample is in those rows
+    exactly once, as the Tokenize stage makes it in-process."""
+    from conftest import file_tables
+
+    stdout, report = inspected
+    manifest, out = exported
+    _, config, _ = setup
+    evaluation = manifest["eval"]
+    assert evaluation["path"] == "eval" and report["eval"]["datasets"] == evaluation["datasets"]
+    assert {k: report["eval"]["packed"][k] for k in evaluation["packed"]} == evaluation["packed"]
+    assert "held_out" not in report["datasets"] and "held_out" not in manifest["datasets"]
+    assert any(line.startswith("eval (held out): packs ") for line in stdout.splitlines())
+    table = pq.read_table(out / "eval")
+    assert "epoch" not in table.column_names
+    assert table.num_rows == evaluation["packed"]["num_packs"] >= 2
+    assert sum(table.column("num_tokens").to_pylist()) == evaluation["packed"]["num_tokens"]
+    packed = []
+    for ids, documents, used in zip(
+        table.column("input_ids").to_pylist(),
+        table.column("document_ids").to_pylist(),
+        table.column("num_tokens").to_pylist(),
+    ):
+        ids, documents = np.asarray(ids[:used]), np.asarray(documents[:used])
+        packed += [tuple(ids[documents == d].tolist()) for d in np.unique(documents)]
+    tokenize = Tokenize(config.eval.datasets, config.tokenizer, SEQ_LEN, "truncate")
+    tables = file_tables(HELD_OUT.read_bytes(), str(HELD_OUT), format="jsonl", dataset="held_out")
+    samples = tokenize(pa.concat_tables(list(tables))).column("input_ids").to_pylist()
+    assert len(samples) == evaluation["datasets"]["held_out"]["samples"] == 60
+    assert sorted(packed) == sorted(tuple(ids) for ids in samples)  # each exactly once
+    assert len(packed) > table.num_rows  # guard: rows hold several held-out samples
 
 
 def _document_lengths(out: Path) -> np.ndarray:
@@ -269,6 +307,7 @@ def test_limit_reads_exactly_the_first_rows_of_each_dataset(ray_local, setup):
     report = inspection.inspect(config, limit=LIMIT)
     rows = {name: stats["rows"] for name, stats in report["datasets"].items()}
     assert rows == {"alpaca": LIMIT, "hh_chat": LIMIT, "bad": 30}  # bad has 30 rows in all
+    assert report["eval"]["datasets"]["held_out"]["rows"] == LIMIT  # of its 60
     for stats in report["datasets"].values():
         assert stats["samples"] + stats["skipped_rows"] == stats["rows"]
         assert stats["length"]["samples"] == stats["samples"]
