@@ -1,5 +1,9 @@
-"""A real Prometheus scrapes a real Ray head while the demo runs (README, "Metrics"), and
-``rayjobs submit`` runs that demo on the head (README, "Run on a cluster"): one job for both.
+"""One job submitted to a real Ray head answers the command line, the model issue and the
+metrics: ``rayjobs submit`` runs ``configs/tiny_llama.yaml`` (on a subset of its data) on the
+head (README, "Run on a cluster"), the Hugging Face Llama it trains saves checkpoints that
+``from_pretrained`` loads, and a real Prometheus scraping the head holds the run's series
+(README, "Metrics"). One job for all three: each end-to-end run costs the suite over a minute on
+2 cores.
 
 Prometheus is Debian's ``prometheus`` package: ``cluster/install-prometheus.sh`` installs it when it
 is not on PATH (``.ci/run`` calls it before the tests; the fixture here calls it too, and fails
@@ -7,12 +11,13 @@ with its output when it cannot). The head is the session's (``conftest.ray_head`
 way ``cluster/start-head.sh`` starts one, with token auth on. Prometheus runs with
 ``cluster/prometheus.yml`` itself, only its service-discovery path pointed at the head's temp dir
 and its intervals at 1 s, so the shipped file-based discovery is what finds the head's metrics
-endpoint. ``rayjobs submit`` then ships a project holding ``configs/demo.yaml`` (one epoch) with
-the demo's first rows, one torn line skipped, and follows the job as a user would. Once it has
-exited, Prometheus's HTTP API must hold every series of the README's metrics table, the run
-summary's counts exactly (efficiency and shares within 1e-6), and data for every Grafana panel's
-query (not all zeros, rates aside; the bad-rows panel ending at the summary's counts, the torn
-line's 1 among them): the run exported its final values before it exited (``Ledger.flush``).
+endpoint. ``rayjobs submit`` then ships a project holding ``tiny_llama.yaml`` with the first rows
+of its datasets, one torn line skipped, its eval sets and the GPT-2 tokenizer, and follows the
+job as a user would. Once it has exited, Prometheus's HTTP API must hold every series of the
+README's metrics table, the run summary's counts exactly (efficiency and shares within 1e-6; the
+eval sets' under their own run), and data for every Grafana panel's query (not all zeros, rates
+aside; the bad-rows panel ending at the summary's counts, the torn line's 1 among them): the run
+exported its final values before it exited (``Ledger.flush``).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import re
 import shutil
 import subprocess
@@ -44,8 +50,12 @@ SHIPPED_CONFIG = ROOT / "cluster" / "prometheus.yml"
 DASHBOARD = ROOT / "cluster" / "grafana" / "rayjobs.json"
 DISCOVERY = "/tmp/ray/prom_metrics_service_discovery.json"
 """The service-discovery file ``cluster/prometheus.yml`` reads (under the head's temp dir)."""
-SUBSET_ROWS = (150, 75)
-"""Rows of the demo's two datasets the job reads (all 600 + 300: 28 steps instead of ~7)."""
+TINY_LLAMA = ROOT / "configs" / "tiny_llama.yaml"
+SUBSET_ROWS = (30, 30)
+"""Rows of tiny_llama.yaml's two datasets the job reads (of 300 and 400)."""
+SEQ_LEN = 256
+EVERY = 4
+"""Checkpoints, reports and evaluations every 4 steps."""
 
 
 def _readme_metrics() -> dict[str, str]:
@@ -243,6 +253,19 @@ def _expected(summary: dict, seq_len: int) -> dict[str, dict[tuple, float]]:
     return expected
 
 
+def _expected_eval(summary: dict) -> dict[str, dict[tuple, float]]:
+    """What Prometheus must hold for the run's eval sets (their own ledger, run
+    ``<run>-eval``), from the summary's ``eval``: tokenization counts and packs."""
+    evaluation = summary["eval"]
+    expected = {
+        f"rayjobs_{key}": {(name,): float(c[key]) for name, c in evaluation["datasets"].items()}
+        for key in ("rows", "samples", "tokens", "trained_tokens", "truncated_tokens")
+    }
+    expected["rayjobs_packs"] = {(): float(evaluation["packed"]["num_packs"])}
+    expected["rayjobs_pack_tokens"] = {(): float(evaluation["packed"]["num_tokens"])}
+    return expected
+
+
 def _bucket_problems(
     prometheus: Prometheus, name: str, run: str, totals: dict[tuple, float], seq_len: int
 ) -> list[str]:
@@ -287,12 +310,14 @@ def _mismatches(prometheus: Prometheus, summary: dict, seq_len: int, run: str) -
     table = _readme_metrics()
     held = set(_get(f"{prometheus.url}/api/v1/label/__name__/values")["data"])
     for name, kind in sorted(table.items()):
-        if name.startswith(("rayjobs_dpo_", "rayjobs_eval_")):  # not this run's: test_metrics
+        if name.startswith("rayjobs_dpo_"):  # not an SFT run's: test_metrics
             continue
         if _exported(name, kind) not in held:
             problems.append(f"{_exported(name, kind)}: not in Prometheus")
-    for name, expected in _expected(summary, seq_len).items():
-        found = _values(prometheus, name, table[name], run)
+    expected_series = [(run, name, values) for name, values in _expected(summary, seq_len).items()]
+    expected_series += [(f"{run}-eval", *item) for item in _expected_eval(summary).items()]
+    for tag, name, expected in expected_series:
+        found = _values(prometheus, name, table[name], tag)
         if name == "rayjobs_packing_efficiency" or name == "rayjobs_mix_share":
             same = found.keys() == expected.keys() and all(
                 math.isclose(found[k], expected[k], rel_tol=0, abs_tol=1e-6) for k in expected
@@ -300,28 +325,42 @@ def _mismatches(prometheus: Prometheus, summary: dict, seq_len: int, run: str) -
         else:
             same = found == expected
         if not same:
-            problems.append(f"{name}: Prometheus {found} != summary {expected}")
+            problems.append(f"{name} (run {tag}): Prometheus {found} != summary {expected}")
     return problems
 
 
-def _demo_project(folder: Path) -> Path:
-    """A project folder holding ``configs/demo.yaml`` and the first rows of its two datasets (the
-    test stays short) plus one torn JSONL line in the first, skipped (``rayjobs_skipped_rows``
-    moves), and the demo tokenizer: what ``rayjobs submit --working-dir`` ships."""
-    demo = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
-    for index, spec in enumerate(demo["datasets"]):
-        lines = (ROOT / "configs" / spec["source"]).read_text().splitlines()[: SUBSET_ROWS[index]]
-        if index == 0:
-            lines.insert(len(lines) // 2, '{"instruction": "torn line')
-            spec["on_bad_row"] = "skip"
-        path = folder / spec["source"]
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("\n".join(lines) + "\n")
-    shutil.copy(ROOT / "configs" / demo["tokenizer"]["path"], folder / demo["tokenizer"]["path"])
-    demo["train"] |= {"epochs": 1, "storage_path": str(folder.parent / "runs")}
-    config = folder / "demo.yaml"
-    config.write_text(yaml.safe_dump(demo, sort_keys=False))
-    return config
+def _project(folder: Path) -> Path:
+    """A project folder holding ``configs/tiny_llama.yaml`` and what it reads: the first
+    ``SUBSET_ROWS`` rows of its two datasets (the test stays short) plus one torn JSONL line in
+    the chat set, skipped (``rayjobs_skipped_rows`` moves), its eval sets whole and the GPT-2
+    tokenizer: what ``rayjobs submit --working-dir`` ships. Trained to the end of its one epoch
+    (no ``max_steps``: every pack trained, none cut off), checkpoints and evaluations every
+    ``EVERY`` steps, at seq_len ``SEQ_LEN``."""
+    config = yaml.safe_load(TINY_LLAMA.read_text())
+    alpaca, chat = config["datasets"]
+    records = json.loads((ROOT / "configs" / alpaca["source"]).read_text())[: SUBSET_ROWS[0]]
+    lines = (ROOT / "configs" / chat["source"]).read_text().splitlines()[: SUBSET_ROWS[1]]
+    lines.insert(len(lines) // 2, '{"messages": [{"role": "user", "content": "torn line')
+    chat["on_bad_row"] = "skip"
+    for spec, text in ((alpaca, json.dumps(records)), (chat, "\n".join(lines) + "\n")):
+        (folder / spec["source"]).parent.mkdir(parents=True, exist_ok=True)
+        (folder / spec["source"]).write_text(text)
+    for spec in config["eval"]["datasets"]:
+        (folder / spec["source"]).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / "configs" / spec["source"], folder / spec["source"])
+    tokenizer = config["tokenizer"]["path"]
+    shutil.copytree(ROOT / "configs" / tokenizer, folder / tokenizer)
+    config["eval"]["every_steps"] = EVERY
+    config["packing"]["seq_len"] = SEQ_LEN
+    del config["train"]["max_steps"]
+    config["train"] |= {
+        "checkpoint_every": EVERY,
+        "report_every": EVERY,
+        "storage_path": str(folder.parent / "runs"),
+    }
+    path = folder / "tiny_llama.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
 
 
 def _rayjobs(head: Head, *argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -335,57 +374,168 @@ def _rayjobs(head: Head, *argv: str, timeout: float = 120) -> subprocess.Complet
     )
 
 
-def test_submit_and_prometheus_hold_the_run_summary_and_every_dashboard_series(
-    ray_head, prometheus, tmp_path
-):
-    """Acceptance 1 and 3 of the cluster issue, on one job: ``rayjobs submit`` runs the demo on a
-    real head with token auth (SUCCEEDED, exit 0, the summary in the job's log), and once the job
-    has exited Prometheus holds every README series, the summary's counts and every dashboard
-    panel's data for the run."""
-    seq_len = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())["packing"]["seq_len"]
-    config = _demo_project(tmp_path / "proj")
+@dataclass
+class Job:
+    record: dict
+    """``rayjobs submit --json``'s last line: ``submission_id``, ``status``, ``summary``."""
+    stdout: str
+    stderr: str
+    started: float
+    finished: float
+
+
+@pytest.fixture(scope="module")
+def job(ray_head, prometheus, tmp_path_factory) -> Job:
+    """One job for the module: ``rayjobs submit`` of the tiny-Llama project (``_project``) to
+    the session's head, followed to its end as a user would, while Prometheus scrapes."""
+    folder = tmp_path_factory.mktemp("submit") / "proj"
+    folder.mkdir()
+    config = _project(folder)
     started = time.time()
-    done = _rayjobs(
-        ray_head,
-        "submit",
-        str(config),
-        "--working-dir",
-        str(config.parent),
-        "--address",
-        ray_head.url,
-        "--json",
-        timeout=600,
-    )
+    argv = ["submit", str(config), "--working-dir", str(folder), "--address", ray_head.url]
+    done = _rayjobs(ray_head, *argv, "--json", timeout=600)
     finished = time.time()
     assert done.returncode == 0, done.stderr[-4000:] + done.stdout[-2000:]
     record = json.loads(done.stdout.splitlines()[-1])
-    job = record["submission_id"]
-    assert record["status"] == "SUCCEEDED"
-    assert f"submitted job {job} to {ray_head.url}" in done.stderr
-    assert f"{ray_head.url}/#/jobs/{job}" in done.stderr
-    assert "packing efficiency" in done.stdout  # the job's own log, followed
-    summary = record["summary"]
-    assert summary["steps"] > 0 and len(set(summary["steps_per_rank"])) == 1, summary
-    assert not summary["stopped_early"]
-    # The torn line is skipped and counted once per read of it. The demo's weights read alpaca
-    # 1.08 times (a whole pass and a 7.7% subsample), and the subsample, decided by (seed, file
-    # under the dataset's folder, row), leaves row 76 out wherever the project lies: once.
-    assert summary["datasets"]["stdlib_alpaca"]["skipped_by_reason"] == {"invalid_json": 1}
-    # On the cluster `rayjobs run --json` printed the summary last, after Ray shut down.
-    logs = _rayjobs(ray_head, "logs", job, "--address", ray_head.url)
+    return Job(record, done.stdout, done.stderr, started, finished)
+
+
+def test_submit_runs_the_job_and_follows_it_to_its_summary(ray_head, job):
+    """Acceptance 1 of the cluster issue: ``rayjobs submit`` runs the job on a real head with
+    token auth (SUCCEEDED, exit 0), prints where to watch it, follows its log (the human
+    summary), and ``logs`` / ``status`` answer for it afterwards."""
+    submission = job.record["submission_id"]
+    assert job.record["status"] == "SUCCEEDED"
+    assert f"submitted job {submission} to {ray_head.url}" in job.stderr
+    assert f"{ray_head.url}/#/jobs/{submission}" in job.stderr
+    assert "packing efficiency" in job.stdout  # the job's own log, followed
+    summary = job.record["summary"]
+    # The torn line is skipped and counted once, and named (dataset, file, row).
+    chat = summary["datasets"]["hh_chat"]
+    assert chat["skipped_by_reason"] == {"invalid_json": 1}
+    assert chat["rows"] == SUBSET_ROWS[1] + 1 and chat["samples"] == SUBSET_ROWS[1]
+    [example] = chat["skipped_examples"]
+    assert "dataset 'hh_chat'" in example and f"row {SUBSET_ROWS[1] // 2 + 1}:" in example
+    # On the cluster `rayjobs run --json` printed the summary last, after Ray shut down: no
+    # raylet warning or log line follows it.
+    logs = _rayjobs(ray_head, "logs", submission, "--address", ray_head.url)
     assert logs.returncode == 0, logs.stderr[-2000:]
     last = [line for line in logs.stdout.splitlines() if line.strip()][-1]
-    assert json.loads(last)["steps"] == summary["steps"]
-    status = _rayjobs(ray_head, "status", job, "--address", ray_head.url, "--json")
+    assert json.loads(last) == summary
+    status = _rayjobs(ray_head, "status", submission, "--address", ray_head.url, "--json")
     assert json.loads(status.stdout.splitlines()[-1])["status"] == "SUCCEEDED"
 
-    run = summary["run_name"]
-    assert not summary["stopped_early"] and summary["steps"] > 0
 
+def test_the_job_trains_a_tiny_llama_whose_checkpoints_load_with_from_pretrained(job):
+    """The model issue's acceptance 2 and 4 on the submitted ``rayjobs run
+    tiny_llama.yaml`` (real alpaca + hh chat through the GPT-2 tokenizer): a Hugging Face Llama
+    trains with 2 workers (equal steps, loss falls, every pack trained), checkpoints every 4
+    steps (listed in the summary), and its final checkpoint loads with ``from_pretrained`` and
+    gives the trained model's logits (``probe.pt``, computed in the run through the training
+    path) on the probe input; the step-4 checkpoint does not (guard). Under DDP; the same save
+    path under FSDP2 (sharded parameters gathered, then ``save_model``) is checked on two gloo
+    processes by ``test_step.test_fsdp_over_two_processes_takes_the_single_process_step``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from conftest import GPT2
+    from rayjobs.config import TokenizerConfig
+    from rayjobs.tokenize import Tokenizer
+
+    summary = job.record["summary"]
+    steps = summary["steps"]
+    assert steps >= 2 * EVERY and summary["steps_per_rank"] == [steps, steps]
+    assert summary["attempts"] == 1 and not summary["stopped_early"]
+    # Every pack trained but an odd one out of the equal split (fewer than 2 workers' worth).
+    assert 0 <= summary["untrained_packs"] < 2
+    assert (steps - 1) * 2 * 2 < summary["num_packs"] <= steps * 2 * 2
+    assert summary["guard_dropped_batches"] == 0
+    assert summary["tokens_trained"] > 0 and 0 < summary["packing_efficiency"] <= 1
+    assert set(summary["datasets"]) == {"alpaca", "hh_chat"}
+    assert summary["datasets"]["alpaca"]["truncated_tokens"] > 0  # seq_len 256 cuts
+    assert (summary["parallelism"], summary["model"], summary["attention"]) == ("ddp", "hf", "sdpa")
+    assert summary["loss_last"] < summary["loss_first"] - 0.5, summary
+    assert [c["step"] for c in summary["checkpoints"]] == list(range(EVERY, steps + 1, EVERY))
+    for checkpoint in summary["checkpoints"]:
+        assert os.path.basename(checkpoint["path"]) == f"checkpoint_step_{checkpoint['step']:06d}"
+        assert os.path.isfile(os.path.join(checkpoint["path"], "config.json"))
+    final = summary["checkpoint"]
+    assert os.path.isfile(os.path.join(final, "summary.json"))
+    probe = torch.load(os.path.join(final, "probe.pt"))
+    model = AutoModelForCausalLM.from_pretrained(final).eval()
+    assert type(model).__name__ == "LlamaForCausalLM" and model.config.vocab_size == 50257
+    with torch.no_grad():
+        logits = model(input_ids=probe["input_ids"]).logits
+        earlier = AutoModelForCausalLM.from_pretrained(summary["checkpoints"][0]["path"]).eval()
+        earlier_logits = earlier(input_ids=probe["input_ids"]).logits
+    torch.testing.assert_close(logits, probe["logits"], atol=1e-5, rtol=0)
+    assert not torch.allclose(earlier_logits, probe["logits"], atol=1e-3)  # guard: it trained
+
+    tokenizer = AutoTokenizer.from_pretrained(final)
+    reference = Tokenizer(TokenizerConfig(path=str(GPT2)))
+    text = "Describe a process of making crepes."
+    assert tokenizer(text)["input_ids"] == reference.encode_batch([text])[0]
+    assert tokenizer.eos_token_id == reference.eos_id == model.config.eos_token_id
+    _check_eval(summary, model)
+
+
+def _check_eval(summary: dict, model) -> None:
+    """The held-out loss (eval.datasets) every 4 steps and at the end counts every held-out
+    labelled token exactly once over the 2 workers, and the final one equals the loss of the
+    loaded checkpoint on each held-out sample run alone (unpacked, no document mask: packing
+    changes nothing)."""
+    import pyarrow as pa
+    import torch
+
+    from conftest import file_tables
+    from rayjobs.config import load_config
+    from rayjobs.tokenize import Tokenize
+
+    evaluation = summary["eval"]
+    steps = summary["steps"]
+    expected = [*range(EVERY, steps + 1, EVERY), *([steps] if steps % EVERY else [])]
+    assert [e["step"] for e in evaluation["history"]] == expected
+    held_out = evaluation["datasets"]
+    assert set(held_out) == {"alpaca_heldout", "hh_chat_heldout"}
+    assert [s["samples"] for s in held_out.values()] == [60, 60]
+    trained = sum(s["trained_tokens"] for s in held_out.values())
+    for entry in evaluation["history"]:
+        assert entry["rows"] == evaluation["packed"]["num_packs"] > 2  # guard: both ranks' shares
+        assert entry["tokens"] == trained
+    assert evaluation["history"][-1]["loss"] < evaluation["history"][0]["loss"]
+    assert evaluation["loss"] == evaluation["history"][-1]["loss"]
+
+    config = load_config(TINY_LLAMA, [f"packing.seq_len={SEQ_LEN}"])
+    tokenize = Tokenize(config.eval.datasets, config.tokenizer, SEQ_LEN, "truncate")
+    total, count = 0.0, 0
+    for spec in config.eval.datasets:
+        [path] = spec.files
+        data = Path(path).read_bytes()
+        tables = file_tables(data, path, format=spec.format, dataset=spec.name)
+        samples = tokenize(pa.concat_tables(list(tables)))
+        for ids, labels in zip(
+            samples.column("input_ids").to_pylist(), samples.column("labels").to_pylist()
+        ):
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([ids])).logits[0]
+            labels = torch.tensor(labels)
+            total += float(torch.nn.functional.cross_entropy(logits, labels, reduction="sum"))
+            count += int((labels != -100).sum())
+    assert count == trained
+    assert abs(evaluation["loss"] - total / count) < 1e-4, (evaluation["loss"], total / count)
+
+
+def test_prometheus_holds_the_run_summary_and_every_dashboard_series(prometheus, job):
+    """Acceptance 3 of the cluster issue: once the job has exited, Prometheus holds every README
+    series, the summary's counts (the eval sets' under their own run) and every dashboard
+    panel's data for the run."""
+    summary = job.record["summary"]
+    started, finished = job.started, job.finished
+    run = summary["run_name"]
     # The job has exited: what Prometheus holds now is what it exported before exiting. Wait
     # for a few scrapes, never for more exports.
     deadline = time.monotonic() + 15
-    while (problems := _mismatches(prometheus, summary, seq_len, run)) and (
+    while (problems := _mismatches(prometheus, summary, SEQ_LEN, run)) and (
         time.monotonic() < deadline
     ):
         time.sleep(1)
@@ -396,18 +546,21 @@ def test_submit_and_prometheus_hold_the_run_summary_and_every_dashboard_series(
     assert set(speed) == {(str(rank),) for rank in range(len(summary["steps_per_rank"]))}, speed
     assert all(value > 0 for value in speed.values()), speed
 
+    [eval_loss] = _values(prometheus, "rayjobs_eval_loss", "gauge", run).values()
+    assert eval_loss == pytest.approx(summary["eval"]["loss"], rel=1e-6)
+
     # Every query of the Grafana dashboard names series Prometheus holds for this run, and
     # returns data over the run: not all zeros where it is no rate (a rate may miss a burst
     # that a scrape or two saw whole), and the bad-rows panel ends at the summary's counts.
     dashboard = json.loads(DASHBOARD.read_text())
-    # (the DPO and eval panels aside: an SFT run without eval.datasets exports no such series)
+    # (the DPO panels aside: an SFT run exports no such series)
     queries = [
         t["expr"]
         for panel in dashboard["panels"]
-        if not panel["title"].startswith(("DPO", "Eval"))
+        if not panel["title"].startswith("DPO")
         for t in panel.get("targets", [])
     ]
-    assert len(queries) >= 14, "guard: every other panel's queries"
+    assert len(queries) >= 15, "guard: every other panel's queries, the eval loss's among them"
     queries += [v["definition"] for v in dashboard["templating"]["list"] if "definition" in v]
     [bad_rows] = [panel for panel in dashboard["panels"] if panel["title"].startswith("Bad rows")]
     for expr in queries:

@@ -6,8 +6,9 @@ entrypoint goes back through the real argument parser and config loader), the re
 the job could not find on the cluster, the file list checked against the zip Ray builds, and the
 follow / exit-code logic against a stand-in Jobs client. With Ray: the session's real head
 (``conftest.ray_head``: loopback only, token auth on, its own ports and temp dir), a job that fails
-inside the cluster; the demo job that succeeds there is submitted by test_prometheus.py, which
-also checks its metrics in Prometheus (one job for both: a job here costs ~100 s).
+inside the cluster; the job that succeeds there (configs/tiny_llama.yaml) is submitted by
+test_prometheus.py, which also checks its model and its metrics in Prometheus (one job for all:
+a job here costs ~100 s).
 """
 
 from __future__ import annotations
