@@ -346,8 +346,6 @@ def save_model(
     ``state_dict``: the ``PackedLM``'s full state dict when its parameters are sharded (FSDP2);
     every rank then calls this (the probe's forward gathers the shards) and only the one with
     ``write`` writes files."""
-    from torch.distributed.fsdp import FSDPModule
-
     inner = None
     if state_dict is not None:  # PackedLM keys → the inner model's
         inner = {k.removeprefix("model."): v for k, v in state_dict.items()}
@@ -355,20 +353,15 @@ def save_model(
         if write:
             torch.save(inner or model.model.state_dict(), os.path.join(directory, "model.pt"))
         return
-    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
     embeddings = model.model.get_input_embeddings()
     device = embeddings.weight.device
     input_ids = (torch.arange(16, device=device)[None] * 7919) % tokenizer.vocab_size
     was_training = model.training
     model.eval()
-    for module in sharded:
-        module.unshard()
-    with torch.no_grad():
+    with torch.no_grad():  # under FSDP2 each group gathers in turn (``parallelize``)
         logits = model.logits(
             input_ids, torch.arange(16, device=device)[None], torch.zeros_like(input_ids)
         )
-    for module in sharded:
-        module.reshard()
     model.train(was_training)
     if not write:
         return
@@ -451,20 +444,26 @@ def transformer_blocks(packed: PackedLM) -> list[torch.nn.Module]:
     return blocks
 
 
-def parallelize(packed: PackedLM, parallelism: str) -> torch.nn.Module:
+def parallelize(packed: PackedLM, parallelism: str, frozen: bool = False) -> torch.nn.Module:
     """The module the optimizer and the step use: DDP through Ray Train's ``prepare_model``, or
     FSDP2: ``fully_shard`` on every transformer block (``transformer_blocks``), then on the
-    whole ``PackedLM`` (embeddings, final norm and head in the root group). Without a process
-    group (``num_workers: 0``) the module itself."""
+    whole ``PackedLM`` (embeddings, final norm and head in the root group), whose ``logits``
+    (the checkpoint's probe) then gathers like its forward: the root group, then each block in
+    turn, never the whole model at once. ``frozen``: a model that never runs backward (the DPO
+    reference): its root group reshards after every forward too (by default FSDP2 keeps a
+    root's parameters gathered for the backward that follows, which a frozen model never runs,
+    so they stayed whole for the run). Without a process group (``num_workers: 0``) the module
+    itself."""
     if parallelism == "ddp" or not dist.is_initialized():
         import ray.train.torch
 
         return ray.train.torch.prepare_model(packed)
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
     for block in transformer_blocks(packed):
         fully_shard(block)
-    fully_shard(packed)
+    fully_shard(packed, reshard_after_forward=True if frozen else None)
+    register_fsdp_forward_method(packed, "logits")
     return packed
 
 
@@ -474,7 +473,7 @@ def frozen_reference(packed: PackedLM, fsdp: bool) -> PackedLM:
     parameter memory and more with more ranks, of a model FSDP was chosen because it does not
     fit whole. It only runs forward under ``no_grad``, where FSDP2 gathers each block in turn."""
     packed = packed.eval().requires_grad_(False)
-    return parallelize(packed, "fsdp") if fsdp else packed
+    return parallelize(packed, "fsdp", frozen=True) if fsdp else packed
 
 
 @dataclasses.dataclass
@@ -551,7 +550,10 @@ def _restore(
 ) -> TrainState:
     """The ``TrainState`` of the latest checkpoint Ray Train holds for this run (after a worker
     failure, or for a run resumed by name), with model, optimizer and schedule loaded; a fresh
-    state when there is none."""
+    state when there is none. The file is memory-mapped, not read: every rank of a node loads
+    the same full state (under FSDP each then keeps its shard), and read whole, eight ranks held
+    eight copies of the model and its optimizer state in host memory; mapped, they share the
+    page cache and touch only what they copy."""
     import ray.train
 
     checkpoint = ray.train.get_checkpoint()
@@ -564,10 +566,11 @@ def _restore(
                 f"checkpoint {checkpoint.path} holds no {TRAIN_STATE}: it is a finished run's "
                 "final checkpoint, there is nothing to resume"
             )
-        blob = torch.load(path, map_location="cpu", weights_only=True)
-    _load_state(model, optimizer, blob, fsdp)
-    scheduler.load_state_dict(blob["scheduler"])
-    state = TrainState(**blob["state"])
+        blob = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        _load_state(model, optimizer, blob, fsdp)  # while the (mapped) file is there
+        scheduler.load_state_dict(blob["scheduler"])
+        state = TrainState(**blob["state"])
+        del blob
     if ray.train.get_context().get_world_rank() != 0:  # totals are global: counted once
         state.rows = state.pack_tokens = state.trained_tokens = state.guard_dropped = 0
     state.resumes.append({"step": state.steps, "rows_skipped_per_rank": state.rows_consumed})

@@ -190,8 +190,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _gathered(module) -> bool:
+    """Whether an FSDP2 module's parameters are gathered (unsharded) now."""
+    return module._get_fsdp_state()._fsdp_param_group.is_unsharded
+
+
 def _fsdp_worker(rank: int, port: int, kind: str, rows: dict, out: str) -> None:
     import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -200,7 +206,8 @@ def _fsdp_worker(rank: int, port: int, kind: str, rows: dict, out: str) -> None:
     if kind.endswith("+ac"):  # activation checkpointing under FSDP2's hooks
         train.enable_activation_checkpointing(packed)
     calls = []  # block forwards (as test_activation_checkpointing_recomputes_each_block_...)
-    for block in transformer_blocks(packed):
+    blocks = transformer_blocks(packed)  # (found by class name, which fully_shard changes)
+    for block in blocks:
         next(block.children()).register_forward_pre_hook(lambda *_: calls.append(1))
     full = sum(p.numel() for p in packed.parameters())
     model = parallelize(packed, "fsdp")
@@ -223,15 +230,36 @@ def _fsdp_worker(rank: int, port: int, kind: str, rows: dict, out: str) -> None:
     kwargs = {"seq_len": SEQ, "device": torch.device("cpu"), "bf16": False}
     evaluation = train.evaluate(model, _Shard(share), 3, 2, **kwargs)
     state, optimizer_state = _full_state(model, optimizer, fsdp=True)
+    gathered = []  # FSDP groups gathered at each block's forward in the checkpoint's probe
     if kind == "llama":  # the final model as a checkpoint writes it: every rank, rank 0 writes
+        groups = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        for block in blocks:
+            block.register_forward_pre_hook(
+                lambda *_: gathered.append(sum(_gathered(g) for g in groups)), prepend=False
+            )
         train.save_tokenizer = lambda *_: None  # the tokenizer files: the DDP run's test
         vocab = types.SimpleNamespace(vocab_size=VOCAB)
         save_model(model, vocab, os.path.dirname(out), state_dict=state, write=rank == 0)
+    # The checkpoint's state loads back into a freshly sharded model and optimizer, as a
+    # restart's ``_restore`` loads it (the file memory-mapped).
+    saved = os.path.join(os.path.dirname(out), "train_state.pt")
+    if rank == 0:
+        torch.save({"model": state, "optimizer": optimizer_state}, saved)
+    dist.barrier()
+    fresh = parallelize(_model(kind.removesuffix("+ac")), "fsdp")
+    fresh_optimizer = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+    torch.optim.lr_scheduler.LambdaLR(fresh_optimizer, lambda _: 1.0)  # as train_loop, first
+    blob = torch.load(saved, mmap=True, weights_only=True)
+    train._load_state(fresh, fresh_optimizer, blob, fsdp=True)
+    reloaded, reloaded_optimizer = _full_state(fresh, fresh_optimizer, fsdp=True)
     if rank == 0:
         momentum = {k: v["momentum_buffer"] for k, v in optimizer_state["state"].items()}
         result = {"state": state, "momentum": momentum, "loss": loss, "norm": norm}
         result |= {"eval_loss": evaluation.loss, "eval_rows": evaluation.rows}
-        result["block_calls"] = block_calls
+        result |= {"block_calls": block_calls, "gathered": gathered, "reloaded": reloaded}
+        result["reloaded_momentum"] = {
+            k: v["momentum_buffer"] for k, v in reloaded_optimizer["state"].items()
+        }
         torch.save({**result, "full": full, "local": local}, out)
     dist.destroy_process_group()
 
@@ -266,7 +294,19 @@ def test_fsdp_over_two_processes_takes_the_single_process_step(kind, tmp_path):
         torch.testing.assert_close(
             result["momentum"][name], value["momentum_buffer"], atol=1e-6, rtol=1e-5, msg=name
         )
+    # What a restart loads is what was saved, exactly, model and optimizer (a fresh model's
+    # weights differ from the trained ones: the guard is the step taken above).
+    assert set(result["reloaded"]) == set(state) and set(result["reloaded_momentum"]) == set(
+        buffers
+    )
+    for name, value in result["state"].items():
+        assert torch.equal(result["reloaded"][name], value), name
+    for name, value in result["momentum"].items():
+        assert torch.equal(result["reloaded_momentum"][name], value), name
     if kind == "llama":
+        # The checkpoint's probe gathers the root group and one block at a time (3 groups: the
+        # root's embeddings, norm and head, and 2 blocks), never the whole model at once.
+        assert result["gathered"] == [2, 2], result["gathered"]
         # The checkpoint of the sharded model (gathered, saved with save_pretrained) loads with
         # from_pretrained and gives the single-process model's logits, as its probe recorded.
         from transformers import AutoModelForCausalLM
@@ -387,6 +427,7 @@ def test_dpo_starts_at_log2_for_a_model_with_dropout(disable_dropout, equal):
 
 def _fsdp_dpo_worker(rank: int, port: int, rows: dict, out: str) -> None:
     import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -398,9 +439,12 @@ def _fsdp_dpo_worker(rank: int, port: int, rows: dict, out: str) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     mine = {k: v[rank * 2 : rank * 2 + 2] for k, v in rows.items()}
     result = _step(model, [_batch(mine, 0, 2)], optimizer, reference=reference, beta=0.5)
+    groups = [m for m in reference.modules() if isinstance(m, FSDPModule)]
+    gathered = [_gathered(group) for group in groups]  # after the reference's forward
     state, _ = _full_state(model, optimizer, fsdp=True)
     if rank == 0:
-        torch.save({"state": state, "loss": result.loss, "dpo": result.dpo, "local": local}, out)
+        result = {"state": state, "loss": result.loss, "dpo": result.dpo, "local": local}
+        torch.save({**result, "gathered": gathered}, out)
     dist.destroy_process_group()
 
 
@@ -416,8 +460,9 @@ def _dpo_models() -> tuple[PackedLM, PackedLM]:
 
 def test_fsdp_dpo_shards_the_reference_and_takes_the_single_process_step(tmp_path):
     """Under FSDP the frozen reference is sharded like the policy (each rank held a whole copy:
-    twice a 2-rank policy's parameters), and the DPO step over two processes equals one process
-    on both ranks' rows."""
+    twice a 2-rank policy's parameters) and stays so after its forwards (its root group, the
+    embeddings and head, stayed gathered for a backward that never comes), and the DPO step over
+    two processes equals one process on both ranks' rows."""
     rows = _preference_rows(seed=5)
     out = str(tmp_path / "fsdp_dpo.pt")
     mp.spawn(_fsdp_dpo_worker, args=(_free_port(), rows, out), nprocs=2)
@@ -425,6 +470,7 @@ def test_fsdp_dpo_shards_the_reference_and_takes_the_single_process_step(tmp_pat
     policy, reference = _dpo_models()
     full = sum(p.numel() for p in reference.parameters())
     assert result["local"] < 0.75 * full
+    assert result["gathered"] == [False] * 3  # the root and 2 blocks, each sharded again
     optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
     expected = _step(policy, [_batch(rows, 0, 4)], optimizer, reference=reference.eval(), beta=0.5)
     assert result["loss"] == pytest.approx(expected.loss, abs=1e-6)
