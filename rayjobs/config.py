@@ -471,7 +471,7 @@ class Config(_Strict):
     dpo: DPOConfig = Field(default_factory=DPOConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
-    seed: int = 0
+    seed: int = Field(default=0, ge=0)  # numpy's SeedSequence takes no negative entropy
 
     @model_validator(mode="after")
     def _task_fits(self) -> Config:

@@ -455,9 +455,15 @@ class TrainMetrics:
         """An evaluation's global loss (rank 0 sets ``rayjobs_eval_loss``; a run without
         ``eval.datasets`` never exports it), once it has run: the next step's tokens per second
         count from here, not over the evaluation's time."""
-        self._last = time.monotonic()
+        self.paused()
         if self.rank == 0:
             self._eval_loss.set(loss, tags=self.tags)
+
+    def paused(self) -> None:
+        """Work between two steps has ended (a checkpoint's save, a report to Ray Train): the
+        next step's tokens per second count from now, not over it (the gauge dipped after every
+        checkpoint)."""
+        self._last = time.monotonic()
 
 
 @ray.remote(num_cpus=0)

@@ -485,7 +485,7 @@ class TrainState:
     dataset_index: int = 0
     """The dataset (``loop_config["datasets"]``) being consumed."""
     rows_consumed: int = 0
-    """Rows of that dataset each rank consumed (trained, or dropped by the guard)."""
+    """Rows of that dataset each rank trained on (a restart skips them)."""
     rows: int = 0
     pack_tokens: int = 0
     trained_tokens: int = 0
@@ -1057,6 +1057,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
                     )
                 else:
                     ray.train.report(metrics)
+                series.paused()
             _fault(loop_config, rank, state)
             if spec.max_steps is not None and state.steps >= spec.max_steps:
                 stopped_early = True

@@ -111,6 +111,8 @@ BAD_CONFIGS = {
     "empty_source_list": (_dataset(source=[]), [], ["datasets.0.source", "empty list"]),
     "empty_hf_source_list": (_dataset(source=[], format="hf"), [], ["got 0"]),
     "seq_len_negative": ({"packing": {"seq_len": -5}}, [], ["packing.seq_len", "-5"]),
+    # numpy's seed sequences refuse it: it failed inside a data task, after Ray started
+    "seed_negative": ({}, ["seed=-1"], ["seed", "greater than or equal to 0"]),
     "duplicate_dataset_names": (
         {
             "datasets": [

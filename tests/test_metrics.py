@@ -343,7 +343,7 @@ def test_evaluations_set_the_eval_loss_on_rank_0_only(monkeypatch):
     assert gauges == [("rayjobs_eval_loss", 2.5, {"run": "r"})]
 
 
-def test_a_steps_tokens_per_second_leave_out_the_evaluation_before_it(monkeypatch):
+def test_a_steps_tokens_per_second_leave_out_the_evaluation_and_checkpoint_before_it(monkeypatch):
     from ray.util import metrics
 
     from rayjobs import metrics as rayjobs_metrics
@@ -351,11 +351,14 @@ def test_a_steps_tokens_per_second_leave_out_the_evaluation_before_it(monkeypatc
     for kind in ("Counter", "Gauge", "Histogram"):
         monkeypatch.setattr(metrics, kind, _Recorded)
     monkeypatch.setattr(_Recorded, "records", [])
-    clock = iter([0.0, 2.0, 12.0, 14.0])  # start, step (2 s), evaluation (10 s), step (2 s)
+    # start, step (2 s), evaluation (10 s), step (2 s), checkpoint (5 s), step (4 s)
+    clock = iter([0.0, 2.0, 12.0, 14.0, 19.0, 23.0])
     monkeypatch.setattr(rayjobs_metrics.time, "monotonic", lambda: next(clock))
     series = TrainMetrics("r", rank=0)
     series.step(0.6, 100)
     series.evaluation(2.5)
     series.step(0.5, 100)
+    series.paused()  # the train loop, after a checkpoint's save or a report
+    series.step(0.4, 100)
     speeds = [v for n, v, _ in _Recorded.records if n == "rayjobs_train_tokens_per_s"]
-    assert speeds == [50.0, 50.0]  # not 100 tokens over 12 s
+    assert speeds == [50.0, 50.0, 25.0]  # not 100 tokens over 12 s, nor over 9 s
