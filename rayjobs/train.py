@@ -523,6 +523,15 @@ def _full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, fsdp: 
     )
 
 
+def _full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The full model state dict of an FSDP2 model, valid on rank 0 (a collective): the final
+    model's, without the optimizer state ``_full_state`` would gather too."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options)
+
+
 def _load_state(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, blob: dict[str, Any], fsdp: bool
 ) -> None:
@@ -1102,7 +1111,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         summary["dpo"]["triples"] = int(sum(state.series["triples"]))
     if state.evals:
         summary["eval"] = {"loss": state.evals[-1]["loss"], "history": state.evals}
-    model_state = _full_state(model, optimizer, fsdp)[0] if fsdp else None
+    model_state = _full_model_state(model) if fsdp else None
     with tempfile.TemporaryDirectory() as directory:
         save_model(packed, tokenizer, directory, model_state, write=rank == 0)
         checkpoint = None

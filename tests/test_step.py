@@ -239,7 +239,9 @@ def _fsdp_worker(rank: int, port: int, kind: str, rows: dict, out: str) -> None:
             )
         train.save_tokenizer = lambda *_: None  # the tokenizer files: the DDP run's test
         vocab = types.SimpleNamespace(vocab_size=VOCAB)
-        save_model(model, vocab, os.path.dirname(out), state_dict=state, write=rank == 0)
+        final = train._full_model_state(model)  # the final save's gather (no optimizer state)
+        assert final.keys() == state.keys() and all(torch.equal(final[k], state[k]) for k in state)
+        save_model(model, vocab, os.path.dirname(out), state_dict=final, write=rank == 0)
     # The checkpoint's state loads back into a freshly sharded model and optimizer, as a
     # restart's ``_restore`` loads it (the file memory-mapped).
     saved = os.path.join(os.path.dirname(out), "train_state.pt")
