@@ -652,8 +652,15 @@ class Ledger:
 
     def start_attempt(self) -> int:
         """A train worker group started (its rank 0 calls this first): 1 for a run's first, one
-        more for each restart, with or without a checkpoint to resume from."""
+        more for each restart, with or without a checkpoint to resume from. A restart reads the
+        stream again from its start, so the weighted shares (``admit``) start afresh: they were
+        the first attempt's, used up, and the re-read stream, its windows formed anew, was
+        trimmed to almost nothing (its ranks then skipped their consumed rows into later
+        epochs)."""
         self.attempts += 1
+        if self.attempts > 1:
+            self._used.clear()
+            self._admitted.clear()
         return self.attempts
 
     def snapshot(self) -> dict[str, Any]:

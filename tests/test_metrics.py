@@ -294,6 +294,20 @@ def test_admit_grants_each_dataset_its_share_to_the_nearest_sample():
     assert ledger.admit("w4", 1, {"a": [4, 4, 4]}) == {"a": 3}
 
 
+def test_a_restarted_worker_group_reads_its_shares_afresh():
+    """Ray Train restarting the workers (``train.max_failures``) re-reads the stream against the
+    same ledger: each epoch's weighted shares are granted again, not left used up by the first
+    attempt (the re-read windows were trimmed to nothing)."""
+    ledger = Ledger.__ray_actor_class__(dedupe=True)
+    ledger.set_budgets({(0, "a"): 100.0})
+    assert ledger.start_attempt() == 1
+    assert ledger.admit("k1", 0, {"a": [10] * 12}) == {"a": 10}
+    assert ledger.admit("k2", 0, {"a": [10] * 12}) == {"a": 0}  # guard: the share is used up
+    assert ledger.start_attempt() == 2
+    assert ledger.admit("k2", 0, {"a": [10] * 12}) == {"a": 10}
+    assert ledger.admit("k1", 0, {"a": [10] * 12}) == {"a": 0}
+
+
 def test_batch_key_tells_where_one_column_ends_and_the_next_begins():
     from rayjobs.metrics import batch_key
 
