@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import io
 import itertools
 import json
 import math
@@ -470,7 +471,7 @@ def _limit_dataset(spec: DatasetConfig, limit: int, folder: Path) -> DatasetConf
             files.append(path)
             taken += len(rows)
         else:
-            copy = folder / f"{len(files)}-{Path(path).name}"  # the same extension
+            copy = folder / f"{len(files)}-{_plain_name(path)}"  # its format's extension
             with open(copy, "wb") as out:
                 _cut(spec.format, path, rows[keep], keep, out)
             got = len(_first_rows(spec, str(copy), keep + 1))
@@ -497,7 +498,7 @@ def _first_rows(spec: DatasetConfig, path: str, count: int) -> list[int]:
         "on_bad_row": "skip",
     }
     rows: list[int] = []
-    with open(path, "rb") as file:
+    with _open_plain(path) as file:
         for part in formats.read_rows(file, path, **options):
             rows += sorted([*part.rows, *(bad.row for bad in part.bad)])
             if len(rows) >= count:
@@ -509,15 +510,38 @@ _LONE_SURROGATE = re.compile("[\ud800-\udc7f\udd00-\udfff]")
 """Surrogates other than surrogateescape's (U+DC80-U+DCFF, the bytes that were not UTF-8)."""
 
 
+def _open_plain(path: str) -> BinaryIO:
+    """``path`` opened for reading as a read task reads it: decompressed by its extension
+    (``.gz``, ``.bz2``, ``.zst``, ``.lz4``; ``sources.open_row_file``)."""
+    from rayjobs.sources import compression_of
+
+    compression = compression_of(path)
+    if compression is None:
+        return open(path, "rb")  # noqa: SIM115 - the callers close it
+    return io.BufferedReader(pa.input_stream(path, compression=compression))
+
+
+def _plain_name(path: str) -> str:
+    """The name of a cut copy of ``path``: its own, less a compression suffix (the copy is
+    written decompressed; the rest of the name still says its format)."""
+    name = Path(path).name
+    return next(
+        (name.removesuffix(s) for s in formats.COMPRESSED_SUFFIXES if name.endswith(s)), name
+    )
+
+
 def _cut(fmt: str, path: str, first_left_out: int, keep: int, out: BinaryIO) -> None:
     """Write to ``out`` a file of format ``fmt`` holding the first ``keep`` rows of ``path``
-    (``first_left_out``: the row number of the next one). Streams, but for a JSON list."""
+    (``first_left_out``: the row number of the next one), decompressed. Streams, but for a JSON
+    list and a compressed Parquet file."""
     if fmt in ("jsonl", "text"):  # row numbers are 1-based line numbers (split at \n only)
-        with open(path, "rb") as file:
+        with _open_plain(path) as file:
             out.writelines(itertools.islice(file, first_left_out - 1))
         return
     if fmt == "json":  # a list of records, numbered from 0
-        text = Path(path).read_bytes().removeprefix(BOM).decode("utf-8", "surrogateescape")
+        with _open_plain(path) as file:
+            data = file.read()
+        text = data.removeprefix(BOM).decode("utf-8", "surrogateescape")
         records = json.dumps(json.loads(text)[:keep], ensure_ascii=False)
         # bytes that were not UTF-8 go back as they were (surrogateescape); a lone surrogate the
         # file escaped ("\ud800") goes back escaped, as no UTF-8 byte can hold it
@@ -527,7 +551,11 @@ def _cut(fmt: str, path: str, first_left_out: int, keep: int, out: BinaryIO) -> 
     if fmt == "parquet":
         import pyarrow.parquet as pq
 
-        source = pq.ParquetFile(path)
+        if _plain_name(path) == Path(path).name:
+            source = pq.ParquetFile(path)
+        else:  # compressed: read whole, decompressed, as a read task reads it
+            with _open_plain(path) as file:
+                source = pq.ParquetFile(pa.BufferReader(file.read()))
         with pq.ParquetWriter(out, source.schema_arrow) as writer:
             for batch in source.iter_batches(batch_size=min(keep, 65536)):
                 writer.write_batch(batch.slice(0, keep))
@@ -543,9 +571,11 @@ def _cut(fmt: str, path: str, first_left_out: int, keep: int, out: BinaryIO) -> 
                 consumed.append(line)
                 yield line
 
-        with open(path, encoding="utf-8-sig", errors="surrogateescape", newline="") as file:
+        with io.TextIOWrapper(
+            _open_plain(path), encoding="utf-8-sig", errors="surrogateescape", newline=""
+        ) as file:
             reader = csv.reader(lines(file))
-            next(reader, None)
+            next((header for header in reader if header), None)  # blank lines before it: none
             records = 0
             for record in reader:
                 records += bool(record)

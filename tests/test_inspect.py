@@ -316,9 +316,9 @@ def test_limit_reads_exactly_the_first_rows_of_each_dataset(ray_local, setup):
 
 
 def _first_rows(path: Path, fmt: str, count: int | None = None, text_split="paragraph"):
+    data = pa.input_stream(str(path), compression="detect").read()  # decompressed by extension
     parsed = parse_rows(
-        path.read_bytes(), str(path), format=fmt, dataset="d", text_split=text_split,
-        on_bad_row="skip",
+        data, str(path), format=fmt, dataset="d", text_split=text_split, on_bad_row="skip",
     )  # fmt: skip
     rows = sorted(
         [(row, record) for row, record in zip(parsed.rows, parsed.records)]
@@ -333,7 +333,7 @@ def _formats(folder: Path) -> dict[str, tuple[Path, str]]:
     files = {
         "jsonl": "\n".join(json.dumps(r) if i != 4 else "{torn" for i, r in enumerate(records)),
         "json": json.dumps(records),
-        "csv": "text,n\n"
+        "csv": "\n\ntext,n\n"  # blank lines before the header are passed over
         + "".join(f'"{r["text"]}\nline two",{r["n"]}\n' for r in records[:5])
         + "a,b,c\n"
         + "".join(f"{r['text']},{r['n']}\n\n" for r in records[6:]),
@@ -345,6 +345,15 @@ def _formats(folder: Path) -> dict[str, tuple[Path, str]]:
         out[fmt] = (folder / f"data.{fmt if fmt != 'text' else 'txt'}", fmt)
     pq.write_table(pa.Table.from_pylist(records), folder / "data.parquet")
     out["parquet"] = (folder / "data.parquet", "parquet")
+    # compressed files are read decompressed (cut into a decompressed copy): a gzip file's bytes
+    # were once counted as its "lines"
+    for name, codec, suffix in (("jsonl", "gzip", ".gz"), ("csv", "zstd", ".zst"),
+                                ("text", "bz2", ".bz2"), ("parquet", "gzip", ".gz")):  # fmt: skip
+        plain, fmt = out[name]
+        packed = plain.with_name(plain.name + suffix)
+        with pa.output_stream(str(packed), compression=codec) as stream:
+            stream.write(plain.read_bytes())
+        out[f"{name}_{codec}"] = (packed, fmt)
     return out
 
 
