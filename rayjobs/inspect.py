@@ -35,7 +35,8 @@ Design note.
   documents (a document is the sample whose tokens it holds).
 - **``--limit N``**: each dataset becomes its first N rows, in its file order (files are sorted
   by config validation), bad rows included: files wholly inside the first N rows are read as
-  they are, the file holding the N-th row is replaced by a copy of its rows up to it, in its own
+  they are, the file holding the N-th row is replaced by a copy of its rows up to it (read
+  decompressed, as a read task reads it, and written decompressed), in its own
   format (a JSONL / text file cut at that line, a JSON list, CSV or Parquet file at that record;
   row numbers are kept), written in a temporary folder on the driver's machine (so on a cluster
   of several nodes use it with a local Ray); a Hugging Face dataset by its first N records. The
