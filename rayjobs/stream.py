@@ -134,11 +134,17 @@ def estimate(config: Config, count_rows: bool) -> dict[str, Estimate]:
     estimates = {}
     where = on_data_nodes(config)
     for spec in config.datasets:
-        sample, density, raw_rows = _head(spec, where)
-        lengths = tokenize(sample).column("num_tokens").to_numpy() if sample else np.empty(0)
+        limit = SAMPLE_ROWS
+        while True:  # a head the template or the overflow policy left nothing of: a longer one
+            sample, density, raw_rows = _head(spec, where, limit)
+            lengths = tokenize(sample).column("num_tokens").to_numpy() if sample else np.empty(0)
+            taken = sample.num_rows if sample is not None else 0
+            if len(lengths) or taken < limit:  # samples, or every row of the dataset read
+                break
+            limit *= 8
         if not len(lengths):
             raise ValueError(
-                f"dataset {spec.name!r}: no samples in its first {SAMPLE_ROWS} rows after "
+                f"dataset {spec.name!r}: no samples in any of its {taken} good rows after "
                 "templating (see on_bad_row and the overflow policy); it cannot be streamed"
             )
         sizes = {f: os.path.getsize(f) for f in spec.files} if spec.files else None
@@ -152,27 +158,27 @@ def estimate(config: Config, count_rows: bool) -> dict[str, Estimate]:
 
 
 def _head(
-    spec: DatasetConfig, where: dict[str, Any] | None = None
+    spec: DatasetConfig, where: dict[str, Any] | None = None, limit: int = SAMPLE_ROWS
 ) -> tuple[pa.Table | None, float | None, float]:
-    """Up to ``SAMPLE_ROWS`` good rows from the first files of a dataset, parsed in the driver (a
+    """Up to ``limit`` good rows from the first files of a dataset, parsed in the driver (a
     cost that does not grow with the number of files; a Hugging Face dataset goes through Ray);
     the raw rows per byte of the files parsed; and the raw rows, bad ones included, that the good
     rows kept stand for (so samples per raw row = samples of the sample / this). ``where``:
     ``on_data_nodes``, for the read of a Hugging Face dataset."""
     if spec.format == HF:
-        refs = read_dataset(spec, **(where or {})).limit(SAMPLE_ROWS).to_arrow_refs()
+        refs = read_dataset(spec, **(where or {})).limit(limit).to_arrow_refs()
         table = pa.concat_tables(ray.get(refs)) if refs else None
         return table, None, float(table.num_rows if table is not None else 1)
     tables, count, good_rows, bad_rows, parsed_bytes = [], 0, 0, 0, 0
     for path in spec.files:
-        rows, records, consumed, bad = _parse_head(spec, path, SAMPLE_ROWS - count)
-        keep = min(len(rows), SAMPLE_ROWS - count)
+        rows, records, consumed, bad = _parse_head(spec, path, limit - count)
+        keep = min(len(rows), limit - count)
         tables.append(record_table(spec.name, [path] * keep, rows[:keep], records[:keep]))
         count += keep
         good_rows += len(rows)
         bad_rows += bad
         parsed_bytes += consumed
-        if count >= SAMPLE_ROWS:
+        if count >= limit:
             break
     density = (good_rows + bad_rows) / parsed_bytes if parsed_bytes else None
     raw_rows = count * (good_rows + bad_rows) / good_rows if good_rows else 1.0

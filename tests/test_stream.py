@@ -174,6 +174,34 @@ def test_a_dataset_of_bad_and_dropped_rows_is_sized_in_samples(tmp_path):
     assert shares == pytest.approx([125, 62.5, 62.5])
 
 
+def test_a_dataset_whose_head_the_template_skips_whole_is_sized_from_a_longer_one(
+    tmp_path, monkeypatch
+):
+    """A folder whose first file's rows all lack the template's field (skipped, counted) and
+    whose second file is good: start-up reads a longer head rather than refusing to stream a
+    dataset that planned mode reads, and sizes it from what it found (half its rows make
+    samples). A dataset that makes no sample at all is still refused, naming it."""
+    import json
+
+    monkeypatch.setattr(stream, "SAMPLE_ROWS", 16)  # the head: 16 good rows, not 2048
+    folder = tmp_path / "rows"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text(
+        "".join(json.dumps({"content": f"r{i}"}) + "\n" for i in range(40))
+    )
+    (folder / "b.jsonl").write_text(
+        "".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(40))
+    )
+    spec = {"name": "d", "source": str(folder), "template": "text", "on_bad_row": "skip"}
+    config = config_from_dict({"datasets": [spec], "tokenizer": {"path": str(GPT2)}})
+    estimate = stream.estimate(config, count_rows=False)["d"]
+    assert estimate.samples_per_row == pytest.approx(0.5) and estimate.mean_tokens > 0
+    (folder / "b.jsonl").unlink()
+    config = config_from_dict({"datasets": [spec], "tokenizer": {"path": str(GPT2)}})
+    with pytest.raises(ValueError, match="dataset 'd': no samples in any of its 40 good rows"):
+        stream.estimate(config, count_rows=False)
+
+
 def _sources_of_documents(config) -> dict[tuple[int, ...], str]:
     """Every sample's token ids → its dataset, from an in-process tokenization of the same rows."""
     from rayjobs.sources import read_dataset
