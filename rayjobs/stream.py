@@ -149,7 +149,10 @@ def estimate(config: Config, count_rows: bool) -> dict[str, Estimate]:
             )
         sizes = {f: os.path.getsize(f) for f in spec.files} if spec.files else None
         count = None
-        if count_rows:
+        # A Hugging Face dataset has no bytes to size it by: counted always (it knows its
+        # length), else it weighed 1 row in the mix of unweighted streams and its rows came
+        # after every epoch of the file datasets'.
+        if count_rows or spec.format == HF:
             count = read_dataset(spec, sizes=sizes, **where).count()
         estimates[spec.name] = Estimate(
             float(lengths.mean()), count, density, sizes, len(lengths) / raw_rows

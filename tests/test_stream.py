@@ -4,6 +4,7 @@ adapter keeps epochs apart and counts exactly, and weights set each dataset's re
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pyarrow as pa
@@ -172,6 +173,26 @@ def test_a_dataset_of_bad_and_dropped_rows_is_sized_in_samples(tmp_path):
     budgets = stream.budgets(weighted, sized, fractions)  # what the ledger trims each read to
     shares = [budgets[(0, spec.name)] for spec in weighted.datasets]
     assert shares == pytest.approx([125, 62.5, 62.5])
+
+
+def test_a_hugging_face_dataset_is_sized_by_its_rows_without_weights(ray_local, tmp_path):
+    """Unweighted streams interleave in the ratio of their rows: a Hugging Face dataset (no
+    files to size it by) counted as 1 row, and its rows came after the file datasets' whole
+    stream, every epoch of it."""
+    import datasets
+
+    records = json.loads(ALPACA.read_text())[:120]
+    datasets.Dataset.from_list(records).save_to_disk(str(tmp_path / "hf"))
+    specs = [
+        {"name": "file", "source": str(ALPACA), "template": "alpaca"},
+        {"name": "hub", "source": str(tmp_path / "hf"), "format": "hf", "template": "alpaca"},
+    ]
+    config = config_from_dict({"datasets": specs, "tokenizer": {"path": str(GPT2)}})
+    estimates = stream.estimate(config, count_rows=False)
+    assert estimates["hub"].rows == 120 and stream._rows_hint(estimates["hub"]) == 120
+    assert estimates["file"].rows is None  # a file dataset is sized by its bytes, uncounted
+    hint = stream._rows_hint(estimates["file"])
+    assert hint == pytest.approx(len(json.loads(ALPACA.read_text())), rel=0.2)
 
 
 def test_a_dataset_whose_head_the_template_skips_whole_is_sized_from_a_longer_one(
