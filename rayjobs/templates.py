@@ -365,7 +365,8 @@ def _conversation(
             f"{sorted(row)}",
             reason="missing_field",
         )
-    field = "conversations" if sharegpt else "messages"
+    # the dataset's own column (column_map), which the turns' paths start with: dialog[2]
+    field = column_map.get(*(("conversations",) * 2 if sharegpt else ("messages",) * 2))
     if not isinstance(messages, list):
         raise RowError(field, f"expected a non-empty list of turns, got {type(messages).__name__}")
     if not messages:
@@ -458,10 +459,12 @@ def _check_turn_rendered(trained: str, message: Message, field: str) -> None:
         )
 
 
-def _check_prefix(earlier: str, later: str) -> None:
+def _check_prefix(earlier: str, later: str, field: str) -> None:
+    """``later`` (a longer conversation, rendered) starts with ``earlier``; ``field``: the
+    column the turns came from."""
     if not later.startswith(earlier):
         raise RowError(
-            "messages",
+            field,
             "the chat template is not prefix-stable: rendering a longer "
             "conversation changed earlier text; set tokenizer.chat_template",
             reason="template_error",
@@ -487,13 +490,13 @@ def chat(
             continue
         prompt = render(messages[:index], True)
         full = render(messages[: index + 1], False)
-        _check_prefix(done, prompt)
-        _check_prefix(prompt, full)
+        _check_prefix(done, prompt, field)
+        _check_prefix(prompt, full, field)
         _check_turn_rendered(full[len(prompt) :], message, f"{field}[{index - offset}]")
         segments += [Segment(prompt[len(done) :], False), Segment(full[len(prompt) :], True)]
         done = full
     whole = render(messages, False)
-    _check_prefix(done, whole)
+    _check_prefix(done, whole, field)
     _check_tools_rendered(whole, tools)
     if whole[len(done) :]:
         segments.append(Segment(whole[len(done) :], False))
@@ -537,18 +540,14 @@ def preference(
     ):
         return Preference(_text_field(row, "prompt", column_map), chosen, rejected)
     if prompt is not None:  # a list of turns under ``prompt``
-        turns = {"messages": prompt, "system": row.get(column_map.get("system", "system"))}
-        try:
-            messages = chat_messages(turns, {})
-        except RowError as error:
-            raise RowError(
-                _shown("prompt", column_map), str(error).split(": ", 1)[1], error.reason
-            ) from None
+        field = column_map.get("prompt", "prompt")
+        turns = {field: prompt, "system": row.get(column_map.get("system", "system"))}
+        messages, field, offset = _conversation(turns, {"messages": field})
     else:
-        messages = chat_messages(row, column_map)
+        messages, field, offset = _conversation(row, column_map)
     if messages[-1]["role"] == "assistant":
         raise RowError(
-            "prompt",
+            f"{field}[{len(messages) - 1 - offset}]",
             "the prompt's last turn is an assistant turn; the responses answer the prompt",
         )
     tools = chat_tools(row, column_map)
@@ -558,6 +557,6 @@ def preference(
     texts = []
     for reply in (chosen, rejected):
         full = render([*messages, {"role": "assistant", "content": reply}], False)
-        _check_prefix(prompt_text, full)
+        _check_prefix(prompt_text, full, field)
         texts.append(full[len(prompt_text) :])
     return Preference(prompt_text, *texts)

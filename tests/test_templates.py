@@ -573,14 +573,34 @@ PREFERENCE_ERRORS = {
         "chosen",
         "wrong_type",
     ),
+    # the turn at fault, in the column the turns came from (a system column's turn not counted)
     "prompt_ends_with_the_answer": (
         {"prompt": [USER, {"role": "assistant", "content": "x"}], "chosen": "c", "rejected": "r"},
-        "prompt",
+        "prompt[1]",
         "wrong_type",
     ),
+    "prompt_with_system_ends_with_the_answer": (
+        {
+            "system": "s",
+            "prompt": [USER, {"role": "assistant", "content": "x"}],
+            "chosen": "c",
+            "rejected": "r",
+        },
+        "prompt[1]",
+        "wrong_type",
+    ),  # fmt: skip
+    "conversation_ends_with_the_answer": (
+        {
+            "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "x"}],
+            "chosen": "c",
+            "rejected": "r",
+        },
+        "conversations[1]",
+        "wrong_type",
+    ),  # fmt: skip
     "bad_prompt_turn": (
-        {"prompt": [{"role": "alien", "content": "x"}], "chosen": "c", "rejected": "r"},
-        "prompt",
+        {"prompt": [USER, {"role": "alien", "content": "x"}], "chosen": "c", "rejected": "r"},
+        "prompt[1]",
         "wrong_type",
     ),
 }
@@ -593,3 +613,15 @@ def test_bad_preference_rows_name_the_field_and_reason(row, field, reason):
     with pytest.raises(RowError) as caught:
         templates.preference(row, {})
     assert (caught.value.field, caught.value.reason) == (field, reason)
+
+
+def test_bad_turns_are_named_by_the_datasets_own_column():
+    """With ``column_map``, a turn at fault is named by the column the data holds it in."""
+    row = {"dialog": [USER, {"role": "alien", "content": "x"}], "good": "c", "bad": "r"}
+    mapped = {"prompt": "dialog", "chosen": "good", "rejected": "bad"}
+    with pytest.raises(RowError) as caught:
+        templates.preference(row, mapped)
+    assert caught.value.field == "dialog[1]"
+    with pytest.raises(RowError) as caught:
+        templates.chat({"dialog": row["dialog"]}, {"messages": "dialog"})
+    assert caught.value.field == "dialog[1]"
