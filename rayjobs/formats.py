@@ -193,6 +193,18 @@ HF = "hf"
 """The ``format`` of a Hugging Face dataset (a Hub name or a ``save_to_disk`` folder)."""
 
 
+def hf_label(source: object, split: str) -> str:
+    """What a Hugging Face dataset's rows carry as their ``_path`` (and bad-row messages name):
+    its source and split."""
+    return f"{source}[{split}]"
+
+
+HF_PLACE = "hf"
+"""A Hugging Face dataset's place in its dataset, for sample uids and subsamples: its rows'
+``_path`` (``hf_label``) holds its source, an absolute folder for a saved dataset, and the same
+data elsewhere must get the same uids and subsample, as a file dataset's do."""
+
+
 def register_format(name: str, extensions: tuple[str, ...] = (), *, late_file_errors: bool = False):
     """Decorator: register ``read(file, options, chunk_bytes) -> Iterator[Parsed]`` (a
     :data:`Parser`) as file format ``name``."""

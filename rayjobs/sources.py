@@ -44,6 +44,7 @@ from rayjobs.formats import (
     Readable,
     SourceError,
     apply_policy,
+    hf_label,
     read_rows,
     table_records,
 )
@@ -321,10 +322,9 @@ def load_huggingface(spec: DatasetConfig) -> Any:
 
 
 def _read_huggingface(spec: DatasetConfig) -> ray.data.Dataset:
-    source = str(spec.source)
     loaded = load_huggingface(spec)
     loaded = loaded.add_column("_row", list(range(len(loaded))))
-    label = f"{source}[{spec.split}]"
+    label = hf_label(spec.source, spec.split)
 
     def to_records(batch: pa.Table) -> pa.Table:
         rows = batch.column("_row").to_pylist()

@@ -57,7 +57,7 @@ import ray.data
 
 from rayjobs import dpo, seeds
 from rayjobs.config import Config, DatasetConfig
-from rayjobs.formats import HF, read_rows
+from rayjobs.formats import HF, HF_PLACE, read_rows
 from rayjobs.metrics import PackCounts, StageTimer, batch_key, report, report_actor
 from rayjobs.pack import StreamPacker
 from rayjobs.rows import assemble
@@ -342,7 +342,8 @@ def _read_hf(spec: DatasetConfig, read: Pass, where: dict[str, Any]) -> ray.data
     if read.sample is not None:  # (Dataset.random_sample takes no label selector)
         rows = rows.map_batches(
             _subsample, batch_format="pyarrow",
-            fn_kwargs={"fraction": read.sample, "seed": read.sample_seed, "root": None}, **where,
+            fn_kwargs={"fraction": read.sample, "seed": read.sample_seed, "place": HF_PLACE},
+            **where,
         )  # fmt: skip
     return rows
 
@@ -355,15 +356,18 @@ def files_root(files: tuple[str, ...] | list[str]) -> str | None:
     return os.path.commonpath([os.path.dirname(os.path.abspath(f)) for f in files])
 
 
-def _subsample(batch: pa.Table, fraction: float, seed: int, root: str | None = None) -> pa.Table:
+def _subsample(
+    batch: pa.Table, fraction: float, seed: int, root: str | None = None, place: str | None = None
+) -> pa.Table:
     """Each row kept with probability ``fraction``, decided by a hash of (seed, file, row), the
-    file named by its path under ``root`` (``files_root``): the same rows for the same seed
-    whatever the blocks, their order, and wherever the dataset's folder lies."""
+    file named by its path under ``root`` (``files_root``), or ``place`` for every row (a
+    Hugging Face dataset: ``formats.HF_PLACE``): the same rows for the same seed whatever the
+    blocks, their order, and wherever the dataset's folder lies."""
     paths = batch.column("_path").to_numpy(zero_copy_only=False)
     rows = batch.column("_row").to_numpy().astype(np.uint64)
     keys = np.empty(len(rows), dtype=np.uint64)
     for path in np.unique(paths):
-        name = os.path.relpath(os.path.abspath(path), root) if root else path
+        name = place or (os.path.relpath(os.path.abspath(path), root) if root else path)
         digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
         mine = paths == path
         keys[mine] = rows[mine] + np.uint64(int.from_bytes(digest, "little"))

@@ -47,7 +47,7 @@ import pyarrow.compute as pc
 
 from rayjobs import dpo, templates
 from rayjobs.config import ConfigError, DatasetConfig, TokenizerConfig
-from rayjobs.formats import bad_row_error, bad_row_place
+from rayjobs.formats import HF, HF_PLACE, bad_row_error, bad_row_place, hf_label
 from rayjobs.metrics import StageTimer, TokenizeCounts, batch_key, report, report_actor
 from rayjobs.rows import IGNORE_INDEX
 from rayjobs.templates import Message, RowError, Segment
@@ -343,7 +343,12 @@ class Tokenize:
         if threads:  # before the tokenizer's first batch builds its thread pool
             os.environ.setdefault(THREADS_ENV, str(threads))
         self.datasets = {spec.name: spec for spec in datasets}
-        self.file_index = {s.name: {f: str(i) for i, f in enumerate(s.files)} for s in datasets}
+        self.file_index = {  # a file's place in its dataset (sample uids); HF_PLACE for HF's
+            s.name: {hf_label(s.source, s.split): HF_PLACE}
+            if s.format == HF
+            else {f: str(i) for i, f in enumerate(s.files)}
+            for s in datasets
+        }
         self.tokenizer = Tokenizer(tokenizer)
         report_actor(ledger, "Tokenize")
         self.seq_len = seq_len

@@ -195,6 +195,34 @@ def test_a_hugging_face_dataset_is_sized_by_its_rows_without_weights(ray_local, 
     assert hint == pytest.approx(len(json.loads(ALPACA.read_text())), rel=0.2)
 
 
+def test_a_hugging_face_datasets_uids_and_subsample_do_not_depend_on_its_folder(
+    ray_local, tmp_path
+):
+    """The same saved Hugging Face dataset in two folders: the same sample uids (planned mode's
+    mixing plans) and the same rows in a subsampled pass, as for a file dataset. Its rows'
+    ``_path`` names the folder, and both once followed it."""
+    import datasets
+
+    from rayjobs.formats import HF_PLACE
+    from rayjobs.pipeline import tokenize
+    from rayjobs.sources import read_dataset
+
+    records = json.loads(ALPACA.read_text())[:50]
+    uids, kept, by_path = [], [], []
+    for where in ("one", "two"):
+        folder = tmp_path / where / "hf"
+        datasets.Dataset.from_list(records).save_to_disk(str(folder))
+        spec = {"name": "hub", "source": str(folder), "format": "hf", "template": "alpaca"}
+        config = config_from_dict({"datasets": [spec], "tokenizer": {"path": str(GPT2)}})
+        uids.append(sorted(row["uid"] for row in tokenize(config).take_all()))
+        table = pa.Table.from_pylist(read_dataset(config.datasets[0]).take_all())
+        kept.append(stream._subsample(table, 0.5, 3, place=HF_PLACE).column("_row").to_pylist())
+        by_path.append(stream._subsample(table, 0.5, 3).column("_row").to_pylist())
+    assert len(uids[0]) == 50 and uids[0] == uids[1]
+    assert 0 < len(kept[0]) < 50 and sorted(kept[0]) == sorted(kept[1])
+    assert sorted(by_path[0]) != sorted(by_path[1])  # guard: named by its folder, they differ
+
+
 def test_a_dataset_whose_head_the_template_skips_whole_is_sized_from_a_longer_one(
     tmp_path, monkeypatch
 ):
