@@ -226,11 +226,16 @@ COMPRESSED_SUFFIXES = (".gz", ".bz2", ".zst", ".lz4")
 ``sources.open_row_file`` decompresses (``rows.jsonl.gz`` is a JSONL file)."""
 
 
+def without_compression(path: str) -> str:
+    """``path`` less its compression suffix, if any (``rows.jsonl.gz`` → ``rows.jsonl``)."""
+    compressed = next((suffix for suffix in COMPRESSED_SUFFIXES if path.endswith(suffix)), "")
+    return path.removesuffix(compressed)
+
+
 def format_of(path: str) -> str | None:
     """The registered format that claims ``path``'s extension (under a compression suffix), if
     any."""
-    compressed = next((suffix for suffix in COMPRESSED_SUFFIXES if path.endswith(suffix)), "")
-    path = path.removesuffix(compressed)
+    path = without_compression(path)
     for fmt in FORMATS.values():
         if any(path.endswith(ext) for ext in fmt.extensions):
             return fmt.name

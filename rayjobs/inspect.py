@@ -472,7 +472,8 @@ def _limit_dataset(spec: DatasetConfig, limit: int, folder: Path) -> DatasetConf
             files.append(path)
             taken += len(rows)
         else:
-            copy = folder / f"{len(files)}-{_plain_name(path)}"  # its format's extension
+            # written decompressed: its name keeps its format's extension, not the codec's
+            copy = folder / f"{len(files)}-{formats.without_compression(Path(path).name)}"
             with open(copy, "wb") as out:
                 _cut(spec.format, path, rows[keep], keep, out)
             got = len(_first_rows(spec, str(copy), keep + 1))
@@ -522,15 +523,6 @@ def _open_plain(path: str) -> BinaryIO:
     return io.BufferedReader(pa.input_stream(path, compression=compression))
 
 
-def _plain_name(path: str) -> str:
-    """The name of a cut copy of ``path``: its own, less a compression suffix (the copy is
-    written decompressed; the rest of the name still says its format)."""
-    name = Path(path).name
-    return next(
-        (name.removesuffix(s) for s in formats.COMPRESSED_SUFFIXES if name.endswith(s)), name
-    )
-
-
 def _cut(fmt: str, path: str, first_left_out: int, keep: int, out: BinaryIO) -> None:
     """Write to ``out`` a file of format ``fmt`` holding the first ``keep`` rows of ``path``
     (``first_left_out``: the row number of the next one), decompressed. Streams, but for a JSON
@@ -552,7 +544,9 @@ def _cut(fmt: str, path: str, first_left_out: int, keep: int, out: BinaryIO) -> 
     if fmt == "parquet":
         import pyarrow.parquet as pq
 
-        if _plain_name(path) == Path(path).name:
+        from rayjobs.sources import compression_of
+
+        if compression_of(path) is None:
             source = pq.ParquetFile(path)
         else:  # compressed: read whole, decompressed, as a read task reads it
             with _open_plain(path) as file:

@@ -365,8 +365,8 @@ def _conversation(
             f"{sorted(row)}",
             reason="missing_field",
         )
-    # the dataset's own column (column_map), which the turns' paths start with: dialog[2]
-    field = column_map.get(*(("conversations",) * 2 if sharegpt else ("messages",) * 2))
+    name = "conversations" if sharegpt else "messages"
+    field = column_map.get(name, name)  # the dataset's own column, as turn paths name it: dialog[2]
     if not isinstance(messages, list):
         raise RowError(field, f"expected a non-empty list of turns, got {type(messages).__name__}")
     if not messages:
