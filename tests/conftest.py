@@ -4,6 +4,7 @@ Ray per test module."""
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -95,10 +96,11 @@ def ray_local():
 
 
 def shutdown_shared_ray() -> None:
-    """Stop the shared local Ray (a module about to start a cluster of its own calls this)."""
-    import ray
-
-    if ray.is_initialized():
+    """Stop the shared local Ray (a module about to start a cluster of its own calls this).
+    A session that never imported Ray started none: the GPU checks run where Ray is not
+    installed (tests/run_gpu_checks.sh), and their teardown failed importing it."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
         ray.shutdown()
 
 
