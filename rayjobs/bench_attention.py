@@ -144,8 +144,14 @@ def _tile_density(document_ids: torch.Tensor, block_size: int = BLOCK_SIZE) -> f
 
 
 def bench_attention(
-    seq_lens: list[int], mean_length: float = MEAN_LENGTH, seed: int = 0
+    seq_lens: list[int],
+    mean_length: float = MEAN_LENGTH,
+    seed: int = 0,
+    report: Callable[[list[AttentionRow]], None] | None = None,
 ) -> list[AttentionRow]:
+    """Every variant at every length; ``report`` gets each length's rows as they are measured
+    (a cold compile costs tens of seconds per length, so a time limit still leaves the
+    lengths done)."""
     if not torch.cuda.is_available():
         raise SystemExit(
             "rayjobs bench attention needs a CUDA GPU (FlexAttention's training path)."
@@ -157,7 +163,10 @@ def bench_attention(
         # later ones a dynamic-shape recompile, so the lengths' timings were of different code.
         torch._dynamo.reset()
         flex = torch.compile(flex_attention)
-        rows += _bench_seq_len(flex, seq_len, mean_length, seed, device)
+        measured = _bench_seq_len(flex, seq_len, mean_length, seed, device)
+        if report is not None:
+            report(measured)
+        rows += measured
         torch.cuda.empty_cache()  # the step's tensors are gone with the call
     return rows
 
@@ -251,11 +260,14 @@ def _check_flex_equals_dense(flex, q, k, v, grad, block_mask, dense_mask) -> Non
             )
 
 
-def format_table(rows: list[AttentionRow]) -> str:
-    lines = [
-        f"{'seq_len':>7} {'batch':>5} {'docs/row':>8} {'tiles':>6} {'variant':<12} "
-        f"{'fwd+bwd ms':>10} {'mask ms':>8} {'vs dense':>8}"
-    ]
+TABLE_HEADER = (
+    f"{'seq_len':>7} {'batch':>5} {'docs/row':>8} {'tiles':>6} {'variant':<12} "
+    f"{'fwd+bwd ms':>10} {'mask ms':>8} {'vs dense':>8}"
+)
+
+
+def format_table(rows: list[AttentionRow], header: bool = True) -> str:
+    lines = [TABLE_HEADER] if header else []
     for row in rows:
         lines.append(
             f"{row.seq_len:>7} {row.batch_size:>5} {row.documents_per_row:>8.1f} "
@@ -295,13 +307,21 @@ def main(argv: list[str] | None = None) -> int:
     if error := argument_error(args.seq_len, args.mean_length):
         print(f"rayjobs: {error}", file=sys.stderr)
         return 2
-    rows = bench_attention(args.seq_len, args.mean_length)
+    if not torch.cuda.is_available():
+        raise SystemExit(
+            "rayjobs bench attention needs a CUDA GPU (FlexAttention's training path)."
+        )
     print(
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, "
         f"{HEADS} heads × {HEAD_DIM}, "
         f"{TOKENS_PER_STEP} tokens per step, mean document length {args.mean_length:g}"
     )
-    print(format_table(rows))
+    print(TABLE_HEADER, flush=True)
+    rows = bench_attention(
+        args.seq_len,
+        args.mean_length,
+        report=lambda measured: print(format_table(measured, header=False), flush=True),
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(row) for row in rows], f, indent=1)

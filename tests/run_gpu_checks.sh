@@ -20,10 +20,10 @@ print(torch.cuda.get_device_name(), "torch", torch.__version__, "cuda", torch.ve
 PY
 limit() { timeout -k 10 "$@"; }  # limit SECONDS command...: exit 124 when it ran out
 # -s: the tests print their measured differences (the README's figures)
-limit 240 python3 -m pytest -q -s -p no:cacheprovider -rs tests/test_cuda.py 2>&1 \
+limit 220 python3 -m pytest -q -s -p no:cacheprovider -rs tests/test_cuda.py 2>&1 \
   | tee "$out/test_cuda.log"
 tests=$?
-limit 100 python3 -m rayjobs.bench_attention --json "$out/attention.json" 2>&1 \
+limit 180 python3 -m rayjobs.bench_attention --json "$out/attention.json" 2>&1 \
   | tee "$out/bench_attention.log"
 bench=$?
 export_dir=${2:-gpu-checks/export}
