@@ -25,6 +25,7 @@ chunk recomputed in backward (``torch.utils.checkpoint``) instead of kept.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,8 @@ from torch.utils.checkpoint import checkpoint
 
 from rayjobs import masks
 from rayjobs.rows import IGNORE_INDEX
+
+logger = logging.getLogger(__name__)
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -593,6 +596,18 @@ def hf_config(
     return config
 
 
+def supports_flex(config: Any) -> bool:
+    """Whether transformers' causal-LM class for ``config`` runs ``flex_attention`` (its
+    ``_supports_flex_attn``; an architecture the mapping does not know is left to transformers)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        return True
+    return bool(getattr(model_class, "_supports_flex_attn", False))
+
+
 def build_hf_model(
     *,
     vocab_size: int,
@@ -603,6 +618,7 @@ def build_hf_model(
     attn_implementation: str = "sdpa",
     local_files_only: bool = True,
     token_ids: dict[str, int] | None = None,
+    flex_fallback: str | None = None,
 ) -> nn.Module:
     """A Hugging Face causal LM in fp32, in train mode.
 
@@ -614,6 +630,10 @@ def build_hf_model(
       ["model_type"], ...)``, with ``overrides`` applied. ``vocab_size`` and ``token_ids``
       (``bos_token_id``, ``eos_token_id``, ``pad_token_id``: the tokenizer's) fill what the
       overrides do not set.
+
+    ``flex_fallback``: the backend to build with instead of ``flex_attention`` where the
+    architecture's transformers class has no flex support (GPT-2, for one): for a default
+    choice, not a user's explicit one (which transformers then refuses, naming the class).
 
     Raises:
         ValueError: if the model has fewer token embeddings than ``vocab_size`` or fewer positions
@@ -630,6 +650,14 @@ def build_hf_model(
         local_files_only=local_files_only,
         token_ids=token_ids,
     )  # before loading any weights
+    if attn_implementation == "flex_attention" and flex_fallback and not supports_flex(config):
+        logger.warning(
+            "%s has no flex_attention in transformers: training with %s and the dense "
+            "document mask",
+            config.model_type,
+            flex_fallback,
+        )
+        attn_implementation = common["attn_implementation"] = flex_fallback
     if path is not None:
         model = AutoModelForCausalLM.from_pretrained(
             path, config=config, local_files_only=local_files_only, **common

@@ -243,6 +243,9 @@ def build_model(
         model = build_hf_model(
             seq_len=config.packing.seq_len,
             attn_implementation=implementation,
+            # flex by default on GPUs; an architecture transformers runs no flex for (GPT-2)
+            # takes the dense document mask through sdpa instead of failing on every rank
+            flex_fallback="sdpa" if spec.attn_implementation is None else None,
             **_hf_sources(spec, tokenizer),
         )
     except (OSError, ValueError, KeyError) as error:

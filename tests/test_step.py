@@ -621,3 +621,41 @@ def test_evaluate_runs_without_dropout_and_leaves_it_on_for_training():
     columns = [batch[k] for k in ("input_ids", "position_ids", "document_ids", "labels")]
     with torch.no_grad():  # guard: in training mode, dropout changes the loss from call to call
         assert float(packed(*columns)[0]) != float(packed(*columns)[0])
+
+
+@pytest.mark.parametrize(
+    "model_type, chosen, built",
+    [
+        ("gpt2", None, "sdpa"),  # flex by default on a GPU; GPT-2 has none in transformers
+        ("llama", None, "flex_attention"),
+        ("gpt2", "flex_attention", "refused"),  # asked for by name: transformers says no
+    ],
+)
+def test_default_flex_falls_back_where_the_architecture_has_none(
+    monkeypatch, model_type, chosen, built
+):
+    """On GPUs ``train.attention: auto`` means ``flex_attention`` for an HF model, which
+    transformers refuses for some architectures (GPT-2): every rank failed to build the model
+    once Ray and the data had started. The default now falls back to ``sdpa`` (the dense
+    document mask) where the class has no flex; an explicit ``attn_implementation`` is kept.
+    ``hf_attention`` stands in for a CUDA device (flex cannot build or train on CPU here)."""
+    from rayjobs.model import supports_flex
+
+    config, tokenizer = _gpt2()
+    model = {"attn_implementation": chosen}  # copied past validation: flex needs use_gpu
+    if model_type == "llama":
+        model["config"] = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
+                           "num_hidden_layers": 1, "num_attention_heads": 2,
+                           "num_key_value_heads": 1, "max_position_embeddings": 128}  # fmt: skip
+    train_config = config.train.model_copy(
+        update={"model": config.train.model.model_copy(update=model)}
+    )
+    config = config.model_copy(update={"train": train_config})
+    monkeypatch.setattr(train, "hf_attention", lambda config, device: "flex_attention")
+    if built == "refused":
+        with pytest.raises(ValueError, match="GPT2LMHeadModel does not support .*flex_attention"):
+            train.build_model(config, tokenizer, torch.device("cpu"), "sdpa")
+        return
+    packed = train.build_model(config, tokenizer, torch.device("cpu"), "sdpa")
+    assert packed.attention == built
+    assert supports_flex(packed.model.config) == (model_type == "llama")
