@@ -137,6 +137,7 @@ class RowError(ValueError):
     def __init__(self, field: str, problem: str, reason: str = "wrong_type"):
         super().__init__(f"field {field!r}: {problem}")
         self.field = field
+        self.problem = problem
         self.reason = reason
 
 
@@ -418,14 +419,25 @@ def chatml(
     return rendered + ("<|im_start|>assistant\n" if add_generation_prompt else "")
 
 
-def _renderer(render_chat: RenderChat | None, tools: list[Tool] | None) -> Callable[..., str]:
+def _renderer(
+    render_chat: RenderChat | None, tools: list[Tool] | None, field: str
+) -> Callable[..., str]:
     """(messages, add_generation_prompt) → text, with the row's ``tools`` where it has some (a
     row without them calls ``render_chat`` with two arguments, as templates registered before
-    tools do)."""
+    tools do). A chat template's error names ``field``, the conversation's column in the
+    dataset (``render_chat`` cannot know it: ShareGPT rows were reported as ``messages``)."""
     render = render_chat or chatml
-    if tools is None:
-        return render
-    return lambda messages, add_generation_prompt: render(messages, add_generation_prompt, tools)
+    extra = () if tools is None else (tools,)
+
+    def rendered(messages: list[Message], add_generation_prompt: bool) -> str:
+        try:
+            return render(messages, add_generation_prompt, *extra)
+        except RowError as error:
+            if error.field == field:
+                raise
+            raise RowError(field, error.problem, reason=error.reason) from None
+
+    return rendered
 
 
 def _check_tools_rendered(rendered: str, tools: list[Tool] | None) -> None:
@@ -482,7 +494,7 @@ def chat(
         raise RowError(
             field, "the conversation has no assistant turn to learn from", reason="missing_field"
         )
-    render = _renderer(render_chat, tools)
+    render = _renderer(render_chat, tools, field)
     segments: list[Segment] = []
     done = ""
     for index, message in enumerate(messages):
@@ -551,7 +563,7 @@ def preference(
             "the prompt's last turn is an assistant turn; the responses answer the prompt",
         )
     tools = chat_tools(row, column_map)
-    render = _renderer(render_chat, tools)
+    render = _renderer(render_chat, tools, field)
     prompt_text = render(messages, True)
     _check_tools_rendered(prompt_text, tools)
     texts = []

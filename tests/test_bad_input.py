@@ -202,6 +202,24 @@ CASES = {
         template="chat",
         texts={1: "assistant: Hello", 3: "assistant: Ciao"},
     ),
+    "chat_template_raises_on_sharegpt": Case(  # named by the dataset's column, not 'messages'
+        "chat.jsonl",
+        _jsonl(
+            {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Yo"}]},
+            {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "boom"}]},
+        ),
+        good=[1],
+        skipped={"template_error": 1},
+        error=(
+            2,
+            [
+                "field 'conversations': the chat template raised TemplateError: cannot render boom",
+                "[template_error]",
+            ],
+        ),
+        template="chat",
+        texts={1: "assistant: Yo"},
+    ),
     "template_function_raises": Case(
         "rows.jsonl",
         _jsonl({"text": "a", "key": "b"}, {"text": "a"}),
