@@ -536,22 +536,31 @@ def _full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _load_state(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, blob: dict[str, Any], fsdp: bool
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    blob: dict[str, Any] | None,
+    fsdp: bool,
 ) -> None:
+    """Load a checkpoint's full model and optimizer state. Under FSDP a collective: ``blob``
+    is rank 0's (``None`` on the other ranks), which broadcasts each tensor in turn and every
+    rank keeps its shard; only rank 0 reads the file."""
     if not fsdp:
         unwrapped = model.module if hasattr(model, "module") else model
         unwrapped.load_state_dict(blob["model"])
         optimizer.load_state_dict(blob["optimizer"])
         return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-    set_state_dict(
-        model,
-        optimizer,
-        model_state_dict=blob["model"],
-        optim_state_dict=blob["optimizer"],
-        options=StateDictOptions(full_state_dict=True),
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
     )
+
+    blob = blob or {}
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    # Two calls, not set_state_dict: given an empty model state (the ranks but 0), it loads
+    # the optimizer only, and rank 0 waited for them in the model's broadcast.
+    set_model_state_dict(model, blob.get("model", {}), options=options)
+    set_optimizer_state_dict(model, optimizer, blob.get("optimizer", {}), options=options)
 
 
 def _restore(
@@ -562,26 +571,37 @@ def _restore(
 ) -> TrainState:
     """The ``TrainState`` of the latest checkpoint Ray Train holds for this run (after a worker
     failure, or for a run resumed by name), with model, optimizer and schedule loaded; a fresh
-    state when there is none. The file is memory-mapped, not read: every rank of a node loads
-    the same full state (under FSDP each then keeps its shard), and read whole, eight ranks held
-    eight copies of the model and its optimizer state in host memory; mapped, they share the
-    page cache and touch only what they copy."""
+    state when there is none. The file is memory-mapped, not read whole (ranks of a node share
+    the page cache and touch only what they copy). Under FSDP only rank 0 opens the checkpoint
+    (on cloud storage: downloads it) and broadcasts it, each rank keeping its shard: every rank
+    mapped the full model and optimizer state before, on every node, for a model sharded
+    because it does not fit one device."""
     import ray.train
 
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
         return TrainState()
-    with checkpoint.as_directory() as directory:
-        path = os.path.join(directory, TRAIN_STATE)
-        if not os.path.exists(path):
+    reads = not fsdp or ray.train.get_context().get_world_rank() == 0
+    with contextlib.ExitStack() as stack:
+        blob, header = None, None
+        if reads:
+            directory = stack.enter_context(checkpoint.as_directory())
+            path = os.path.join(directory, TRAIN_STATE)
+            if os.path.exists(path):
+                blob = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+                header = {"scheduler": blob["scheduler"], "state": blob["state"]}
+        if fsdp:  # rank 0 says whether there is a state to load (all raise alike), and its
+            shared = [header]  # small parts
+            dist.broadcast_object_list(shared, src=0)
+            header = shared[0]
+        if header is None:
             raise ValueError(
                 f"checkpoint {checkpoint.path} holds no {TRAIN_STATE}: it is a finished run's "
                 "final checkpoint, there is nothing to resume"
             )
-        blob = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         _load_state(model, optimizer, blob, fsdp)  # while the (mapped) file is there
-        scheduler.load_state_dict(blob["scheduler"])
-        state = TrainState(**blob["state"])
+        scheduler.load_state_dict(header["scheduler"])
+        state = TrainState(**header["state"])
         del blob
     if ray.train.get_context().get_world_rank() != 0:  # totals are global: counted once
         state.rows = state.pack_tokens = state.trained_tokens = state.guard_dropped = 0

@@ -6,6 +6,7 @@ on the whole batch (demo decoder and a tiny Llama)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import os
 import socket
@@ -242,17 +243,28 @@ def _fsdp_worker(rank: int, port: int, kind: str, rows: dict, out: str) -> None:
         final = train._full_model_state(model)  # the final save's gather (no optimizer state)
         assert final.keys() == state.keys() and all(torch.equal(final[k], state[k]) for k in state)
         save_model(model, vocab, os.path.dirname(out), state_dict=final, write=rank == 0)
-    # The checkpoint's state loads back into a freshly sharded model and optimizer, as a
-    # restart's ``_restore`` loads it (the file memory-mapped).
-    saved = os.path.join(os.path.dirname(out), "train_state.pt")
+    # The checkpoint loads back into a freshly sharded model and optimizer through a restart's
+    # ``_restore``: rank 0 alone reads it (rank 1's checkpoint folder is empty: had it read
+    # its own, it would have found nothing to resume) and broadcasts it.
+    import ray.train
+
+    folder = os.path.join(os.path.dirname(out), f"checkpoint_rank{rank}")
+    os.makedirs(folder)
+    saved_state = train.TrainState(steps=5, rows_consumed=7, rows=40)
     if rank == 0:
-        torch.save({"model": state, "optimizer": optimizer_state}, saved)
-    dist.barrier()
+        blob = {"model": state, "optimizer": optimizer_state, "scheduler": scheduler.state_dict()}
+        blob["state"] = dataclasses.asdict(saved_state)
+        torch.save(blob, os.path.join(folder, train.TRAIN_STATE))
+    ray.train.get_checkpoint = lambda: ray.train.Checkpoint.from_directory(folder)
+    context = types.SimpleNamespace(get_world_rank=lambda: rank)
+    ray.train.get_context = lambda: context
     fresh = parallelize(_model(kind.removesuffix("+ac")), "fsdp")
     fresh_optimizer = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
-    torch.optim.lr_scheduler.LambdaLR(fresh_optimizer, lambda _: 1.0)  # as train_loop, first
-    blob = torch.load(saved, mmap=True, weights_only=True)
-    train._load_state(fresh, fresh_optimizer, blob, fsdp=True)
+    fresh_scheduler = torch.optim.lr_scheduler.LambdaLR(fresh_optimizer, lambda _: 1.0)
+    restored = train._restore(fresh, fresh_optimizer, fresh_scheduler, fsdp=True)
+    assert (restored.steps, restored.rows_consumed) == (5, 7), restored
+    assert restored.rows == (40 if rank == 0 else 0)  # totals counted once
+    assert fresh_scheduler.last_epoch == scheduler.last_epoch == 1
     reloaded, reloaded_optimizer = _full_state(fresh, fresh_optimizer, fsdp=True)
     if rank == 0:
         momentum = {k: v["momentum_buffer"] for k, v in optimizer_state["state"].items()}
