@@ -76,6 +76,7 @@ from rayjobs.config import Config, ConfigError, DatasetConfig
 from rayjobs.formats import BOM, HF
 from rayjobs.metrics import AccountingError
 from rayjobs.rows import IGNORE_INDEX
+from rayjobs.sources import open_row_file
 
 MARKS = ("⟦", "⟧")
 """What the preview wraps the trained spans of a document in."""
@@ -500,7 +501,7 @@ def _first_rows(spec: DatasetConfig, path: str, count: int) -> list[int]:
         "on_bad_row": "skip",
     }
     rows: list[int] = []
-    with _open_plain(path) as file:
+    with open_row_file(path, spec.format) as file:  # as a read task reads it
         for part in formats.read_rows(file, path, **options):
             rows += sorted([*part.rows, *(bad.row for bad in part.bad)])
             if len(rows) >= count:
@@ -512,15 +513,10 @@ _LONE_SURROGATE = re.compile("[\ud800-\udc7f\udd00-\udfff]")
 """Surrogates other than surrogateescape's (U+DC80-U+DCFF, the bytes that were not UTF-8)."""
 
 
-def _open_plain(path: str) -> BinaryIO:
-    """``path`` opened for reading as a read task reads it: decompressed by its extension
-    (``.gz``, ``.bz2``, ``.zst``, ``.lz4``; ``sources.open_row_file``)."""
-    from rayjobs.sources import compression_of
-
-    compression = compression_of(path)
-    if compression is None:
-        return open(path, "rb")  # noqa: SIM115 - the callers close it
-    return io.BufferedReader(pa.input_stream(path, compression=compression))
+def _open_lines(path: str, fmt: str) -> BinaryIO:
+    """``path`` as a read task reads it (``sources.open_row_file``: decompressed by its
+    extension), buffered so that its lines iterate."""
+    return io.BufferedReader(open_row_file(path, fmt))
 
 
 def _cut(fmt: str, path: str, first_left_out: int, keep: int, out: BinaryIO) -> None:
@@ -528,11 +524,11 @@ def _cut(fmt: str, path: str, first_left_out: int, keep: int, out: BinaryIO) -> 
     (``first_left_out``: the row number of the next one), decompressed. Streams, but for a JSON
     list and a compressed Parquet file."""
     if fmt in ("jsonl", "text"):  # row numbers are 1-based line numbers (split at \n only)
-        with _open_plain(path) as file:
+        with _open_lines(path, fmt) as file:
             out.writelines(itertools.islice(file, first_left_out - 1))
         return
     if fmt == "json":  # a list of records, numbered from 0
-        with _open_plain(path) as file:
+        with open_row_file(path, fmt) as file:
             data = file.read()
         text = data.removeprefix(BOM).decode("utf-8", "surrogateescape")
         records = json.dumps(json.loads(text)[:keep], ensure_ascii=False)
@@ -544,19 +540,14 @@ def _cut(fmt: str, path: str, first_left_out: int, keep: int, out: BinaryIO) -> 
     if fmt == "parquet":
         import pyarrow.parquet as pq
 
-        from rayjobs.sources import compression_of
-
-        if compression_of(path) is None:
-            source = pq.ParquetFile(path)
-        else:  # compressed: read whole, decompressed, as a read task reads it
-            with _open_plain(path) as file:
-                source = pq.ParquetFile(pa.BufferReader(file.read()))
-        with pq.ParquetWriter(out, source.schema_arrow) as writer:
-            for batch in source.iter_batches(batch_size=min(keep, 65536)):
-                writer.write_batch(batch.slice(0, keep))
-                keep -= min(keep, batch.num_rows)
-                if not keep:
-                    break
+        with open_row_file(path, fmt) as file:  # compressed: read whole, as formats' reader
+            source = pq.ParquetFile(file if file.seekable() else pa.BufferReader(file.read()))
+            with pq.ParquetWriter(out, source.schema_arrow) as writer:
+                for batch in source.iter_batches(batch_size=min(keep, 65536)):
+                    writer.write_batch(batch.slice(0, keep))
+                    keep -= min(keep, batch.num_rows)
+                    if not keep:
+                        break
         return
     if fmt == "csv":  # the header, then records up to the keep-th (blank lines are not records)
         consumed: list[str] = []
@@ -567,7 +558,7 @@ def _cut(fmt: str, path: str, first_left_out: int, keep: int, out: BinaryIO) -> 
                 yield line
 
         with io.TextIOWrapper(
-            _open_plain(path), encoding="utf-8-sig", errors="surrogateescape", newline=""
+            _open_lines(path, fmt), encoding="utf-8-sig", errors="surrogateescape", newline=""
         ) as file:
             reader = csv.reader(lines(file))
             next((header for header in reader if header), None)  # blank lines before it: none
