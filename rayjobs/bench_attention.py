@@ -143,6 +143,13 @@ def _tile_density(document_ids: torch.Tensor, block_size: int = BLOCK_SIZE) -> f
     return visited / (document_ids.shape[0] * num_blocks * (num_blocks + 1) / 2)
 
 
+def _require_cuda() -> None:
+    if not torch.cuda.is_available():
+        raise SystemExit(
+            "rayjobs bench attention needs a CUDA GPU (FlexAttention's training path)."
+        )
+
+
 def bench_attention(
     seq_lens: list[int],
     mean_length: float = MEAN_LENGTH,
@@ -152,10 +159,7 @@ def bench_attention(
     """Every variant at every length; ``report`` gets each length's rows as they are measured
     (a cold compile costs tens of seconds per length, so a time limit still leaves the
     lengths done)."""
-    if not torch.cuda.is_available():
-        raise SystemExit(
-            "rayjobs bench attention needs a CUDA GPU (FlexAttention's training path)."
-        )
+    _require_cuda()
     device = torch.device("cuda")
     rows: list[AttentionRow] = []
     for seq_len in seq_lens:
@@ -307,10 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     if error := argument_error(args.seq_len, args.mean_length):
         print(f"rayjobs: {error}", file=sys.stderr)
         return 2
-    if not torch.cuda.is_available():
-        raise SystemExit(
-            "rayjobs bench attention needs a CUDA GPU (FlexAttention's training path)."
-        )
+    _require_cuda()
     print(
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, "
         f"{HEADS} heads × {HEAD_DIM}, "

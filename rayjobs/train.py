@@ -581,7 +581,8 @@ def _restore(
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
         return TrainState()
-    reads = not fsdp or ray.train.get_context().get_world_rank() == 0
+    rank = ray.train.get_context().get_world_rank()
+    reads = not fsdp or rank == 0
     with contextlib.ExitStack() as stack:
         blob, header = None, None
         if reads:
@@ -603,7 +604,7 @@ def _restore(
         scheduler.load_state_dict(header["scheduler"])
         state = TrainState(**header["state"])
         del blob
-    if ray.train.get_context().get_world_rank() != 0:  # totals are global: counted once
+    if rank != 0:  # totals are global: counted once
         state.rows = state.pack_tokens = state.trained_tokens = state.guard_dropped = 0
     state.resumes.append({"step": state.steps, "rows_skipped_per_rank": state.rows_consumed})
     return state
