@@ -230,8 +230,6 @@ def test_a_dataset_whose_head_the_template_skips_whole_is_sized_from_a_longer_on
     whose second file is good: start-up reads a longer head rather than refusing to stream a
     dataset that planned mode reads, and sizes it from what it found (half its rows make
     samples). A dataset that makes no sample at all is still refused, naming it."""
-    import json
-
     monkeypatch.setattr(stream, "SAMPLE_ROWS", 16)  # the head: 16 good rows, not 2048
     folder = tmp_path / "rows"
     folder.mkdir()
