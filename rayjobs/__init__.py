@@ -38,22 +38,22 @@ _EXPORTS = {
     "ConfigError": "rayjobs.config",
     "config_from_dict": "rayjobs.config",
     "load_config": "rayjobs.config",
-    "StreamPacker": "rayjobs.pack",
-    "pack_lengths": "rayjobs.pack",
-    "plan_epoch": "rayjobs.mix",
-    "Epochs": "rayjobs.epochs",
-    "start_job": "rayjobs.pipeline",
-    "run": "rayjobs.pipeline",
-    "Job": "rayjobs.pipeline",
-    "train_batches": "rayjobs.train",
-    "hf_attention_mask": "rayjobs.masks",
+    "StreamPacker": "rayjobs.data.pack",
+    "pack_lengths": "rayjobs.data.pack",
+    "plan_epoch": "rayjobs.data.mix",
+    "Epochs": "rayjobs.data.planned",
+    "start_job": "rayjobs.job.pipeline",
+    "run": "rayjobs.job.pipeline",
+    "Job": "rayjobs.job.pipeline",
+    "train_batches": "rayjobs.train.loop",
+    "hf_attention_mask": "rayjobs.train.masks",
 }
 __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
-    """Exports load on first use, so ``import rayjobs.pack`` stays numpy-only and
-    ``rayjobs.masks`` / ``rayjobs.model`` import without Ray or pydantic (the GPU checks run where
+    """Exports load on first use, so ``import rayjobs.data.pack`` stays numpy-only and
+    ``rayjobs.train.masks`` / ``rayjobs.train.model`` import without Ray or pydantic (the GPU checks run where
     only torch is installed)."""
     if name not in _EXPORTS:
         raise AttributeError(f"module 'rayjobs' has no attribute {name!r}")

@@ -113,7 +113,7 @@ def _parser() -> argparse.ArgumentParser:
         "--data",
         nargs="*",
         metavar="NAME",
-        help="bench sets by name or file (default: all; see rayjobs/bench.py)",
+        help="bench sets by name or file (default: all; see rayjobs/bench/packing.py)",
     )
     bench.add_argument(
         "--data-dir",
@@ -293,7 +293,7 @@ def _bench(args: argparse.Namespace) -> int:
         print(f"rayjobs: {error}", file=sys.stderr)
         return 2
     if args.what == "attention":
-        from rayjobs import bench_attention
+        from rayjobs.bench import attention as bench_attention
 
         if args.seq_len is None:
             args.seq_len = list(bench_attention.SEQ_LENS)
@@ -304,12 +304,12 @@ def _bench(args: argparse.Namespace) -> int:
             return 2
         return _bench_attention(args)
     if args.what == "read":
-        from rayjobs import bench_read
+        from rayjobs.bench import read as bench_read
 
         argv = ["--size-mb", str(args.size_mb)] if args.size_mb is not None else []
         return bench_read.main(argv + (["--json", args.json] if args.json else []))
     if args.what == "pipeline":
-        from rayjobs import bench_pipeline
+        from rayjobs.bench import pipeline as bench_pipeline
 
         # Every value given is passed on, 0 too (bench_pipeline refuses what it cannot run):
         # a 0 was dropped, and the bench ran with the job's default instead.
@@ -325,7 +325,7 @@ def _bench(args: argparse.Namespace) -> int:
         return bench_pipeline.main(argv)
     from pathlib import Path
 
-    from rayjobs import bench
+    from rayjobs.bench import packing as bench
 
     data_dir = Path(args.data_dir) if args.data_dir else bench.DEFAULT_DATA_DIR
     if not data_dir.is_dir():
@@ -357,7 +357,7 @@ def _bench(args: argparse.Namespace) -> int:
 def _bench_attention(args: argparse.Namespace) -> int:
     import torch
 
-    from rayjobs import bench_attention
+    from rayjobs.bench import attention as bench_attention
 
     if not torch.cuda.is_available():
         print(
@@ -386,7 +386,7 @@ def _inspect(args: argparse.Namespace, config: Any) -> int:
     follow it."""
     import ray
 
-    from rayjobs.inspect import format_report, inspect, require_matplotlib
+    from rayjobs.job.inspection import format_report, inspect, require_matplotlib
 
     if args.limit is not None and args.limit < 1:
         print(
@@ -419,13 +419,13 @@ def _inspect(args: argparse.Namespace, config: Any) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:2] == ["bench", "train"]:  # its own options (model shape, steps): bench_train.py
-        from rayjobs import bench_train
+        from rayjobs.bench import train as bench_train
 
         return bench_train.main(argv[2:])
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     if args.command in ("status", "logs", "stop"):
-        from rayjobs import submit
+        from rayjobs.job import submit
 
         return submit.job_command(parser.parse_args(argv))
     # Overrides may also follow options (`run CONFIG --address auto a.b=1`), which argparse does
@@ -438,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         return _bench(args)
     if args.command == "submit":
-        from rayjobs import submit
+        from rayjobs.job import submit
 
         return submit.submit_command(args)
     try:
@@ -454,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "inspect":
             return _inspect(args, config)
         if args.command == "export":
-            from rayjobs.export import export
+            from rayjobs.job.export import export
 
             manifest = export(config, args.out, args.epochs, overwrite=args.overwrite)
             packed = manifest["packed"]
@@ -465,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         import ray
 
-        from rayjobs.pipeline import run
+        from rayjobs.job.pipeline import run
 
         owns_ray = not ray.is_initialized()
         with _ray_output_to_stderr():

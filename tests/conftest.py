@@ -37,7 +37,7 @@ def file_tables(data: bytes, path: str, **options):
     is raised while iterating, after the tables before it."""
     import pyarrow as pa
 
-    from rayjobs.sources import read_tables
+    from rayjobs.data.sources import read_tables
 
     return read_tables(pa.BufferReader(data), path, **options)
 

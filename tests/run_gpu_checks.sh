@@ -23,12 +23,12 @@ limit() { timeout -k 10 "$@"; }  # limit SECONDS command...: exit 124 when it ra
 limit 220 python3 -m pytest -q -s -p no:cacheprovider -rs tests/test_cuda.py 2>&1 \
   | tee "$out/test_cuda.log"
 tests=$?
-limit 180 python3 -m rayjobs.bench_attention --json "$out/attention.json" 2>&1 \
+limit 180 python3 -m rayjobs.bench.attention --json "$out/attention.json" 2>&1 \
   | tee "$out/bench_attention.log"
 bench=$?
 export_dir=${2:-gpu-checks/export}
 if [ -f "$export_dir/manifest.json" ]; then
-  limit 180 python3 -m rayjobs.bench_train --export "$export_dir" --json "$out/train.json" 2>&1 \
+  limit 180 python3 -m rayjobs.bench.train --export "$export_dir" --json "$out/train.json" 2>&1 \
     | tee "$out/bench_train.log"
   train=$?
 else

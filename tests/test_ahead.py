@@ -1,4 +1,4 @@
-"""A consumer's read-ahead (rayjobs.ahead): a batch waits for the blocks it is cut from, not for
+"""A consumer's read-ahead (rayjobs.train.ahead): a batch waits for the blocks it is cut from, not for
 the one after them; errors and early stops behave as in a plain loop."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from rayjobs import ahead
-from rayjobs.train import rank_batches
+from rayjobs.train import ahead
+from rayjobs.train.loop import rank_batches
 
 SEQ = 8
 GATE_S = 5
@@ -86,7 +86,7 @@ def gate(ray_local):
 
 def _stalling_dataset(gate):
     """Blocks of 2 and 33 packed rows at once, then one of 40 that waits at the gate: the shape
-    a rank's first blocks can have under ``streaming_split(equal=True)`` (rayjobs.ahead)."""
+    a rank's first blocks can have under ``streaming_split(equal=True)`` (rayjobs.train.ahead)."""
     import ray
 
     def rows(batch, gate):

@@ -22,11 +22,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import GPT2, file_tables
-from rayjobs import templates, tokenize
 from rayjobs.config import config_from_dict
-from rayjobs.formats import SKIP_REASONS, SourceError, parse_file
-from rayjobs.metrics import TokenizeCounts
-from rayjobs.tokenize import DataError, Tokenize, sample_uid
+from rayjobs.data import templates, tokenize
+from rayjobs.data.counts import TokenizeCounts
+from rayjobs.data.formats import SKIP_REASONS, SourceError, parse_file
+from rayjobs.data.tokenize import DataError, Tokenize, sample_uid
 
 PARSE_REASONS = ("invalid_json", "invalid_utf8", "ragged_csv_row")
 """Reasons found by the parser in the read task (the others by Tokenize)."""
@@ -478,9 +478,9 @@ def test_skip_counts_reach_the_ledger_once_through_ray(ray_local, tmp_path):
     """One file mixing several bad classes, listed twice, through the real read path
     (``read_dataset``, a read task) and the Tokenize actor pool (``stream.tokenized``): the good
     rows come out once and the counts by reason reach the run's ledger exactly once."""
-    from rayjobs.metrics import Ledger
-    from rayjobs.sources import read_dataset
-    from rayjobs.stream import tokenized
+    from rayjobs.data.sources import read_dataset
+    from rayjobs.data.stream import tokenized
+    from rayjobs.job.ledger import Ledger
 
     path = tmp_path / "mixed.jsonl"
     path.write_bytes(

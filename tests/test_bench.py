@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import DATA
-from rayjobs import bench
+from rayjobs.bench import packing as bench
 from rayjobs.cli import main
 
 # lengths, seq_len 10 → expected packs (sample indices, in placement order)
@@ -127,7 +127,7 @@ def test_bench_rejects_unknown_set(capsys):
 def test_pipeline_bench_shards_and_report(tmp_path):
     """The pipeline bench's input is the real sets repeated, one shard per copy, and its report
     reads ratios between scales off one run."""
-    from rayjobs import bench_pipeline
+    from rayjobs.bench import pipeline as bench_pipeline
 
     folders = bench_pipeline.write_shards(DATA, tmp_path, scale=3)
     alpaca = sorted(folders["alpaca"].iterdir())
@@ -185,7 +185,7 @@ def test_pipeline_bench_shards_and_report(tmp_path):
     ],
 )
 def test_process_labels_of_the_cpu_table(cmdline, driver, label):
-    from rayjobs import bench_pipeline
+    from rayjobs.bench import pipeline as bench_pipeline
 
     assert bench_pipeline.process_label(cmdline, driver) == label
 
@@ -202,7 +202,7 @@ def test_process_labels_of_the_cpu_table(cmdline, driver, label):
     ],
 )
 def test_epoch_gap_is_the_wait_before_the_first_batch_of_epoch_1(stamps, expected):
-    from rayjobs import bench_pipeline
+    from rayjobs.bench import pipeline as bench_pipeline
 
     assert bench_pipeline.epoch_gap(stamps) == expected
 
@@ -212,7 +212,7 @@ def test_pipeline_bench_examples():
     median) hold."""
     import doctest
 
-    from rayjobs import bench_pipeline
+    from rayjobs.bench import pipeline as bench_pipeline
 
     results = doctest.testmod(bench_pipeline)
     assert results.attempted >= 5 and results.failed == 0
@@ -229,7 +229,7 @@ def test_pipeline_memory_sampler_counts_only_the_drivers_process_tree(monkeypatc
 
     import psutil
 
-    from rayjobs import bench_pipeline
+    from rayjobs.bench import pipeline as bench_pipeline
 
     monkeypatch.setattr(bench_pipeline, "_object_store_used", lambda: 0)  # no Ray here
     monkeypatch.setattr(bench_pipeline, "SAMPLE_S", 0.01)
@@ -269,7 +269,7 @@ def test_attention_bench_draws_full_rows_and_counts_no_padding_as_a_document():
 
     import torch
 
-    from rayjobs import bench_attention
+    from rayjobs.bench import attention as bench_attention
 
     padded_rows = 0
     for seq_len in (2048, 4096, 8192):
@@ -301,7 +301,7 @@ def test_read_bench_shared_column_is_shared_memory_not_library_pages():
     import psutil
     import pyarrow  # noqa: F401 - file-backed pages the column must leave out
 
-    from rayjobs import bench_read
+    from rayjobs.bench import read as bench_read
 
     if bench_read.rss_shmem(os.getpid()) is None:
         pytest.skip("no RssShmem in /proc/<pid>/status (not Linux)")
@@ -335,7 +335,9 @@ def _never(*args, **kwargs):
 def benches_never_run(monkeypatch):
     """Every bench's work replaced by a failure: a refused argument must stop it first (a
     pipeline bench that ran would take minutes)."""
-    from rayjobs import bench_pipeline, bench_read, bench_train
+    from rayjobs.bench import pipeline as bench_pipeline
+    from rayjobs.bench import read as bench_read
+    from rayjobs.bench import train as bench_train
 
     monkeypatch.setattr(bench, "load_lengths", _never)
     monkeypatch.setattr(bench_pipeline, "bench_pipeline", _never)
@@ -397,7 +399,7 @@ def test_bench_refuses_bad_arguments_before_it_runs(argv, message, benches_never
 )
 def test_read_bench_refuses_a_chunk_it_would_not_read_in(chunk_mb, message, benches_never_run,
                                                          capsys):  # fmt: skip
-    from rayjobs import bench_read
+    from rayjobs.bench import read as bench_read
 
     assert bench_read.main(["--chunk-mb", chunk_mb, "--modes", "chunked"]) == 2
     assert capsys.readouterr().err == f"rayjobs: {message}\n"
@@ -406,7 +408,8 @@ def test_read_bench_refuses_a_chunk_it_would_not_read_in(chunk_mb, message, benc
 def test_bench_passes_each_bench_its_own_options(monkeypatch):
     """What ``rayjobs bench X`` hands each bench: the options given, 0 included (``--pace 0``,
     no paced pass, is a value, not "none given"), the bench's own defaults for the rest."""
-    from rayjobs import bench_pipeline, bench_read
+    from rayjobs.bench import pipeline as bench_pipeline
+    from rayjobs.bench import read as bench_read
 
     seen = {}
 
@@ -447,9 +450,9 @@ def test_pipeline_reference_is_one_copy_of_the_data_whatever_the_first_scale(mon
     """The 1-core reference is over the 1x data at every first scale (``--scales 3 5`` measured
     it over the first scale's 3 copies): the pipeline, Ray and the reference's passes are
     stand-ins here, and what each reference pass was given is counted in shard files."""
-    import rayjobs.pipeline
-    import rayjobs.stream
-    from rayjobs import bench_pipeline
+    import rayjobs.data.stream
+    import rayjobs.job.pipeline
+    from rayjobs.bench import pipeline as bench_pipeline
 
     given = []
 
@@ -463,9 +466,9 @@ def test_pipeline_reference_is_one_copy_of_the_data_whatever_the_first_scale(mon
     measured |= {"tokenize_cpu_s": 1.0, "pack_cpu_s": 1.0, "cpu_by_process": {}}
     monkeypatch.setattr(bench_pipeline, "measure_reference", measure_reference)
     monkeypatch.setattr(bench_pipeline, "run_scale", lambda *a, **k: {**measured})
-    monkeypatch.setattr(rayjobs.pipeline, "init_ray", lambda config: None)
-    monkeypatch.setattr(rayjobs.pipeline, "load_tokenizer", lambda config: None)
-    monkeypatch.setattr(rayjobs.stream, "cluster_cpus", lambda config: 2)
+    monkeypatch.setattr(rayjobs.job.pipeline, "init_ray", lambda config: None)
+    monkeypatch.setattr(rayjobs.job.pipeline, "load_tokenizer", lambda config: None)
+    monkeypatch.setattr(rayjobs.data.stream, "cluster_cpus", lambda config: 2)
     for scales in ([3, 5], [1, 3]):
         given.clear()
         rows = bench_pipeline.bench_pipeline(DATA, scales, pace=0)

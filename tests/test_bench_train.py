@@ -8,10 +8,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from rayjobs import bench_train, cli
-from rayjobs.export import to_arrow
-from rayjobs.model import DecoderConfig
-from rayjobs.rows import IGNORE_INDEX, assemble
+from rayjobs import cli
+from rayjobs.bench import train as bench_train
+from rayjobs.data.rows import IGNORE_INDEX, assemble
+from rayjobs.job.export import to_arrow
+from rayjobs.train.model import DecoderConfig
 
 SEQ_LEN = 64
 # Rows of documents (lengths); row 2 is exactly full (no padding document), row 5 one document.
@@ -103,7 +104,7 @@ def test_the_command_prints_the_table_and_writes_json(tmp_path, capsys):
 def test_a_variant_that_trains_otherwise_fails_the_command(tmp_path, capsys, monkeypatch):
     """Past the tolerance (here -1 on CPU: any Δloss crosses it) the bench prints the
     table, then says which variant trained unlike padded_sdpa, and exits 1."""
-    from rayjobs import bench_train
+    from rayjobs.bench import train as bench_train
 
     monkeypatch.setattr(bench_train, "LOSS_TOLERANCE", -1.0)
     _write_export(tmp_path)

@@ -5,7 +5,7 @@ under ``on_bad_row: skip``, the same error under ``error``. On the bundled real 
 bad files read at every chunk size up to their length, so that every byte boundary falls inside a
 line, a multi-byte character, a CRLF, a BOM, a paragraph, a CSV quote or a JSON number. Without Ray:
 the last test runs the datasource's own file opening (Parquet's random access included) in-process;
-``test_sources`` reads through Ray, and ``python -m rayjobs.bench_read`` a 1 GiB file."""
+``test_sources`` reads through Ray, and ``python -m rayjobs.bench.read`` a 1 GiB file."""
 
 from __future__ import annotations
 
@@ -19,9 +19,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import ALPACA, DATA, GPTEACHER, HH_CHAT, SHAKESPEARE, SHAREGPT, file_tables
-from rayjobs import formats
-from rayjobs.formats import BOM, SourceError, parse_rows, read_rows
-from rayjobs.sources import read_tables
+from rayjobs.data.formats import BOM, SourceError, csv_rows, parse_rows, read_rows
+from rayjobs.data.sources import read_tables
 
 
 class CountingFile(io.BytesIO):
@@ -154,7 +153,7 @@ def test_real_rows_as_parquet_read_in_small_batches(tmp_path, alpaca_table):
 
 def test_csv_blocks_are_those_whole_file_reading_used():
     """``pyarrow.csv.read_csv``'s default block: the longest CSV row accepted is unchanged."""
-    assert pacsv.ReadOptions().block_size == formats.CSV_BLOCK_BYTES
+    assert pacsv.ReadOptions().block_size == csv_rows.CSV_BLOCK_BYTES
 
 
 def test_real_rows_as_csv_read_in_small_blocks(tmp_path, alpaca_table, monkeypatch):
@@ -164,7 +163,7 @@ def test_real_rows_as_csv_read_in_small_blocks(tmp_path, alpaca_table, monkeypat
     pacsv.write_csv(alpaca_table, path)
     data = path.read_bytes()
     whole = _outcome(file_tables(data, "f", format="csv", dataset="d"))
-    monkeypatch.setattr(formats, "CSV_BLOCK_BYTES", 8192)
+    monkeypatch.setattr(csv_rows, "CSV_BLOCK_BYTES", 8192)
     assert _assert_same(data, "csv", 64) == whole
     assert _column(whole, "_row") == list(range(alpaca_table.num_rows))
     parts = list(read_rows(CountingFile(data), "f", format="csv", dataset="d", chunk_bytes=64))
@@ -317,7 +316,7 @@ CSV = (
 def test_csv_ragged_quoted_and_bad_cells_at_every_boundary(monkeypatch, block):
     """pyarrow reads blocks of ``CSV_BLOCK_BYTES`` (rows straddle them); the chunk size cuts the
     header, which Python's csv reads (so every cut of it, then a few more)."""
-    monkeypatch.setattr(formats, "CSV_BLOCK_BYTES", block)
+    monkeypatch.setattr(csv_rows, "CSV_BLOCK_BYTES", block)
     for data in (CSV, BOM + CSV):
         outcome = _every_chunk_size(data, "csv", up_to=40)
         assert _column(outcome, "_row") == [0, 1, 2, 3, 4, 5, 6]
@@ -368,7 +367,7 @@ def test_an_empty_json_file_has_no_rows(data):
 
 
 def test_a_csv_row_longer_than_a_block_fails_the_file_saying_so(monkeypatch):
-    monkeypatch.setattr(formats, "CSV_BLOCK_BYTES", 1024)
+    monkeypatch.setattr(csv_rows, "CSV_BLOCK_BYTES", 1024)
     data = b"a,b\n1,2\n3,4\n5," + b"x" * 3000 + b"\n7,8\n"
     outcome = _assert_same(data, "csv", 64)
     assert outcome[0] == "error", outcome
@@ -405,7 +404,7 @@ def test_a_read_task_opens_and_streams_each_format(tmp_path, alpaca_table, monke
     the others as streams, a ``.gz`` one decompressed: a ``.parquet.gz`` then read whole) then
     ``read_tables`` in parts of 256 bytes (CSV: blocks of 8 KiB): the rows the whole file gives;
     ``read_files`` (the task's body) gives them too. ``test_sources`` reads through Ray."""
-    from rayjobs.sources import FileRead, open_row_file, read_files
+    from rayjobs.data.sources import FileRead, open_row_file, read_files
 
     path = str(tmp_path / f"a.{fmt}")
     if fmt.startswith("parquet"):
@@ -420,7 +419,7 @@ def test_a_read_task_opens_and_streams_each_format(tmp_path, alpaca_table, monke
     else:
         Path(path).write_bytes(ALPACA.read_bytes())
     base = fmt.removesuffix(".gz")
-    monkeypatch.setattr(formats, "CSV_BLOCK_BYTES", 8192)
+    monkeypatch.setattr(csv_rows, "CSV_BLOCK_BYTES", 8192)
     options = {"format": base, "dataset": "d", "on_bad_row": "skip", "chunk_bytes": 256}
     with open_row_file(path, base) as file:
         assert file.seekable() == (fmt == "parquet")

@@ -10,7 +10,7 @@ from conftest import ROOT
 
 
 def test_overrides_may_follow_options(tmp_path, monkeypatch):
-    import rayjobs.pipeline
+    import rayjobs.job.pipeline
 
     seen = {}
 
@@ -18,7 +18,7 @@ def test_overrides_may_follow_options(tmp_path, monkeypatch):
         seen["config"], seen["resume"] = config, resume
         raise SystemExit(0)
 
-    monkeypatch.setattr(rayjobs.pipeline, "run", fake_run)
+    monkeypatch.setattr(rayjobs.job.pipeline, "run", fake_run)
     from rayjobs.cli import main
 
     with pytest.raises(SystemExit):
@@ -84,7 +84,8 @@ def test_readme_usage_is_the_help_text_and_lists_every_flag():
     fails here."""
     import argparse
 
-    from rayjobs import bench_train, cli
+    from rayjobs import cli
+    from rayjobs.bench import train as bench_train
 
     usage = _usage_lines()
     assert cli.__doc__.split("\n\n", 1)[1] == "".join(usage.values())

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import ROOT, shutdown_shared_ray
 from rayjobs.config import ConfigError, load_config
-from rayjobs.stream import labels_match
+from rayjobs.data.stream import labels_match
 
 ROLE = "rayjobs.io/role"
 DEMO = ROOT / "configs" / "demo"
@@ -83,7 +83,7 @@ def test_data_scales_out_on_the_data_nodes_and_trainers_stay_on_the_trainer_node
     from ray.util.state import list_actors, list_tasks
 
     from rayjobs.config import config_from_dict
-    from rayjobs.pipeline import run
+    from rayjobs.job.pipeline import run
 
     _, data_nodes, trainer_node = cluster
     config = config_from_dict(

@@ -1,11 +1,11 @@
-"""Tests for rayjobs.collate: what a train step receives from a batch of packed rows."""
+"""Tests for rayjobs.train.collate: what a train step receives from a batch of packed rows."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from rayjobs.collate import collate
+from rayjobs.train.collate import collate
 
 
 # C1 / C2: collate keeps the streaming path's epoch and the rows' own num_tokens

@@ -14,7 +14,7 @@ import yaml
 from conftest import ALPACA, GPT2, ROOT
 from rayjobs.cli import main
 from rayjobs.config import ConfigError, config_from_dict, load_config
-from rayjobs.sources import record_table
+from rayjobs.data.sources import record_table
 
 # Hermetic: configs point at empty files made in tmp_path (config only checks that files exist).
 BASE = {
@@ -74,7 +74,7 @@ BAD_CONFIGS = {
         [
             "datasets.0.template",
             "unknown template 'alpacca'",
-            "registered: 'alpaca', 'text', 'chat'",
+            "registered: 'alpaca', 'chat', 'preference', 'text'",
         ],
     ),
     "column_map_key_naming_no_template_field": (  # a typo once dropped the input block
@@ -304,7 +304,7 @@ def test_override_value_that_is_not_yaml_is_taken_as_text(tmp_path, override, ke
 def no_ray(monkeypatch):
     """Connecting to (or starting) Ray fails the test: config errors come before it. (Whether
     Ray is initialized says nothing: an earlier module's shared Ray may still be up.)"""
-    from rayjobs import pipeline
+    from rayjobs.job import pipeline
 
     def refuse(config):
         raise AssertionError("the run connected to Ray before its config error")
@@ -516,8 +516,8 @@ def test_directory_source_with_explicit_format_keeps_only_that_format(tmp_path):
 
 def test_a_template_registered_outside_config_is_accepted_and_used(tmp_path):
     """A new template is one function plus its tests: config.py reads the registry."""
-    from rayjobs import templates
-    from rayjobs.tokenize import Tokenize
+    from rayjobs.data import templates
+    from rayjobs.data.tokenize import Tokenize
 
     path = _write(tmp_path, _dataset(template="shout"))
     with pytest.raises(ConfigError, match="unknown template 'shout'"):
@@ -525,7 +525,7 @@ def test_a_template_registered_outside_config_is_accepted_and_used(tmp_path):
 
     @templates.register_template("shout")
     def shout(row, column_map, render_chat=None):
-        return [templates.Segment(templates._text_field(row, "text", column_map).upper(), True)]
+        return [templates.Segment(templates.text_field(row, "text", column_map).upper(), True)]
 
     try:
         config = load_config(path, [f"tokenizer.path={GPT2}"])
@@ -550,7 +550,7 @@ def test_a_template_registered_outside_config_is_accepted_and_used(tmp_path):
         (
             "datasets.0.format=xml",
             "datasets.0.format: Value error, unknown format 'xml'; "
-            "registered: 'parquet', 'csv', 'json'",
+            "registered: 'csv', 'hf', 'json', 'jsonl', 'parquet', 'text'",
         ),
     ],
 )
@@ -561,7 +561,7 @@ def test_unregistered_strategy_and_format_are_refused(tmp_path, override, messag
 
 
 def test_a_registered_strategy_is_accepted(tmp_path):
-    from rayjobs import pack
+    from rayjobs.data import pack
 
     @pack.register_strategy("worst_fit")
     class WorstFit(pack.Packer):

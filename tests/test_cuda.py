@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
-from rayjobs import masks
-from rayjobs.bench_attention import packed_layout
-from rayjobs.model import Decoder, DecoderConfig, loss_sum
+from rayjobs.bench.attention import packed_layout
+from rayjobs.train import masks
+from rayjobs.train.model import Decoder, DecoderConfig, loss_sum
 from test_masks import _tiles_from_dense
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -238,8 +238,8 @@ def test_flex_training_reduces_loss():
 
 
 def _preference_batch(seed: int, seq_len: int = 2048) -> dict[str, torch.Tensor]:
-    """Two packed preference rows (``rayjobs.dpo``) of random triples, on the GPU."""
-    from rayjobs import dpo
+    """Two packed preference rows (``rayjobs.data.preference``) of random triples, on the GPU."""
+    from rayjobs.data import preference
 
     rng = np.random.default_rng(seed)
     triples, bins = [], []
@@ -250,18 +250,18 @@ def _preference_batch(seed: int, seq_len: int = 2048) -> dict[str, torch.Tensor]
             if used + sum(lengths) + 1 > seq_len:
                 break
             row.append(len(triples))
-            triples.append(dpo.Triple(*(rng.integers(1, VOCAB_SIZE, n) for n in lengths)))
+            triples.append(preference.Triple(*(rng.integers(1, VOCAB_SIZE, n) for n in lengths)))
             used += sum(lengths) + 1
         bins.append(np.array(row))
-    rows = dpo.assemble_triples(triples, bins, seq_len, pad_id=0)
+    rows = preference.assemble_triples(triples, bins, seq_len, pad_id=0)
     return {k: torch.as_tensor(v).long().to(CUDA) for k, v in rows.items() if v.ndim == 2}
 
 
 def test_dpo_flex_log_probs_and_gradients_equal_sdpa():
     """Preference rows (a response sees its prompt, never the other response): per-triple
     log-probs and gradients through the compiled flex path equal the dense SDPA path."""
-    from rayjobs import dpo
-    from rayjobs.model import PackedLM
+    from rayjobs.train import dpo
+    from rayjobs.train.model import PackedLM
 
     batch = _preference_batch(seed=5)
     assert int((batch["response_role"] == 1).sum()) > 0  # guard: triples in the rows
@@ -284,7 +284,7 @@ def test_dpo_flex_log_probs_and_gradients_equal_sdpa():
 def test_bf16_autocast_flex_step_stays_close_to_fp32():
     """``train.precision: bf16``: the flex forward under bf16 autocast gives a loss near the fp32
     one, with fp32 gradients for the fp32 weights."""
-    from rayjobs.model import PackedLM
+    from rayjobs.train.model import PackedLM
 
     batch = _batch(seed=6)
     losses = {}
@@ -318,7 +318,7 @@ def test_hf_llama_flex_packed_loss_equals_each_document_alone():
     BlockMask from ``document_ids``: a packed row's loss equals its documents run alone (the
     model issue's fidelity check for flex on a GPU)."""
     pytest.importorskip("transformers")
-    from rayjobs.model import PackedLM, build_hf_model
+    from rayjobs.train.model import PackedLM, build_hf_model
 
     torch.manual_seed(0)
     hf = build_hf_model(
@@ -371,7 +371,7 @@ def test_hf_sliding_window_flex_documents_equal_the_model_alone():
     where a window one token off moves the logits by ~4. The fixed 1e-4 the CPU test holds
     failed there, as did twice the backends' gap."""
     pytest.importorskip("transformers")
-    from rayjobs.model import PackedLM, build_hf_model, hf_model_mask
+    from rayjobs.train.model import PackedLM, build_hf_model, hf_model_mask
 
     torch.manual_seed(0)
     qwen2 = {

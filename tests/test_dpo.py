@@ -1,4 +1,4 @@
-"""Tests for rayjobs.dpo: preference triples in packed rows.
+"""Tests for rayjobs.data.preference and rayjobs.train.dpo: preference triples in packed rows.
 
 Literal scenario tables pin the layout and the overflow policy; the masks are checked against a
 reference written from the triple structure (python loops: which part of which triple a token is
@@ -18,10 +18,11 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from conftest import DATA, GPT2
-from rayjobs import dpo, masks
-from rayjobs.model import Decoder, DecoderConfig, PackedLM, build_hf_model
-from rayjobs.pack import pack_lengths
-from rayjobs.rows import IGNORE_INDEX, STAT_COLUMNS
+from rayjobs.data import preference
+from rayjobs.data.pack import pack_lengths
+from rayjobs.data.rows import IGNORE_INDEX, STAT_COLUMNS
+from rayjobs.train import dpo, masks
+from rayjobs.train.model import Decoder, DecoderConfig, PackedLM, build_hf_model
 from test_masks import _tiles_from_block_mask, _tiles_from_dense
 
 HH_DPO = DATA / "dpo" / "hh_rlhf_harmless.dpo.jsonl"
@@ -40,8 +41,8 @@ TINY_LLAMA = {
     "initializer_range": 0.2,  # random weights that make attention matter
 }
 
-A = dpo.Triple(np.array([11, 12, 13]), np.array([21, 22]), np.array([31]))  # P=3, C=2, R=1
-B = dpo.Triple(np.array([41]), np.array([51]), np.array([61, 62]))  # P=1, C=1, R=2
+A = preference.Triple(np.array([11, 12, 13]), np.array([21, 22]), np.array([31]))  # P=3, C=2, R=1
+B = preference.Triple(np.array([41]), np.array([51]), np.array([61, 62]))  # P=1, C=1, R=2
 
 
 def _tensors(rows: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
@@ -88,8 +89,8 @@ LAYOUT_SCENARIOS = {
 @pytest.mark.parametrize("name", LAYOUT_SCENARIOS)
 def test_assembled_rows_are_exactly(name):
     triples, bins, seq_len, expected = LAYOUT_SCENARIOS[name]
-    rows = dpo.assemble_triples(triples, [np.array(b) for b in bins], seq_len, pad_id=0)
-    assert set(rows) == {*dpo.DPO_COLUMNS, *STAT_COLUMNS}
+    rows = preference.assemble_triples(triples, [np.array(b) for b in bins], seq_len, pad_id=0)
+    assert set(rows) == {*preference.DPO_COLUMNS, *STAT_COLUMNS}
     assert all(value.dtype == np.int32 for value in rows.values())
     assert {key: value.tolist() for key, value in rows.items()} == expected
     # guards: the empty prompt document of B (P == 1) keeps its id, unit lengths are P + C + R + 1
@@ -98,14 +99,14 @@ def test_assembled_rows_are_exactly(name):
 
 def test_assembly_refuses_bad_bins_and_triples():
     with pytest.raises(ValueError, match="triple 2, but there are 2"):
-        dpo.assemble_triples([A, B], [np.array([0, 2])], 16, pad_id=0)
+        preference.assemble_triples([A, B], [np.array([0, 2])], 16, pad_id=0)
     with pytest.raises(ValueError, match="Triple 0 appears 2 times"):
-        dpo.assemble_triples([A, B], [np.array([0]), np.array([0, 1])], 16, pad_id=0)
+        preference.assemble_triples([A, B], [np.array([0]), np.array([0, 1])], 16, pad_id=0)
     with pytest.raises(ValueError, match="12 tokens, more than seq_len=10"):
-        dpo.assemble_triples([A, B], [np.array([0, 1])], 10, pad_id=0)
-    empty = dpo.Triple(np.array([1]), np.array([], dtype=np.int32), np.array([2]))
+        preference.assemble_triples([A, B], [np.array([0, 1])], 10, pad_id=0)
+    empty = preference.Triple(np.array([1]), np.array([], dtype=np.int32), np.array([2]))
     with pytest.raises(ValueError, match="chosen part of a preference triple is empty"):
-        dpo.assemble_triples([empty], [np.array([0])], 16, pad_id=0)
+        preference.assemble_triples([empty], [np.array([0])], 16, pad_id=0)
 
 
 # ---------------------------------------------------------------- overflow, literally
@@ -143,7 +144,7 @@ OVERFLOW_SCENARIOS = {
 @pytest.mark.parametrize("name", OVERFLOW_SCENARIOS)
 def test_overflow_is_exactly(name):
     prompt, chosen, rejected, seq_len, policy, kept, counts = OVERFLOW_SCENARIOS[name]
-    triple, cut = dpo.fit_triple(prompt, chosen, rejected, seq_len, policy)
+    triple, cut = preference.fit_triple(prompt, chosen, rejected, seq_len, policy)
     assert (cut.prompt, cut.chosen, cut.rejected, int(cut.dropped)) == counts
     if kept is None:
         assert triple is None and cut.truncated_tokens == 0
@@ -159,20 +160,22 @@ def test_overflow_is_exactly(name):
 
 def test_overflow_refuses_split_and_empty_parts():
     with pytest.raises(ValueError, match="'split' does not apply"):
-        dpo.fit_triple([1], [2], [3], 8, "split")
+        preference.fit_triple([1], [2], [3], 8, "split")
     with pytest.raises(ValueError, match="prompt part of a preference triple is empty"):
-        dpo.fit_triple([], [2], [3], 8, "truncate")
+        preference.fit_triple([], [2], [3], 8, "truncate")
 
 
 # ---------------------------------------------------------------- real triples
 
 
-def _unit_lengths(triples: list[dpo.Triple]) -> np.ndarray:
+def _unit_lengths(triples: list[preference.Triple]) -> np.ndarray:
     """Each triple's unit length (P + C + R + 1): the lengths the packers pack."""
     return np.array([t.unit_length for t in triples], dtype=np.int64)
 
 
-def _load_triples(count: int, seq_len: int) -> tuple[list[dpo.Triple], list[dpo.TripleOverflow]]:
+def _load_triples(
+    count: int, seq_len: int
+) -> tuple[list[preference.Triple], list[preference.TripleOverflow]]:
     """The first ``count`` HH-RLHF (harmless) preference rows, GPT-2 tokens, EOS after each
     response, fitted to ``seq_len`` with ``truncate``."""
     from tokenizers import Tokenizer
@@ -186,7 +189,7 @@ def _load_triples(count: int, seq_len: int) -> tuple[list[dpo.Triple], list[dpo.
 
     triples, cuts = [], []
     for prompt, chosen, rejected in zip(encode("prompt"), encode("chosen"), encode("rejected")):
-        triple, cut = dpo.fit_triple(
+        triple, cut = preference.fit_triple(
             prompt, chosen + [EOS_ID], rejected + [EOS_ID], seq_len, "truncate"
         )
         cuts.append(cut)
@@ -196,15 +199,15 @@ def _load_triples(count: int, seq_len: int) -> tuple[list[dpo.Triple], list[dpo.
 
 
 @pytest.fixture(scope="module")
-def packed() -> tuple[list[dpo.Triple], list[np.ndarray], dict[str, np.ndarray]]:
+def packed() -> tuple[list[preference.Triple], list[np.ndarray], dict[str, np.ndarray]]:
     """The first 40 real triples at seq_len 512, packed by best-fit decreasing over unit lengths."""
     triples, _ = _load_triples(40, SEQ_LEN)
     bins = pack_lengths(_unit_lengths(triples), SEQ_LEN)
-    return triples, bins, dpo.assemble_triples(triples, bins, SEQ_LEN, pad_id=EOS_ID)
+    return triples, bins, preference.assemble_triples(triples, bins, SEQ_LEN, pad_id=EOS_ID)
 
 
 def _reference_mask(
-    triples: list[dpo.Triple], bins: list[np.ndarray] | list[list[int]], seq_len: int
+    triples: list[preference.Triple], bins: list[np.ndarray] | list[list[int]], seq_len: int
 ) -> torch.Tensor:
     """Dense [B,S,S] from the triple structure alone: every token sees the tokens before it in its
     own part (prompt[:-1]; prompt[-1] + chosen; prompt[-1] + rejected; the padding), and a response
@@ -235,7 +238,9 @@ def _reference_mask(
 @pytest.mark.parametrize("name", LAYOUT_SCENARIOS)
 def test_dense_mask_matches_the_triple_structure_on_literal_rows(name):
     triples, bins, seq_len, _ = LAYOUT_SCENARIOS[name]
-    rows = _tensors(dpo.assemble_triples(triples, [np.array(b) for b in bins], seq_len, pad_id=0))
+    rows = _tensors(
+        preference.assemble_triples(triples, [np.array(b) for b in bins], seq_len, pad_id=0)
+    )
     mask = masks.document_causal_mask(rows["document_ids"], rows["parent_ids"])
     assert torch.equal(mask, _reference_mask(triples, bins, seq_len))
     # guard: a rejected token sees the prompt but not the chosen tokens right before it
@@ -285,7 +290,7 @@ def test_block_mask_tiles_match_the_dense_mask(packed, block_size):
 
 
 def test_hf_attention_masks_follow_the_preference_rule():
-    rows = _tensors(dpo.assemble_triples([A, B], [np.array([0, 1])], 16, pad_id=0))
+    rows = _tensors(preference.assemble_triples([A, B], [np.array([0, 1])], 16, pad_id=0))
     document_ids, parent_ids = rows["document_ids"], rows["parent_ids"]
     dense = _reference_mask([A, B], [[0, 1]], 16)[:, None]
     assert torch.equal(masks.hf_attention_mask(document_ids, "sdpa", parent_ids=parent_ids), dense)
@@ -337,7 +342,7 @@ def test_packing_real_triples_keeps_every_triple_whole():
     bins = pack_lengths(lengths, seq_len)
     assert sorted(np.concatenate(bins).tolist()) == list(range(len(triples)))
     assert max(len(b) for b in bins) >= 2  # guard: triples share rows
-    rows = dpo.assemble_triples(triples, bins, seq_len, pad_id=EOS_ID)
+    rows = preference.assemble_triples(triples, bins, seq_len, pad_id=EOS_ID)
     assert int(rows["num_tokens"].sum()) == int(lengths.sum())
     assert int((rows["document_ids"] < rows["num_documents"][:, None]).sum()) == lengths.sum()
     for row, bin_ in enumerate(bins):
@@ -347,8 +352,8 @@ def test_packing_real_triples_keeps_every_triple_whole():
             prompt_doc, chosen_doc, rejected_doc = (
                 np.flatnonzero(documents == 3 * slot + part) for part in range(3)
             )
-            assert (roles[chosen_doc] == dpo.ROLE_CHOSEN).all()
-            assert (roles[rejected_doc] == dpo.ROLE_REJECTED).all()
+            assert (roles[chosen_doc] == preference.ROLE_CHOSEN).all()
+            assert (roles[rejected_doc] == preference.ROLE_REJECTED).all()
             assert (rows["parent_ids"][row][np.r_[chosen_doc, rejected_doc]] == 3 * slot).all()
             prompt, chosen, rejected = triples[index]
             assert ids[prompt_doc].tolist() + [ids[chosen_doc[0]]] == prompt.tolist()
@@ -387,7 +392,7 @@ def _alone_token_logps(model: PackedLM, prompt: np.ndarray, response: np.ndarray
 def _check_packed_equals_alone(
     policy: PackedLM,
     reference: PackedLM,
-    triples: list[dpo.Triple],
+    triples: list[preference.Triple],
     bins: list[np.ndarray],
     rows: dict[str, np.ndarray],
     dtype: torch.dtype = torch.float32,
@@ -455,12 +460,12 @@ def _check_packed_equals_alone(
 
 
 @pytest.fixture(scope="module")
-def fidelity_rows() -> tuple[list[dpo.Triple], list[np.ndarray], dict[str, np.ndarray]]:
+def fidelity_rows() -> tuple[list[preference.Triple], list[np.ndarray], dict[str, np.ndarray]]:
     """The first 10 real triples at seq_len 512: 5 rows, 4 of them holding 2 or 3 triples."""
     triples, _ = _load_triples(10, SEQ_LEN)
     bins = pack_lengths(_unit_lengths(triples), SEQ_LEN)
     assert len(bins) >= 2 and max(len(b) for b in bins) >= 2  # guard: triples share a row
-    return triples, bins, dpo.assemble_triples(triples, bins, SEQ_LEN, pad_id=EOS_ID)
+    return triples, bins, preference.assemble_triples(triples, bins, SEQ_LEN, pad_id=EOS_ID)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -550,7 +555,9 @@ def test_dpo_loss_on_literal_values():
 def test_chunked_token_logps_equal_full_logits():
     """Chunks that do not divide the labelled positions give the full-logits values and
     gradients; rows that are not preference rows are refused by response_logps."""
-    rows = _tensors(dpo.assemble_triples([A, B, A], [np.array([0, 1]), np.array([2])], 16, 0))
+    rows = _tensors(
+        preference.assemble_triples([A, B, A], [np.array([0, 1]), np.array([2])], 16, 0)
+    )
     torch.manual_seed(0)
     model = PackedLM(Decoder(DecoderConfig(vocab_size=100, dim=16, n_layers=1, n_heads=2)))
     hidden = model.hidden_states(
@@ -591,5 +598,5 @@ def test_reward_accuracy_counts_a_tie_as_wrong():
 def test_dpo_doctests():
     import doctest
 
-    results = doctest.testmod(dpo)
+    results = doctest.testmod(preference)
     assert results.attempted > 0 and results.failed == 0

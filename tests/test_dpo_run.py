@@ -11,11 +11,11 @@ from collections import Counter
 import numpy as np
 
 from conftest import ROOT
-from rayjobs import dpo
 from rayjobs.config import load_config
-from rayjobs.pipeline import run, start_job
-from rayjobs.sources import record_table
-from rayjobs.tokenize import TRIPLE_COLUMNS, Tokenize
+from rayjobs.data import preference
+from rayjobs.data.sources import record_table
+from rayjobs.data.tokenize import TRIPLE_COLUMNS, Tokenize
+from rayjobs.job.pipeline import run, start_job
 
 CONFIG = ROOT / "configs" / "dpo_demo.yaml"
 DATA = ROOT / "configs" / "data" / "dpo" / "hh_rlhf_harmless.dpo.jsonl"
@@ -28,12 +28,12 @@ def _triples_in(row: dict) -> list[tuple[tuple[int, ...], ...]]:
     roles, parents = np.asarray(row["response_role"]), np.asarray(row["parent_ids"])
     n = int(row["num_tokens"])
     triples = []
-    for chosen in np.unique(docs[:n][roles[:n] == dpo.ROLE_CHOSEN]):
+    for chosen in np.unique(docs[:n][roles[:n] == preference.ROLE_CHOSEN]):
         prompt_doc = chosen - 1
         prompt = ids[:n][docs[:n] == prompt_doc]
         chosen_ids = ids[:n][docs[:n] == chosen]
         rejected_ids = ids[:n][docs[:n] == chosen + 1]
-        assert (roles[:n][docs[:n] == chosen + 1] == dpo.ROLE_REJECTED).all()
+        assert (roles[:n][docs[:n] == chosen + 1] == preference.ROLE_REJECTED).all()
         assert (parents[:n][docs[:n] == chosen] == prompt_doc).all()
         assert chosen_ids[0] == rejected_ids[0]  # the duplicated last prompt token
         triples.append(
@@ -110,7 +110,7 @@ def test_dpo_demo_trains_with_two_workers_and_rewards_the_chosen(ray_local, tmp_
 def test_inspect_previews_a_row_as_prompt_chosen_rejected(ray_local):
     """``rayjobs inspect`` on preference data: per-dataset counts of triples, and the preview
     names each document's part of its triple, in layout order."""
-    from rayjobs import inspect
+    from rayjobs.job import inspection as inspect
 
     config = load_config(CONFIG, ["train.epochs=1"])
     report = inspect.inspect(config, limit=30)

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import ALPACA, GPT2, HH_CHAT, ROOT
 from rayjobs.config import ConfigError, config_from_dict
-from rayjobs.export import MANIFEST, export
+from rayjobs.job.export import MANIFEST, export
 
 SEQ_LEN = 512
 
@@ -102,7 +102,7 @@ def _no_job(config, prefix="rayjobs"):
 
 
 def test_export_into_a_non_empty_folder_is_refused_without_overwrite(tmp_path, monkeypatch):
-    monkeypatch.setattr("rayjobs.pipeline.start_job", _no_job)
+    monkeypatch.setattr("rayjobs.job.pipeline.start_job", _no_job)
     _earlier_export(tmp_path)
     with pytest.raises(ConfigError, match="is not empty; .* pass --overwrite"):
         export(None, tmp_path)
@@ -110,7 +110,7 @@ def test_export_into_a_non_empty_folder_is_refused_without_overwrite(tmp_path, m
 
 
 def test_overwrite_empties_an_earlier_export_before_the_job_starts(tmp_path, monkeypatch):
-    monkeypatch.setattr("rayjobs.pipeline.start_job", _no_job)
+    monkeypatch.setattr("rayjobs.job.pipeline.start_job", _no_job)
     _earlier_export(tmp_path)
     (tmp_path / "eval").mkdir()  # an earlier export's eval sets
     (tmp_path / "eval" / "part-0.parquet").write_bytes(b"PAR1")
@@ -120,7 +120,7 @@ def test_overwrite_empties_an_earlier_export_before_the_job_starts(tmp_path, mon
 
 
 def test_overwrite_never_deletes_what_no_export_writes(tmp_path, monkeypatch):
-    monkeypatch.setattr("rayjobs.pipeline.start_job", _no_job)
+    monkeypatch.setattr("rayjobs.job.pipeline.start_job", _no_job)
     _earlier_export(tmp_path)
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(ConfigError, match=r"holds \['notes.txt'\], which no export writes"):
@@ -141,7 +141,7 @@ def test_overwrite_keeps_epoch_folders_an_export_did_not_write(tmp_path, monkeyp
     """Only ``epoch=<number>`` (and ``eval``) folders of Parquet files count as an earlier
     export's: a user's own Hive-partitioned folder (``epoch=2024/notes.csv``) was emptied with
     the export."""
-    monkeypatch.setattr("rayjobs.pipeline.start_job", _no_job)
+    monkeypatch.setattr("rayjobs.job.pipeline.start_job", _no_job)
     (tmp_path / name).mkdir()
     for file in files:
         (tmp_path / name / file).write_text("mine")
@@ -160,7 +160,7 @@ def test_export_epochs_below_one_are_refused_before_anything_is_emptied(tmp_path
 
 @pytest.mark.parametrize("flag, overwrite", [([], False), (["--overwrite"], True)])
 def test_cli_passes_overwrite_to_export(tmp_path, monkeypatch, flag, overwrite):
-    import rayjobs.export
+    import rayjobs.job.export
     from rayjobs.cli import main
 
     seen = {}
@@ -169,7 +169,7 @@ def test_cli_passes_overwrite_to_export(tmp_path, monkeypatch, flag, overwrite):
         seen.update(out=out, overwrite=overwrite)
         return {"packed": {"num_packs": 0, "efficiency": 0.0}, "epochs": []}
 
-    monkeypatch.setattr(rayjobs.export, "export", fake_export)
+    monkeypatch.setattr(rayjobs.job.export, "export", fake_export)
     config = str(ROOT / "configs" / "demo.yaml")
     assert main(["export", config, "--out", str(tmp_path), *flag]) == 0
     assert seen == {"out": str(tmp_path), "overwrite": overwrite}
@@ -180,14 +180,14 @@ def test_preference_rows_export_their_mask_columns():
     shared-prompt mask could not be rebuilt); SFT rows do not grow them."""
     import numpy as np
 
-    from rayjobs import dpo
-    from rayjobs.export import to_arrow
+    from rayjobs.data import preference
+    from rayjobs.job.export import to_arrow
 
-    triples = [dpo.Triple(np.array([1, 2]), np.array([3]), np.array([4, 5]))]
-    rows = dpo.assemble_triples(triples, [np.array([0])], seq_len=8, pad_id=0)
+    triples = [preference.Triple(np.array([1, 2]), np.array([3]), np.array([4, 5]))]
+    rows = preference.assemble_triples(triples, [np.array([0])], seq_len=8, pad_id=0)
     table = to_arrow(rows)
-    assert table.column_names == [*dpo.DPO_COLUMNS, "num_tokens", "num_documents"]
+    assert table.column_names == [*preference.DPO_COLUMNS, "num_tokens", "num_documents"]
     assert table.column("parent_ids").to_pylist() == [[0, 0, 0, 0, 0, 0, 3, 3]]
     assert table.column("response_role").to_pylist() == [[0, 1, 1, 2, 2, 2, 0, 0]]
-    sft = {k: v for k, v in rows.items() if k not in dpo.PREFERENCE_COLUMNS}
+    sft = {k: v for k, v in rows.items() if k not in preference.PREFERENCE_COLUMNS}
     assert "parent_ids" not in to_arrow(sft).column_names

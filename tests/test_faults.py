@@ -11,8 +11,8 @@ import pytest
 
 from conftest import ALPACA, GPT2, HH_CHAT
 from rayjobs.config import config_from_dict
-from rayjobs.metrics import AccountingError
-from rayjobs.pipeline import start_job
+from rayjobs.data.counts import AccountingError
+from rayjobs.job.pipeline import start_job
 
 TIMERS = ("seconds", "cpu_seconds")
 

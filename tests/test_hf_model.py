@@ -1,4 +1,4 @@
-"""Hugging Face causal LMs on packed rows (``rayjobs.model.PackedLM``, ``build_hf_model``): the
+"""Hugging Face causal LMs on packed rows (``rayjobs.train.model.PackedLM``, ``build_hf_model``): the
 document mask reaches each attention backend, the chunked loss equals the full one at a fraction of
 its memory (a 2-worker run of configs/tiny_llama.yaml and its checkpoints: ``test_prometheus``).
 
@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from conftest import ALPACA, GPT2, ROOT
-from rayjobs import templates
 from rayjobs.config import TokenizerConfig
-from rayjobs.model import Decoder, DecoderConfig, PackedLM, build_hf_model, chunked_loss_sum
-from rayjobs.rows import IGNORE_INDEX, assemble
-from rayjobs.tokenize import Tokenizer, encode_segments
+from rayjobs.data import templates
+from rayjobs.data.rows import IGNORE_INDEX, assemble
+from rayjobs.data.tokenize import Tokenizer, encode_segments
+from rayjobs.train.model import Decoder, DecoderConfig, PackedLM, build_hf_model, chunked_loss_sum
 
 ARCHITECTURES = {
     "llama": {
@@ -249,7 +249,7 @@ def test_chunked_loss_without_labels_still_reaches_the_head():
 MEMORY_SCRIPT = """
 import resource, sys, torch
 torch.set_num_threads(1)
-from rayjobs.model import Decoder, DecoderConfig, PackedLM
+from rayjobs.train.model import Decoder, DecoderConfig, PackedLM
 torch.manual_seed(0)
 decoder = Decoder(DecoderConfig(vocab_size=50257, dim=64, n_layers=2, n_heads=4))
 model = PackedLM(decoder, "sdpa", loss_chunk_tokens=int(sys.argv[1]))
@@ -361,7 +361,7 @@ def test_sliding_window_layers_see_a_packed_document_as_they_see_it_alone(
     logits of each document of a packed row equal the model's own forward on the document alone
     (its own sliding-window mask). transformers takes one 4-D mask as it is for every layer, so
     the document mask alone gave the sliding layers whole documents: logits 3-5 off."""
-    from rayjobs.model import attention_layers, hf_model_mask
+    from rayjobs.train.model import attention_layers, hf_model_mask
 
     overrides, kinds = SLIDING[architecture]
     torch.manual_seed(0)
@@ -394,7 +394,7 @@ def test_layers_without_a_document_mask_are_refused():
     """Chunked, linear or convolutional layers would mix a packed row's documents: refused."""
     from types import SimpleNamespace
 
-    from rayjobs.model import attention_layers
+    from rayjobs.train.model import attention_layers
 
     config = SimpleNamespace(sliding_window=None, layer_types=["full_attention", "conv"])
     with pytest.raises(ValueError, match=r"layer types \['conv'\]: rayjobs builds document"):

@@ -21,11 +21,11 @@ import pytest
 import yaml
 
 from conftest import ALPACA, GPT2, HH_CHAT, ROOT
-from rayjobs import inspect as inspection
 from rayjobs.config import config_from_dict, load_config
-from rayjobs.export import export
-from rayjobs.formats import parse_rows
-from rayjobs.tokenize import Tokenize
+from rayjobs.data.formats import parse_rows
+from rayjobs.data.tokenize import Tokenize
+from rayjobs.job import inspection
+from rayjobs.job.export import export
 
 SEQ_LEN = 256
 LIMIT = 40
@@ -449,7 +449,7 @@ def test_cli_refuses_a_bad_limit_or_plot_before_any_job(tmp_path, monkeypatch, c
     def no_job(*args, **kwargs):
         raise AssertionError("the job started")
 
-    monkeypatch.setattr("rayjobs.inspect.inspect", no_job)
+    monkeypatch.setattr("rayjobs.job.inspection.inspect", no_job)
     config = str(ROOT / "configs" / "demo.yaml")
     assert main(["inspect", config, "--limit", "0"]) == 2
     assert "--limit must be a positive number of rows" in capsys.readouterr().err
@@ -469,7 +469,7 @@ def test_overrides_reach_inspect(monkeypatch):
         seen.update(config=config, limit=limit)
         raise SystemExit(0)
 
-    monkeypatch.setattr("rayjobs.inspect.inspect", fake_inspect)
+    monkeypatch.setattr("rayjobs.job.inspection.inspect", fake_inspect)
     with pytest.raises(SystemExit):
         main(["inspect", str(ROOT / "configs" / "demo.yaml"), "--limit", "7", "train.epochs=1"])
     assert seen["limit"] == 7 and seen["config"].train.epochs == 1

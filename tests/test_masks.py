@@ -1,4 +1,4 @@
-"""Tests for rayjobs.masks: the dense mask and the BlockMask, each checked against an independent
+"""Tests for rayjobs.train.masks: the dense mask and the BlockMask, each checked against an independent
 reference (python loops, tiles of the dense mask, SDPA with the dense mask)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from rayjobs import masks
-from rayjobs.rows import layout_rows
+from rayjobs.data.rows import layout_rows
+from rayjobs.train import masks
 
 
 def _random_rows(rng: np.random.Generator, batch_size: int, seq_len: int) -> list[list[int]]:
@@ -126,18 +126,18 @@ def test_compiled_flex_forward_matches_sdpa():
 
 
 def test_compiled_flex_forward_matches_sdpa_on_preference_rows():
-    """The same end-to-end check for the preference mask (``parent_ids``, ``rayjobs.dpo``):
+    """The same end-to-end check for the preference mask (``parent_ids``, ``rayjobs.data.preference``):
     triples of three documents, responses seeing their prompt and not each other."""
     import numpy as np
 
-    from rayjobs import dpo
+    from rayjobs.data import preference
 
     rng = np.random.default_rng(0)
     triples = [
-        dpo.Triple(*(rng.integers(0, 50, n) for n in lengths))
+        preference.Triple(*(rng.integers(0, 50, n) for n in lengths))
         for lengths in ((90, 30, 60), (20, 40, 10), (100, 80, 20), (5, 5, 5))
     ]
-    rows = dpo.assemble_triples(triples, [np.array([0, 1]), np.array([2, 3])], 256, pad_id=0)
+    rows = preference.assemble_triples(triples, [np.array([0, 1]), np.array([2, 3])], 256, pad_id=0)
     document_ids, parent_ids = (torch.as_tensor(rows[c]) for c in ("document_ids", "parent_ids"))
     dense = masks.document_causal_mask(document_ids, parent_ids)
     assert (dense & ~masks.document_causal_mask(document_ids)).any()  # guard: prompts shared

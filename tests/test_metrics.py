@@ -11,15 +11,10 @@ import re
 import pytest
 
 from conftest import ROOT
-from rayjobs.metrics import (
-    METRICS,
-    Ledger,
-    TokenizeCounts,
-    TrainMetrics,
-    _merge,
-    check_accounting,
-    unpacked,
-)
+from rayjobs.data.counts import TokenizeCounts, _merge, check_accounting, unpacked
+from rayjobs.job.ledger import Ledger
+from rayjobs.metrics import METRICS
+from rayjobs.train.metrics import TrainMetrics
 
 DASHBOARD = ROOT / "cluster" / "grafana" / "rayjobs.json"
 
@@ -309,7 +304,7 @@ def test_a_restarted_worker_group_reads_its_shares_afresh():
 
 
 def test_batch_key_tells_where_one_column_ends_and_the_next_begins():
-    from rayjobs.metrics import batch_key
+    from rayjobs.data.counts import batch_key
 
     assert batch_key("tokenize", ["ab"], ["c"]) != batch_key("tokenize", ["a"], ["bc"])
     assert batch_key("tokenize", ["ab"], ["c"]) == batch_key("tokenize", ["ab"], ["c"])
@@ -360,7 +355,7 @@ def test_evaluations_set_the_eval_loss_on_rank_0_only(monkeypatch):
 def test_a_steps_tokens_per_second_leave_out_the_evaluation_and_checkpoint_before_it(monkeypatch):
     from ray.util import metrics
 
-    from rayjobs import metrics as rayjobs_metrics
+    from rayjobs.train import metrics as rayjobs_metrics
 
     for kind in ("Counter", "Gauge", "Histogram"):
         monkeypatch.setattr(metrics, kind, _Recorded)

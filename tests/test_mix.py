@@ -9,8 +9,8 @@ import pytest
 
 from conftest import ALPACA, GPT2, GPTEACHER, HH_CHAT, ROOT
 from rayjobs.config import ConfigError, config_from_dict
-from rayjobs.mix import plan_epoch
-from rayjobs.tokenize import TOKEN_LIST
+from rayjobs.data.mix import plan_epoch
+from rayjobs.data.tokenize import TOKEN_LIST
 
 RNG = np.random.default_rng(7)
 LENGTHS = [RNG.integers(50, 400, 999), RNG.integers(100, 800, 2300), RNG.integers(20, 200, 1923)]
@@ -155,7 +155,7 @@ def test_empty_file_is_refused_before_ray(tmp_path):
 def planned(ray_local):
     """A planned-mode job mixing three real datasets by tokens (by samples:
     ``test_realized_shares_match_weights``, on the planner alone)."""
-    from rayjobs.pipeline import start_job
+    from rayjobs.job.pipeline import start_job
 
     return start_job(config_from_dict(_mix_config("tokens"), base_dir=ROOT), prefix="test")
 
@@ -214,7 +214,7 @@ def test_same_seed_same_packs_and_each_epoch_differs(planned, ray_local):
     """Planned mode's promise: the same seed gives the same packs, from a fresh tokenization
     too. Compared on the pack plans (which sample, by uid, goes to which pack and slot): rows are
     assembled from the plan by ``AssemblePacks``, whose output the other tests here check."""
-    from rayjobs.pipeline import start_job
+    from rayjobs.job.pipeline import start_job
 
     epochs = planned.epochs
 
@@ -298,7 +298,7 @@ def _samples(counts=(10, 7, 5)) -> pa.Table:
 def _epochs(samples: pa.Table, ledger, window: int = 4):
     """Planned mode over ``samples``, without weights, in rows of 64 tokens (``ledger``: the
     ``fake_ledger`` fixture, whose ``ray.get`` hands the stand-in's table through)."""
-    from rayjobs.epochs import Epochs
+    from rayjobs.data.planned import Epochs
 
     raw = _mix_config("tokens")
     for spec in raw["datasets"]:
@@ -362,7 +362,7 @@ def test_the_pack_shuffle_is_drawn_anew_each_epoch(fake_ledger):
 def test_a_packs_documents_are_assembled_in_slot_order():
     """``AssemblePacks`` orders a group's samples by pack, then slot, whatever order the groupby
     hands them over in."""
-    from rayjobs.epochs import AssemblePacks
+    from rayjobs.data.planned import AssemblePacks
 
     docs = {(0, 0): [1, 2], (0, 1): [3, 4, 5], (0, 2): [6], (1, 0): [7, 8], (1, 1): [9]}
     order = [(0, 2), (1, 1), (0, 0), (1, 0), (0, 1)]

@@ -1,4 +1,4 @@
-"""Tests for rayjobs.model: packing fidelity (a packed row scores like its documents run alone),
+"""Tests for rayjobs.train.model: packing fidelity (a packed row scores like its documents run alone),
 flex vs SDPA forward, a training step on CPU, and loss_sum's counting."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from rayjobs.model import Decoder, DecoderConfig, PackedLM, loss_sum
-from rayjobs.rows import layout_rows
+from rayjobs.data.rows import layout_rows
+from rayjobs.train.model import Decoder, DecoderConfig, PackedLM, loss_sum
 
 VOCAB_SIZE = 50
 

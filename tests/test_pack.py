@@ -1,4 +1,4 @@
-"""Tests for rayjobs.pack: scenario tables per strategy, packing invariants, the row contract of
+"""Tests for rayjobs.data.pack: scenario tables per strategy, packing invariants, the row contract of
 streamed packs, determinism."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rayjobs import pack
-from rayjobs.pack import STRATEGIES, StreamPacker, pack_lengths
-from rayjobs.rows import IGNORE_INDEX, assemble
+from rayjobs.data import pack
+from rayjobs.data.pack import STRATEGIES, StreamPacker, pack_lengths
+from rayjobs.data.rows import IGNORE_INDEX, assemble
 
 SEQ_LEN = 10
 
@@ -212,7 +212,7 @@ def assemble_bins(
     seq_len: int,
     pad_id: int = PAD_ID,
 ) -> dict[str, np.ndarray]:
-    """Rows of ``bins`` (indices into the samples) through ``rayjobs.rows.assemble``."""
+    """Rows of ``bins`` (indices into the samples) through ``rayjobs.data.rows.assemble``."""
     lengths = np.array([len(ids) for ids in input_ids], dtype=np.int64)
     starts = np.cumsum(lengths) - lengths
     order = np.concatenate(bins) if bins else np.empty(0, dtype=np.int64)

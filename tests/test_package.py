@@ -30,7 +30,7 @@ DATA_SIDE = (
 def test_data_side_imports_no_torch():
     """Tokenize, pack and read actors run on CPU nodes: importing them must not load torch."""
     code = (
-        "import sys, rayjobs.pack, rayjobs.tokenize, rayjobs.sources, rayjobs.mix; "
+        "import sys, rayjobs.data.pack, rayjobs.data.tokenize, rayjobs.data.sources, rayjobs.data.mix; "
         "assert 'torch' not in sys.modules\n"
         + "".join(f"import rayjobs.{name}\n" for name in DATA_SIDE)
         + "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)[:5]"
@@ -40,7 +40,7 @@ def test_data_side_imports_no_torch():
 
 def test_train_side_does_load_torch():
     """Guard for the test above: the same check sees torch when a train-side module is imported."""
-    code = "import sys, rayjobs.masks; assert 'torch' in sys.modules"
+    code = "import sys, rayjobs.train.masks; assert 'torch' in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 

@@ -13,10 +13,10 @@ import pytest
 
 from conftest import ALPACA, GPT2, HH_CHAT, ROOT
 from rayjobs.config import config_from_dict
-from rayjobs.metrics import AccountingError
-from rayjobs.pipeline import accounting, start_job, untrained_packs
-from rayjobs.sources import read_dataset
-from rayjobs.tokenize import Tokenize
+from rayjobs.data.counts import AccountingError
+from rayjobs.data.sources import read_dataset
+from rayjobs.data.tokenize import Tokenize
+from rayjobs.job.pipeline import accounting, start_job, untrained_packs
 
 SEQ_LEN = 512  # short enough that some real samples are truncated
 
@@ -203,8 +203,8 @@ def test_bad_rows_skipped_are_counted(ray_local, tmp_path):
 def test_the_warm_up_lane_takes_part_of_each_dataset():
     """Guard for the tests above: both lanes carry rows of both datasets, so "every sample
     exactly once" covers the split between them."""
-    from rayjobs import stream
-    from rayjobs.formats import parse_file
+    from rayjobs.data import stream
+    from rayjobs.data.formats import parse_file
 
     config = _config()
     estimates = stream.estimate(config, count_rows=False)
@@ -226,8 +226,9 @@ def test_planned_mode_keeps_every_data_operator_on_the_data_nodes(monkeypatch):
     (they ran anywhere: a packer could land beside a trainer). Checked on the arguments each
     operator is built with, no cluster needed."""
     from conftest import ALPACA, GPT2, HH_CHAT
-    from rayjobs import epochs, pipeline
     from rayjobs.config import config_from_dict
+    from rayjobs.data import planned as epochs
+    from rayjobs.job import pipeline
 
     selector = {"rayjobs.io/role": "data"}
     config = config_from_dict(
@@ -263,7 +264,7 @@ def test_planned_mode_keeps_every_data_operator_on_the_data_nodes(monkeypatch):
         "read_dataset",
         lambda spec, **kw: reads.append(kw.get("label_selector")) or Operator(),
     )
-    monkeypatch.setattr("rayjobs.stream.cluster_cpus", lambda config=None: 4.0)
+    monkeypatch.setattr("rayjobs.data.stream.cluster_cpus", lambda config=None: 4.0)
     pipeline.tokenize(config)
     planned = epochs.Epochs.__new__(epochs.Epochs)
     planned.config, planned.ledger, planned.pad_id, planned.tokenized = config, None, 0, Operator()
@@ -334,7 +335,7 @@ def test_untrained_packs(
 def test_init_ray_joins_the_named_cluster_or_starts_its_own(monkeypatch, address, env, expected):
     import ray
 
-    from rayjobs import pipeline
+    from rayjobs.job import pipeline
 
     calls = []
     monkeypatch.setattr(ray, "is_initialized", lambda: False)

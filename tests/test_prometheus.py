@@ -440,7 +440,7 @@ def test_the_job_trains_a_tiny_llama_whose_checkpoints_load_with_from_pretrained
 
     from conftest import GPT2
     from rayjobs.config import TokenizerConfig
-    from rayjobs.tokenize import Tokenizer
+    from rayjobs.data.tokenize import Tokenizer
 
     summary = job.record["summary"]
     steps = summary["steps"]
@@ -489,7 +489,7 @@ def _check_eval(summary: dict, model) -> None:
 
     from conftest import file_tables
     from rayjobs.config import load_config
-    from rayjobs.tokenize import Tokenize
+    from rayjobs.data.tokenize import Tokenize
 
     evaluation = summary["eval"]
     steps = summary["steps"]

@@ -13,7 +13,7 @@ import ray.train
 
 from conftest import ROOT
 from rayjobs.config import ConfigError, config_from_dict
-from rayjobs.pipeline import resume_name, run
+from rayjobs.job.pipeline import resume_name, run
 
 DEMO = ROOT / "configs" / "demo"
 BATCH = 2

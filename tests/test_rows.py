@@ -1,4 +1,4 @@
-"""Tests for rayjobs.rows, the packed-row contract: the layout scenario table, the vectorized
+"""Tests for rayjobs.data.rows, the packed-row contract: the layout scenario table, the vectorized
 layout and gather against row-by-row references, and the refusals."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rayjobs import rows
-from rayjobs.pack import pack_lengths
-from rayjobs.rows import IGNORE_INDEX, assemble, layout_rows, ranges
+from rayjobs.data import rows
+from rayjobs.data.pack import pack_lengths
+from rayjobs.data.rows import IGNORE_INDEX, assemble, layout_rows, ranges
 from test_pack import PAD_ID, _random_window, assemble_bins
 
 

@@ -1,4 +1,4 @@
-"""Tests for rayjobs.seeds: every random stream of a run is distinct, whatever the number of
+"""Tests for rayjobs.data.seeds: every random stream of a run is distinct, whatever the number of
 datasets and epochs."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import doctest
 import numpy as np
 import pytest
 
-from rayjobs import seeds
+from rayjobs.data import seeds
 
 
 def test_docstring_examples():

@@ -12,10 +12,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import ALPACA, ROOT, SHAKESPEARE
-from rayjobs import sources
 from rayjobs.config import config_from_dict
-from rayjobs.formats import HF
-from rayjobs.sources import FileRead, RowFileDatasource, load_huggingface, read_dataset
+from rayjobs.data import sources
+from rayjobs.data.formats import HF
+from rayjobs.data.sources import FileRead, RowFileDatasource, load_huggingface, read_dataset
 
 ROWS = [
     {"instruction": "Add", "input": "1 2", "output": "3"},

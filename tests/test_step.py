@@ -17,12 +17,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from rayjobs import train
-from rayjobs.collate import collate
 from rayjobs.config import TrainConfig
-from rayjobs.model import Decoder, DecoderConfig, PackedLM, build_hf_model
-from rayjobs.rows import IGNORE_INDEX
-from rayjobs.train import (
+from rayjobs.data.rows import IGNORE_INDEX
+from rayjobs.train import loop as train
+from rayjobs.train.collate import collate
+from rayjobs.train.loop import (
     _full_state,
     lr_lambda,
     parallelize,
@@ -30,6 +29,7 @@ from rayjobs.train import (
     train_step,
     transformer_blocks,
 )
+from rayjobs.train.model import Decoder, DecoderConfig, PackedLM, build_hf_model
 
 VOCAB = 97
 SEQ = 32
@@ -337,7 +337,7 @@ def test_fsdp_over_two_processes_takes_the_single_process_step(kind, tmp_path):
 
 def _preference_rows(seed: int) -> dict[str, np.ndarray]:
     """Four rows of random triples (1-3 a row) in the preference layout (``dpo``)."""
-    from rayjobs import dpo
+    from rayjobs.data import preference
 
     rng = np.random.default_rng(seed)
     triples, bins = [], []
@@ -345,12 +345,12 @@ def _preference_rows(seed: int) -> dict[str, np.ndarray]:
         bins.append(np.arange(len(triples), len(triples) + count))
         for _ in range(count):
             parts = [rng.integers(0, VOCAB, rng.integers(1, 4)) for _ in range(3)]
-            triples.append(dpo.Triple(*parts))
-    return dpo.assemble_triples(triples, bins, SEQ, pad_id=0)
+            triples.append(preference.Triple(*parts))
+    return preference.assemble_triples(triples, bins, SEQ, pad_id=0)
 
 
 def test_a_dpo_step_accumulates_like_one_batch_and_scores_like_dpo_loss():
-    from rayjobs import dpo
+    from rayjobs.train import dpo
 
     rows = _preference_rows(seed=5)
     reference = _model().eval().requires_grad_(False)
@@ -387,7 +387,7 @@ def test_a_dpo_step_accumulates_like_one_batch_and_scores_like_dpo_loss():
 
 # N4: grad_accum_steps micro-batches per step, the rest last
 def test_groups_of_grad_accum_steps():
-    from rayjobs.train import _groups
+    from rayjobs.train.loop import _groups
 
     assert [len(g) for g in _groups(iter(range(7)), 3)] == [3, 3, 1]
     assert list(_groups(iter(range(2)), 1)) == [[0], [1]]
@@ -398,7 +398,7 @@ def _gpt2(template: str = "alpaca", train_keys: dict | None = None, **extra):
     tokenizer; ``train_keys``: more ``train`` keys, ``extra``: more top-level config keys."""
     from conftest import GPT2
     from rayjobs.config import Config
-    from rayjobs.tokenize import Tokenizer
+    from rayjobs.data.tokenize import Tokenizer
 
     gpt2 = {"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 2, "n_positions": 128}
     config = Config.model_validate(
@@ -422,15 +422,15 @@ def test_dpo_starts_at_log2_for_a_model_with_dropout(disable_dropout, equal):
     log 2, also for a model with dropout (GPT-2's config: 0.1): with it left on in the training
     policy and off in the eval-mode reference the loss was 0.756 and the margins noise
     (``dpo.disable_dropout``, default true as in TRL)."""
-    from rayjobs import dpo
+    from rayjobs.data import preference
 
     config, tokenizer = _gpt2("preference", task="dpo", dpo={"disable_dropout": disable_dropout})
     device = torch.device("cpu")
     policy = train.build_model(config, tokenizer, device, "sdpa")
     reference = train.build_model(config, tokenizer, device, "sdpa").eval().requires_grad_(False)
     rng = np.random.default_rng(0)
-    triples = [dpo.Triple(*(rng.integers(0, VOCAB, n) for n in (6, 5, 5))) for _ in range(6)]
-    batch = collate(dpo.assemble_triples(triples, [np.arange(3), np.arange(3, 6)], 64, 0))
+    triples = [preference.Triple(*(rng.integers(0, VOCAB, n) for n in (6, 5, 5))) for _ in range(6)]
+    batch = collate(preference.assemble_triples(triples, [np.arange(3), np.arange(3, 6)], 64, 0))
     torch.manual_seed(0)
     result = _step(
         policy, [batch], optimizer=torch.optim.SGD(policy.parameters(), lr=0.0), reference=reference
@@ -651,7 +651,7 @@ def test_default_flex_falls_back_where_the_architecture_has_none(
     once Ray and the data had started. The default now falls back to ``sdpa`` (the dense
     document mask) where the class has no flex; an explicit ``attn_implementation`` is kept.
     ``hf_attention`` stands in for a CUDA device (flex cannot build or train on CPU here)."""
-    from rayjobs.model import supports_flex
+    from rayjobs.train.model import supports_flex
 
     config, tokenizer = _gpt2()
     model = {"attn_implementation": chosen}  # copied past validation: flex needs use_gpu

@@ -13,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import ALPACA, GPT2, GPTEACHER, HH_CHAT, ROOT
-from rayjobs import stream
 from rayjobs.config import config_from_dict
-from rayjobs.rows import IGNORE_INDEX
-from rayjobs.tokenize import TOKEN_LIST
+from rayjobs.data import stream
+from rayjobs.data.rows import IGNORE_INDEX
+from rayjobs.data.tokenize import TOKEN_LIST
 
 
 @settings(max_examples=60, deadline=None)
@@ -203,9 +203,9 @@ def test_a_hugging_face_datasets_uids_and_subsample_do_not_depend_on_its_folder(
     ``_path`` names the folder, and both once followed it."""
     import datasets
 
-    from rayjobs.formats import HF_PLACE
-    from rayjobs.pipeline import tokenize
-    from rayjobs.sources import read_dataset
+    from rayjobs.data.formats import HF_PLACE
+    from rayjobs.data.sources import read_dataset
+    from rayjobs.job.pipeline import tokenize
 
     records = json.loads(ALPACA.read_text())[:50]
     uids, kept, by_path = [], [], []
@@ -251,8 +251,8 @@ def test_a_dataset_whose_head_the_template_skips_whole_is_sized_from_a_longer_on
 
 def _sources_of_documents(config) -> dict[tuple[int, ...], str]:
     """Every sample's token ids → its dataset, from an in-process tokenization of the same rows."""
-    from rayjobs.sources import read_dataset
-    from rayjobs.tokenize import Tokenize
+    from rayjobs.data.sources import read_dataset
+    from rayjobs.data.tokenize import Tokenize
 
     tokenize = Tokenize(config.datasets, config.tokenizer, config.packing.seq_len, "truncate")
     table = pa.Table.from_pylist([r for s in config.datasets for r in read_dataset(s).take_all()])
@@ -274,7 +274,7 @@ def test_weighted_stream_realizes_its_shares(ray_local, monkeypatch):
     import ray
     from ray.data.block import BlockAccessor
 
-    from rayjobs.pipeline import start_job
+    from rayjobs.job.pipeline import start_job
 
     monkeypatch.setattr(stream, "BLOCK_BYTES", 1 << 18)  # 16 rows of 1024 tokens a block
 
@@ -381,10 +381,9 @@ def test_start_up_parses_the_head_of_a_large_first_file_not_all_of_it(tmp_path, 
     from the parts read."""
     import json
 
-    from rayjobs import formats
-    from rayjobs.formats import SourceError, parse_file
+    from rayjobs.data.formats import SourceError, parse_file, registry
 
-    monkeypatch.setattr(formats, "CHUNK_BYTES", 16 * 1024)
+    monkeypatch.setattr(registry, "CHUNK_BYTES", 16 * 1024)
     rows = [{"instruction": f"Say {i}.", "input": "", "output": "ok " * 20} for i in range(6000)]
     path = tmp_path / "big.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"instruction": "torn\n')
@@ -449,7 +448,7 @@ def test_a_runs_reads_of_a_dataset_are_its_passes_file_by_file(tmp_path):
     in its own file order, one read per file; the first epoch's first pass leaves the warm-up
     head out. Read in-process as a read task does (``read_files``), each whole pass holds every
     row once, the half pass about half, and the head's rows are in the warm-up read only."""
-    from rayjobs.sources import read_files
+    from rayjobs.data.sources import read_files
 
     spec, paths = _jsonl_dataset(tmp_path, [300, 200])
     reads = [stream.passes(spec, 0, epoch, 0, 2.5) for epoch in range(2)]
@@ -586,7 +585,7 @@ def test_pack_counts_count_trimmed_samples_and_tokens_by_source():
     import numpy as np
     import pyarrow as pa
 
-    from rayjobs.metrics import StageTimer
+    from rayjobs.data.counts import StageTimer
 
     kept = pa.table({"source": ["a", "a", "b"], "num_tokens": [3, 4, 5]})
     trimmed = pa.table({"source": ["a", "b", "b"], "num_tokens": [7, 10, 20]})
@@ -631,7 +630,7 @@ def test_budgets_are_in_tokens_by_tokens_and_set_for_every_epoch(tmp_path):
 def test_size_estimates_count_only_the_share_a_read_keeps():
     """Ray sizes a read task's output by the part of its files the reads keep (a pass's
     subsample), not by the files' bytes."""
-    from rayjobs.sources import RowFileDatasource
+    from rayjobs.data.sources import RowFileDatasource
 
     reads = [stream.PassRead("/x/a.jsonl", sample=0.25), stream.PassRead("/x/b.jsonl")]
     source = RowFileDatasource(
@@ -649,7 +648,7 @@ def test_a_read_that_keeps_none_of_a_blocks_rows_emits_no_empty_block(tmp_path):
     """A pass's read of a file keeps some of each block's rows (here: from a row on, as the main
     lane's read of the warm-up head's file): a block it keeps none of is left out, not emitted
     empty."""
-    from rayjobs.sources import FileRead, read_files
+    from rayjobs.data.sources import FileRead, read_files
 
     _, [path] = _jsonl_dataset(tmp_path, [2500])
     options = {"format": "jsonl", "dataset": "a", "text_split": "paragraph"}

@@ -1,4 +1,4 @@
-"""``rayjobs submit`` / ``status`` / ``logs`` / ``stop`` (rayjobs/submit.py) and the last line of
+"""``rayjobs submit`` / ``status`` / ``logs`` / ``stop`` (rayjobs/job/submit.py) and the last line of
 ``rayjobs run --json``.
 
 Without Ray running: address resolution, the runtime_env and entrypoint built for a config (the
@@ -27,9 +27,9 @@ import yaml
 
 from conftest import ROOT
 from ray_head import Head
-from rayjobs import submit
 from rayjobs.cli import _parser, main
 from rayjobs.config import load_config
+from rayjobs.job import submit
 
 DEMO = ROOT / "configs" / "demo"
 
@@ -375,7 +375,7 @@ def test_stop_exits_1_when_the_job_is_still_running_after_the_wait(
 def test_run_json_summary_is_the_last_line_whatever_ray_prints_on_shutdown(monkeypatch, capsys):
     import ray
 
-    import rayjobs.pipeline
+    import rayjobs.job.pipeline
 
     state = {"up": False}
 
@@ -387,7 +387,7 @@ def test_run_json_summary_is_the_last_line_whatever_ray_prints_on_shutdown(monke
         print("(raylet) WARNING: a late raylet warning")
         state["up"] = False
 
-    monkeypatch.setattr(rayjobs.pipeline, "run", fake_run)
+    monkeypatch.setattr(rayjobs.job.pipeline, "run", fake_run)
     monkeypatch.setattr(ray, "is_initialized", lambda: state["up"])
     monkeypatch.setattr(ray, "shutdown", fake_shutdown)
     assert main(["run", str(DEMO.parent / "demo.yaml"), "--json"]) == 0

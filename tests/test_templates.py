@@ -1,12 +1,12 @@
-"""Tests for rayjobs.templates: literal segment tables per template, RowError cases, prefix
+"""Tests for rayjobs.data.templates: literal segment tables per template, RowError cases, prefix
 stability."""
 
 from __future__ import annotations
 
 import pytest
 
-from rayjobs import templates
-from rayjobs.templates import RowError, Segment
+from rayjobs.data import templates
+from rayjobs.data.templates import RowError, Segment
 
 NO_INPUT_PROMPT = (
     "Below is an instruction that describes a task. Write a response that appropriately completes "
@@ -230,7 +230,7 @@ def test_chat_segments_with_chatml(row, expected):
     assert segments == expected
     # The segments partition the full rendering: nothing lost, nothing repeated.
     assert "".join(s.text for s in segments) == templates.chatml(
-        templates.chat_messages(row, {}), False, templates.chat_tools(row, {})
+        templates.read_conversation(row, {})[0], False, templates.chat_tools(row, {})
     )
 
 
@@ -247,7 +247,7 @@ def test_sharegpt_roles_normalise_to_openai_roles():
             {"from": "tool", "value": "T"},
         ]
     }
-    assert templates.chat_messages(row, {}) == [
+    assert templates.read_conversation(row, {})[0] == [
         {"role": "system", "content": "S"},
         {"role": "user", "content": "H"},
         {"role": "assistant", "content": "G"},
@@ -294,7 +294,7 @@ ROW_ERRORS = {
         "missing",
     ),
     "chat_missing_mapped_column_names_field_and_column": (
-        templates.chat_messages,
+        templates.read_conversation,
         {"messages": [USER]},
         {"messages": "dialog"},
         "messages (column 'dialog')",

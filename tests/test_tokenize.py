@@ -1,4 +1,4 @@
-"""Tests for rayjobs.tokenize with the real GPT-2 tokenizer: literal rows, label shifting, overflow,
+"""Tests for rayjobs.data.tokenize with the real GPT-2 tokenizer: literal rows, label shifting, overflow,
 the Tokenize batch class (errors, skips, ledger counts) and invariants on the bundled real data."""
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import pyarrow as pa
 import pytest
 
 from conftest import DATA
-from rayjobs import tokenize
 from rayjobs.config import DatasetConfig, TokenizerConfig
-from rayjobs.metrics import TokenizeCounts
-from rayjobs.sources import record_table
-from rayjobs.tokenize import (
+from rayjobs.data import tokenize
+from rayjobs.data.counts import TokenizeCounts
+from rayjobs.data.sources import record_table
+from rayjobs.data.tokenize import (
     DataError,
     Tokenize,
     Tokenizer,
@@ -161,8 +161,8 @@ def test_tokenize_actor_never_imports_torch(gpt2_path):
     code = f"""
 import json, sys
 from rayjobs.config import DatasetConfig, TokenizerConfig
-from rayjobs.sources import record_table
-from rayjobs.tokenize import Tokenize
+from rayjobs.data.sources import record_table
+from rayjobs.data.tokenize import Tokenize
 spec = DatasetConfig(name="d", source="unused", template="chat")
 tokenize = Tokenize([spec], TokenizerConfig(path={gpt2_path!r}, chat_template={JINJA_TEMPLATE!r}),
                     seq_len=64, overflow="truncate")
@@ -183,8 +183,8 @@ def test_a_tokenize_stage_caps_the_tokenizers_threads(gpt2_path):
     code = f"""
 import json, sys
 from rayjobs.config import DatasetConfig, TokenizerConfig
-from rayjobs.sources import record_table
-from rayjobs.tokenize import Tokenize
+from rayjobs.data.sources import record_table
+from rayjobs.data.tokenize import Tokenize
 def threads():
     status = open("/proc/self/status").read().splitlines()
     return int(next(line.split()[1] for line in status if line.startswith("Threads:")))
@@ -546,7 +546,7 @@ def test_uids_do_not_depend_on_where_the_files_are(gpt2_config):
 def test_a_corrupt_tokenizer_file_is_a_config_error(tmp_path):
     """tokenizers raises a bare Exception on a torn tokenizer.json; the user sees the key."""
     from rayjobs.config import ConfigError, config_from_dict
-    from rayjobs.pipeline import load_tokenizer
+    from rayjobs.job.pipeline import load_tokenizer
 
     (tmp_path / "tokenizer.json").write_text('{"version": "1.0", "model": ')
     config = config_from_dict(
@@ -867,7 +867,7 @@ def test_tool_calls_and_tools_render_as_transformers_renders_them(gpt2_path):
     ours = Tokenizer(TokenizerConfig(path=gpt2_path, chat_template=TOOL_TEMPLATE))
     theirs = AutoTokenizer.from_pretrained(gpt2_path)
     theirs.chat_template = TOOL_TEMPLATE
-    messages = tokenize.templates.chat_messages(OPENAI_TOOL_ROW, {})
+    messages = tokenize.templates.read_conversation(OPENAI_TOOL_ROW, {})[0]
     expected = theirs.apply_chat_template(
         [
             {
@@ -980,7 +980,7 @@ def test_reasoning_trains_with_its_answer_as_transformers_renders_it(gpt2_path):
     theirs = AutoTokenizer.from_pretrained(gpt2_path)
     theirs.chat_template = TOOL_TEMPLATE
     ours = Tokenizer(TokenizerConfig(path=gpt2_path, chat_template=TOOL_TEMPLATE))
-    messages = tokenize.templates.chat_messages(row, {})
+    messages = tokenize.templates.read_conversation(row, {})[0]
     assert ours.render_chat(messages, False) == theirs.apply_chat_template(
         row["messages"], tokenize=False
     )

@@ -10,7 +10,7 @@ import pytest
 import ray.data
 import torch
 
-from rayjobs.train import hf_attention, resolve_attention, train_batches
+from rayjobs.train.loop import hf_attention, resolve_attention, train_batches
 
 SEQ_LEN = 8
 
@@ -41,7 +41,7 @@ def _count_batches(loop_config: dict) -> None:
     import ray.train
     import torch.distributed as dist
 
-    from rayjobs.train import _Guard
+    from rayjobs.train.loop import _Guard
 
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
@@ -140,12 +140,12 @@ def test_train_batches_mask_lets_each_response_see_its_prompt():
     ``parent_ids`` too, so a response attends to its prompt and itself, never to the other
     response. One literal triple: prompt [5, 6, 7], chosen [8, 9], rejected [10]; the row is
     5 6 | 7 8 9 | 7 10 | padding (the prompt's last token heads each response)."""
-    from rayjobs import dpo
-    from rayjobs.collate import collate
-    from rayjobs.train import attention_mask
+    from rayjobs.data import preference
+    from rayjobs.train.collate import collate
+    from rayjobs.train.loop import attention_mask
 
-    triple = dpo.Triple(np.array([5, 6, 7]), np.array([8, 9]), np.array([10]))
-    batch = collate(dpo.assemble_triples([triple], [np.array([0])], 10, pad_id=0))
+    triple = preference.Triple(np.array([5, 6, 7]), np.array([8, 9]), np.array([10]))
+    batch = collate(preference.assemble_triples([triple], [np.array([0])], 10, pad_id=0))
     assert batch["input_ids"][0, :7].tolist() == [5, 6, 7, 8, 9, 7, 10]
     sdpa = attention_mask(batch, "sdpa")
     assert sdpa.shape == (1, 1, 10, 10) and sdpa.dtype == torch.bool
@@ -162,8 +162,8 @@ def test_train_batches_masks_follow_a_models_sliding_window_layers():
     documents of 5 and 3 tokens."""
     from transformers import AutoConfig
 
-    from rayjobs import masks
-    from rayjobs.train import attention_mask
+    from rayjobs.train import masks
+    from rayjobs.train.loop import attention_mask
 
     batch = {
         "document_ids": torch.tensor([[0, 0, 0, 0, 0, 1, 1, 1]]),

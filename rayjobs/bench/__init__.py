@@ -1,0 +1,1 @@
+"""Benchmarks: each a command (``rayjobs bench ...``) that reports ratios measured in one run."""

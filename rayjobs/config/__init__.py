@@ -1,0 +1,36 @@
+"""The run configuration: typed sections (``schema``) and the loader (``load``)."""
+
+from rayjobs.config.load import _apply_override, config_from_dict, load_config, yaml_load
+from rayjobs.config.schema import (
+    Config,
+    ConfigError,
+    DatasetConfig,
+    DPOConfig,
+    EvalConfig,
+    HFModelConfig,
+    MixConfig,
+    ModelConfig,
+    PackingConfig,
+    RayConfig,
+    TokenizerConfig,
+    TrainConfig,
+)
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "DPOConfig",
+    "DatasetConfig",
+    "EvalConfig",
+    "HFModelConfig",
+    "MixConfig",
+    "ModelConfig",
+    "PackingConfig",
+    "RayConfig",
+    "TokenizerConfig",
+    "TrainConfig",
+    "_apply_override",
+    "config_from_dict",
+    "load_config",
+    "yaml_load",
+]

@@ -1,0 +1,278 @@
+"""Loading a config: YAML plus dotted overrides, validated once before Ray starts.
+
+A config is a YAML mapping with the sections below; ``load_config`` reads it, applies
+``dotted.key=value`` overrides (values parsed as YAML scalars), and validates everything with
+pydantic. Unknown keys, wrong types and missing local files fail here with a ``ConfigError`` whose
+message names the dotted key, the bad value and what would be valid, so no Ray work starts on a bad
+config. Relative paths (dataset sources, the tokenizer, ``train.storage_path``) are resolved
+against the directory of the config file, which makes a config and its data movable together
+(``configs/demo.yaml`` points at ``configs/demo/``); overrides are resolved the same way.
+
+A dataset's ``source`` is resolved to its ``files`` here, once: directories and globs expanded and
+sorted, and a file reached twice (listed twice, under a relative and an absolute spelling, through
+a symlink, or by a glob and a path: the same ``os.path.realpath``) kept once, under its first
+spelling. Design note: a file read twice is a silent duplication of its samples, almost always an
+accident of overlapping sources; training on a dataset more than once is what ``weight`` is for.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from rayjobs.config.schema import Config, ConfigError, DatasetConfig, HFModelConfig, ModelConfig
+from rayjobs.data import formats
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, less two YAML 1.1 surprises: a key written twice in one mapping is
+    refused (PyYAML keeps the last, so a second ``train:`` section silently replaced the
+    first), and ``1e-5`` is a float as in YAML 1.2 and JSON (1.1 wants ``1.0e-5``; typed keys
+    coerce the string, but ``train.model.config`` passes it to transformers as text)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} repeats the key of line {seen[key]}",
+                    key_node.start_mark,
+                )  # fmt: skip
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+        |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+
+
+def yaml_load(text: str) -> Any:
+    """YAML as rayjobs reads configs and overrides (see :class:`_YamlLoader`)."""
+    return yaml.load(text, Loader=_YamlLoader)  # noqa: S506 - a SafeLoader subclass
+
+
+def load_config(path: str | os.PathLike, overrides: list[str] = ()) -> Config:
+    """Read a YAML config, apply ``dotted.key=value`` overrides, validate and resolve paths.
+
+    Raises:
+        ConfigError: naming the file, dotted key or value at fault.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        raw = yaml_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path} is not valid YAML: {error}") from None
+    except UnicodeDecodeError as error:
+        where = f"{error.reason} at byte {error.start}"
+        raise ConfigError(f"{path} is not UTF-8 text ({where})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must hold a mapping of sections (datasets, tokenizer, ...)")
+    for override in overrides:
+        _apply_override(raw, override)
+    return config_from_dict(raw, base_dir=path.parent)
+
+
+def config_from_dict(raw: dict[str, Any], base_dir: str | os.PathLike = ".") -> Config:
+    """Validate a config mapping and resolve its paths against ``base_dir``."""
+    try:
+        config = Config.model_validate(raw)
+    except ValidationError as error:
+        raise ConfigError(_describe(error)) from None
+    base_dir = Path(base_dir).resolve()
+    datasets = [_resolve_dataset(d, i, base_dir) for i, d in enumerate(config.datasets)]
+    held_out = [
+        _resolve_dataset(spec, i, base_dir, "eval.datasets")
+        for i, spec in enumerate(config.eval.datasets)
+    ]
+    tokenizer_path = _resolve_tokenizer(config.tokenizer.path, base_dir)
+    storage_path = _resolve_storage(config.train.storage_path, base_dir)
+    return config.model_copy(
+        update={
+            "datasets": datasets,
+            "eval": config.eval.model_copy(update={"datasets": held_out}),
+            "tokenizer": config.tokenizer.model_copy(update={"path": tokenizer_path}),
+            "train": config.train.model_copy(
+                update={
+                    "storage_path": storage_path,
+                    "model": _resolve_model(config.train.model, base_dir),
+                }
+            ),
+        }
+    )
+
+
+def _apply_override(raw: dict[str, Any], override: str) -> None:
+    key, sep, value = override.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {override!r} must look like dotted.key=value")
+    node: Any = raw
+    parts = key.split(".")
+    for depth, part in enumerate(parts[:-1]):
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise ConfigError(
+                    f"override {key}: {'.'.join(parts[: depth + 1])} is not an index "
+                    f"of a list of {len(node)}"
+                )
+            node = node[int(part)]
+        else:
+            node = node.setdefault(part, {})
+        if not isinstance(node, (dict, list)):
+            raise ConfigError(f"override {key}: {'.'.join(parts[: depth + 1])} is not a section")
+    last = parts[-1]
+    try:
+        parsed = yaml_load(value) if value else ""
+    except yaml.YAMLError:
+        parsed = value  # not a YAML scalar (a Jinja template, say): take it as text
+    if isinstance(node, list):
+        if not last.isdigit() or int(last) >= len(node):
+            raise ConfigError(f"override {key}: {last} is not an index of a list of {len(node)}")
+        node[int(last)] = parsed
+    else:
+        node[last] = parsed
+
+
+def _describe(error: ValidationError) -> str:
+    lines = ["invalid config:"]
+    for item in error.errors():
+        where = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        if item["type"] == "extra_forbidden":
+            lines.append(f"  {where}: unknown key")
+        elif item["type"] == "missing":
+            lines.append(f"  {where}: required key is missing")
+        else:
+            lines.append(f"  {where}: {item['msg']} (got {item.get('input')!r})")
+    return "\n".join(lines)
+
+
+def _resolve_dataset(
+    spec: DatasetConfig, index: int, base_dir: Path, section: str = "datasets"
+) -> DatasetConfig:
+    key = f"{section}.{index}.source"
+    if spec.files:  # the field exists so workers get the list validation resolved, once
+        raise ConfigError(
+            f"{section}.{index}.files: filled in from {key}, not set in a config; "
+            f"list the files in {key} instead"
+        )
+    sources = [spec.source] if isinstance(spec.source, str) else list(spec.source)
+    if spec.format == formats.HF:
+        if len(sources) != 1:
+            raise ConfigError(
+                f"{key} (dataset {spec.name!r}): format hf reads one dataset (a Hub name or a "
+                f"save_to_disk folder), got {len(sources)}; list each as a dataset of its own"
+            )
+        local = Path(os.path.expanduser(sources[0]))
+        local = local if local.is_absolute() else base_dir / local
+        resolved = str(local) if local.exists() else sources[0]
+        return spec.model_copy(update={"source": resolved})
+    if not sources:
+        raise ConfigError(f"{key} (dataset {spec.name!r}): an empty list names no file")
+    files: list[str] = []
+    seen: set[str] = set()  # real paths of the files kept
+    for source in sources:
+        full = Path(os.path.expanduser(source))
+        full = full if full.is_absolute() else base_dir / full
+        if full.is_dir():
+            matches = sorted(
+                str(p)
+                for p in full.rglob("*")
+                if p.is_file()
+                and formats.format_of(p.name) is not None
+                and spec.format in (None, formats.format_of(p.name))
+            )
+        else:
+            matches = sorted(glob.glob(str(full), recursive=True))
+        if not matches:
+            raise ConfigError(f"{key} (dataset {spec.name!r}): no file matches {full}")
+        for match in matches:  # a file reached twice is read once, under its first spelling
+            real = os.path.realpath(match)
+            if real not in seen:
+                seen.add(real)
+                files.append(match)
+    if all(_is_empty(f) for f in files):
+        raise ConfigError(
+            f"{key} (dataset {spec.name!r}): every file is empty ({files[:3]}); "
+            f"a dataset in the mix needs at least one row"
+        )
+    fmt = spec.format
+    if fmt is None:
+        found = {formats.format_of(f) for f in files}
+        if len(found) != 1 or None in found:
+            raise ConfigError(
+                f"{section}.{index}.format (dataset {spec.name!r}): cannot infer the "
+                f"format from the extensions of {files[:3]}; set format to one of "
+                f"{', '.join(formats.FORMATS)}"
+            )
+        fmt = found.pop()
+    return spec.model_copy(update={"format": fmt, "files": tuple(files)})
+
+
+def _is_empty(path: str) -> bool:
+    """No rows for sure: zero bytes, or (small files only) just whitespace or an empty JSON list."""
+    size = os.path.getsize(path)
+    if size > 1 << 16:
+        return False
+    return Path(path).read_bytes().strip() in (b"", b"[]")
+
+
+def _resolve_storage(path: str, base_dir: Path) -> str:
+    """``train.storage_path``: a URI (``s3://…``) as is, a folder against ``base_dir``."""
+    if "://" in path:
+        return path
+    local = Path(os.path.expanduser(path))
+    return str(local if local.is_absolute() else base_dir / local)
+
+
+def _resolve_model(
+    spec: ModelConfig | HFModelConfig, base_dir: Path
+) -> ModelConfig | HFModelConfig:
+    """``train.model.path`` / ``config_path`` of ``kind: hf`` against ``base_dir``. ``path`` may
+    also be a Hub name (anything that does not look like a path); ``config_path`` must exist."""
+    if not isinstance(spec, HFModelConfig):
+        return spec
+    update = {}
+    if spec.path is not None:
+        local = Path(os.path.expanduser(spec.path))
+        local = local if local.is_absolute() else base_dir / local
+        if local.exists():
+            update["path"] = str(local)
+        elif spec.path.startswith((".", "/", "~")):
+            raise ConfigError(f"train.model.path: no checkpoint directory at {local}")
+    if spec.config_path is not None:
+        local = Path(os.path.expanduser(spec.config_path))
+        local = local if local.is_absolute() else base_dir / local
+        if not local.exists():
+            raise ConfigError(f"train.model.config_path: no config.json or folder at {local}")
+        update["config_path"] = str(local)
+    return spec.model_copy(update=update)
+
+
+def _resolve_tokenizer(path: str, base_dir: Path) -> str:
+    local = Path(os.path.expanduser(path))
+    local = local if local.is_absolute() else base_dir / local
+    if local.exists():
+        return str(local)
+    looks_local = path.startswith((".", "/", "~")) or path.endswith(".json")
+    if looks_local:
+        raise ConfigError(f"tokenizer.path: no tokenizer file or directory at {local}")
+    return path  # a Hugging Face hub name; resolved by transformers at load time

@@ -1,0 +1,496 @@
+"""The run configuration's sections: pydantic models, validated against the registries.
+
+Every section forbids unknown keys and is frozen; ``rayjobs.config.load`` reads YAML into them. A
+dataset's ``files`` are filled in by that loader (resolved once, before Ray starts).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from rayjobs.data import formats, pack, templates
+
+
+class ConfigError(ValueError):
+    """A config problem a user can fix; the message names the dotted key or file."""
+
+
+def _registered(value: str, registry, kind: str) -> str:
+    """``value`` if it names an entry of ``registry``; else a message listing the entries."""
+    if value not in registry:
+        choices = ", ".join(repr(name) for name in sorted(registry))
+        raise ValueError(f"unknown {kind} {value!r}; registered: {choices}")
+    return value
+
+
+class _Strict(BaseModel):
+    # allow_inf_nan: a weight or lr of .inf passes gt=0 (and NaN fails every check silently)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+class DatasetConfig(_Strict):
+    name: str = Field(min_length=1)
+    """Unique name; used in metrics, the run summary and error messages."""
+    source: str | list[str]
+    """Local file(s), directory or glob; or a Hugging Face dataset name / saved-to-disk folder
+    (``format: hf``)."""
+    format: str | None = None
+    """Input format: a file format of ``rayjobs.data.formats.FORMATS`` (json, jsonl, parquet, csv, text)
+    or ``hf``; inferred from the file extension when omitted."""
+    split: str = "train"
+    """Split to read for ``format: hf``."""
+    template: str
+    """How a row becomes training text, a name in ``rayjobs.data.templates.TEMPLATES``: ``alpaca``
+    (instruction/input/output), ``chat`` (``messages`` or ShareGPT ``conversations``), ``text``
+    (raw text, every token trained)."""
+    column_map: dict[str, str] = Field(default_factory=dict)
+    """Template field → dataset column, e.g. ``{output: response}``; the keys must be fields the
+    template reads (``Template.fields``)."""
+    train_on_input: bool = False
+    """Also train on prompt / user tokens (default: only responses / assistant turns)."""
+    weight: float | None = Field(default=None, gt=0)
+    """Target share of the epoch (normalised over datasets), in samples or tokens (``mix.by``).
+    Set it on every dataset or on none (none: each dataset in its natural proportion)."""
+    on_bad_row: Literal["error", "skip"] = "error"
+    """A bad row (``rayjobs.data.formats.SKIP_REASONS``: a JSONL line that is not JSON, bytes that are
+    not UTF-8, a ragged CSV row, a field of the wrong type, missing or empty, a template that
+    raises): stop with an error naming dataset, file, row and field or reason, or skip it and count
+    it under ``skipped_rows`` and, by reason, ``skipped_by_reason``. Over-length samples follow
+    ``packing.overflow`` instead."""
+    binary: Literal["error", "utf8"] = "error"
+    """Parquet / Hugging Face columns of bytes: refuse the file (``error``; ``str`` of bytes would
+    train on the text ``b'...'``), or decode them as UTF-8 text (``utf8``; a value that does not
+    decode is a bad row, ``invalid_utf8``)."""
+    text_split: Literal["line", "paragraph", "file"] = "paragraph"
+    """For ``format: text``: one document per line, per blank-line separated paragraph, or per
+    file."""
+    files: tuple[str, ...] = ()
+    """Resolved file list, filled in by validation (a config that sets it is refused)."""
+
+    @field_validator("format")
+    @classmethod
+    def _known_format(cls, value: str | None) -> str | None:
+        return (
+            value if value is None else _registered(value, [*formats.FORMATS, formats.HF], "format")
+        )
+
+    @field_validator("template")
+    @classmethod
+    def _known_template(cls, value: str) -> str:
+        return _registered(value, templates.TEMPLATES, "template")
+
+    @model_validator(mode="after")
+    def _column_map_names_template_fields(self) -> DatasetConfig:
+        fields = templates.TEMPLATES[self.template].fields
+        unknown = sorted(set(self.column_map) - fields) if fields is not None else []
+        if unknown:
+            raise ValueError(
+                f"column_map key(s) {unknown} name no field of template {self.template!r}, "
+                f"which reads {sorted(fields)} (column_map maps a template field to a column)"
+            )
+        return self
+
+
+class TokenizerConfig(_Strict):
+    path: str
+    """A tokenizer.json file, a local tokenizer directory, or a Hugging Face tokenizer name."""
+    chat_template: str | None = None
+    """Jinja chat template overriding the tokenizer's; when neither exists a ChatML layout is
+    used."""
+    eos_token: str | None = None
+    """End-of-sequence token appended to every sample; default: the tokenizer's eos token."""
+    pad_token: str | None = None
+    """Token used for padding packs (never trained); default: pad token, else eos."""
+    add_bos: bool | None = None
+    """Start every sample (a DPO triple: its prompt) with the BOS token, unless its text already
+    does (a chat template writing ``{{ bos_token }}``); default: as the tokenizer's own
+    post-processor does (Llama, Gemma: yes; GPT-2: no), so fine-tuning sees what
+    ``tokenizer(text)`` gives at inference."""
+
+
+class MixConfig(_Strict):
+    by: Literal["tokens", "samples"] = "tokens"
+    """What each dataset's ``weight`` is a share of: the epoch's tokens or its samples."""
+    epoch_samples: int | None = Field(default=None, gt=0)
+    """Epoch size in samples (mix.by: samples); default all samples of all datasets once."""
+    epoch_tokens: int | None = Field(default=None, gt=0)
+    """Epoch size in tokens (mix.by: tokens); default all tokens of all datasets once."""
+
+    @model_validator(mode="after")
+    def _size_matches_unit(self) -> MixConfig:
+        wrong = "epoch_samples" if self.by == "tokens" else "epoch_tokens"
+        if getattr(self, wrong) is not None:
+            right = "epoch_tokens" if self.by == "tokens" else "epoch_samples"
+            raise ValueError(f"{wrong} does not apply with by: {self.by}; set {right} instead")
+        return self
+
+
+class PackingConfig(_Strict):
+    seq_len: int = Field(default=2048, gt=1)
+    """Length of every packed row (at least 2: a one-token row has nothing to predict)."""
+    mode: Literal["stream", "planned"] = "stream"
+    """``stream``: read, tokenize and pack as the data flows, all epochs one stream (README,
+    "Design"); ``planned``: tokenize everything once, then plan every epoch's mix and packs in
+    the driver (exact shares, the same packs for the same seed)."""
+    window_tokens: int = Field(default=4_194_304, gt=0)
+    """stream: tokens packed together by one packer call (its shuffle window); each call leaves
+    about half a row of padding behind, so larger windows pack tighter and use more memory."""
+    warmup_tokens: int = Field(default=262_144, ge=0)
+    """stream: tokens at the head of the first epoch packed in a lane of their own, in windows of
+    a quarter of this, so the first batch waits for them and not for a whole ``window_tokens``
+    window (0: no warm-up lane)."""
+    window: int = Field(default=4096, gt=0)
+    """planned: samples packed together by one pass of ``packing.strategy``."""
+    overflow: Literal["truncate", "drop", "split"] = "truncate"
+    """Samples longer than seq_len: cut to seq_len, drop, or split into seq_len chunks."""
+    strategy: str = "bfd"
+    """Bin-choice rule of the packer, a name in ``rayjobs.data.pack.STRATEGIES``."""
+
+    @model_validator(mode="after")
+    def _window_holds_a_row(self) -> PackingConfig:
+        if self.window_tokens < self.seq_len:
+            raise ValueError(
+                f"window_tokens ({self.window_tokens}) is below seq_len ({self.seq_len}): a "
+                f"packer call could not fill one row, so nothing would be packed together"
+            )
+        return self
+
+    @field_validator("strategy")
+    @classmethod
+    def _known_strategy(cls, value: str) -> str:
+        return _registered(value, pack.STRATEGIES, "packing strategy")
+
+
+class ModelConfig(_Strict):
+    """``train.model`` with ``kind: demo`` (the default): the small decoder of ``rayjobs.train.model``."""
+
+    kind: Literal["demo"] = "demo"
+    dim: int = Field(default=128, gt=0)
+    n_layers: int = Field(default=2, gt=0)
+    n_heads: int = Field(default=4, gt=0)
+
+    @model_validator(mode="after")
+    def _heads_divide_dim(self) -> ModelConfig:
+        if self.dim % self.n_heads or (self.dim // self.n_heads) % 2:
+            raise ValueError(
+                f"dim ({self.dim}) must be n_heads ({self.n_heads}) heads of even width "
+                f"(RoPE rotates pairs of dimensions)"
+            )
+        return self
+
+
+class HFModelConfig(_Strict):
+    """``train.model`` with ``kind: hf``: a Hugging Face causal LM, pretrained (``path``) or an
+    architecture initialised at random with the run's seed (``config_path`` or
+    ``config.model_type``)."""
+
+    kind: Literal["hf"]
+    path: str | None = None
+    """Pretrained weights: a local checkpoint directory or a Hub name (from the local cache unless
+    ``allow_download``), loaded with ``AutoModelForCausalLM.from_pretrained``."""
+    config_path: str | None = None
+    """An architecture from a local ``config.json`` (or a folder holding one), random init."""
+    config: dict[str, Any] = Field(default_factory=dict)
+    """Config values: overrides of the loaded config; without ``path`` or ``config_path`` the
+    whole architecture, ``model_type`` included (``AutoConfig.for_model``). ``vocab_size`` and the
+    bos/eos/pad token ids default to the tokenizer's for a random init."""
+    attn_implementation: Literal["sdpa", "eager", "flex_attention"] | None = None
+    """Attention backend; default from ``train.attention`` (flex: ``flex_attention``, sdpa:
+    ``sdpa``). ``flex_attention`` trains on CUDA only."""
+    allow_download: bool = False
+    """Let ``path`` (a Hub name) download; by default only the local cache is read."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> HFModelConfig:
+        if self.path is not None and self.config_path is not None:
+            raise ValueError("set path (pretrained weights) or config_path (random init), not both")
+        has_type = "model_type" in self.config
+        if (self.path is not None or self.config_path is not None) and has_type:
+            raise ValueError("config.model_type comes from path / config_path; remove it")
+        if self.path is None and self.config_path is None and not has_type:
+            raise ValueError(
+                "set path (pretrained weights), config_path (a config.json) or "
+                "config.model_type (an architecture, e.g. llama) to say which model to build"
+            )
+        return self
+
+
+MODEL_KINDS = {"demo": ModelConfig, "hf": HFModelConfig}
+"""``train.model.kind`` → its section."""
+
+
+class TrainConfig(_Strict):
+    num_workers: int = Field(default=2, ge=0)
+    """Ray Train workers (0 runs the loop in the driver process)."""
+    use_gpu: bool = False
+    cpus_per_worker: float = Field(default=0.5, gt=0)
+    """Logical CPUs each train worker reserves; keep it fractional on small CPU clusters so the
+    data operators are not starved (see README, Resources)."""
+    resources_per_worker: dict[str, float] = Field(default_factory=dict)
+    """Custom Ray resources each train worker also reserves, e.g. ``{trainer: 1}`` where only
+    trainer nodes declare ``trainer`` (CPU and GPU come from ``cpus_per_worker`` / ``use_gpu``)."""
+    label_selector: dict[str, str] = Field(default_factory=dict)
+    """Ray node labels every train worker requires, e.g. ``{rayjobs.io/role: train}``; empty:
+    any node with the worker's resources (with ``use_gpu``, a GPU node)."""
+    batch_size: int = Field(default=4, gt=0)
+    """Packed rows per step per worker."""
+    epochs: int = Field(default=1, gt=0)
+    max_steps: int | None = Field(default=None, gt=0)
+    """Stop after this many steps (per worker, all workers stop together)."""
+    lr: float = Field(default=1e-3, gt=0)
+    """Peak learning rate (AdamW)."""
+    weight_decay: float = Field(default=0.0, ge=0)
+    """AdamW's decoupled weight decay, on weight matrices and embeddings only: biases and norm
+    gains (every parameter of fewer than 2 dimensions) never decay, as in HF's Trainer."""
+    drop_last: bool = False
+    """Skip each dataset's last batch on a worker when it is short (fewer than ``batch_size``
+    rows, the same on every worker): static batch shapes, at the cost of up to
+    ``num_workers × batch_size − 1`` untrained packs an epoch (planned) or a run (stream).
+    False (HF's Trainer default): trained, its loss weighed by its tokens like any other."""
+    grad_accum_steps: int = Field(default=1, gt=0)
+    """Micro-batches of ``batch_size`` rows per optimizer step on each worker; one step's loss is
+    the mean over every labelled token of its micro-batches on every worker."""
+    max_grad_norm: float | None = Field(default=1.0, gt=0)
+    """Clip the global gradient norm to this before each optimizer step; null: no clipping."""
+    lr_schedule: Literal["auto", "constant", "cosine", "linear"] = "auto"
+    """After ``warmup_steps`` of linear warm-up: hold ``lr`` (constant) or decay it to
+    ``min_lr_ratio`` × ``lr`` at ``max_steps`` (cosine, linear). auto: cosine when ``max_steps``
+    is set, else constant (a streamed run's length is not known before its data is read)."""
+    warmup_steps: int = Field(default=0, ge=0)
+    """Optimizer steps of linear warm-up from 0 to ``lr``."""
+    min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """bf16: the forward runs under bf16 autocast (weights, gradients and optimizer state stay
+    fp32, the loss is computed in fp32); auto: bf16 on GPUs that support it, fp32 on CPU."""
+    parallelism: Literal["ddp", "fsdp"] = "ddp"
+    """ddp: every worker holds the whole model (Ray Train's ``prepare_model``); fsdp: FSDP2
+    (``fully_shard`` per transformer block, then the whole model) shards parameters, gradients
+    and optimizer state over the workers, for models that do not fit one GPU."""
+    max_failures: int = Field(default=0, ge=-1)
+    """Worker-group failures (a dead worker or node) to recover from by restarting the workers
+    from the latest checkpoint (``checkpoint_every``); -1: no limit (Ray Train's
+    ``FailureConfig``)."""
+    attention: Literal["auto", "sdpa", "flex"] = "auto"
+    """auto: FlexAttention on CUDA, SDPA with the dense document mask on CPU."""
+    report_every: int = Field(default=10, gt=0)
+    storage_path: str = "runs"
+    """Where Ray Train writes checkpoints: a folder (relative to the config file's folder, like
+    every path in the config) or a URI with a scheme (``s3://bucket/runs``), kept as is."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer block's activations in backward instead of keeping them
+    (torchtune's ``enable_activation_checkpointing``, HF's ``gradient_checkpointing``): memory
+    for about one more forward per step."""
+    loss_chunk_tokens: int = Field(default=1024, ge=0)
+    """Labelled positions whose logits the loss computes at once (chunked cross entropy, each
+    chunk recomputed in backward); 0: the whole batch's logits at once."""
+    checkpoint_every: int | None = Field(default=None, gt=0)
+    """Also save a checkpoint every this many steps (the summary lists them)."""
+    keep_checkpoints: int | None = Field(default=None, gt=0)
+    """Keep only the latest this many periodic checkpoints (Ray Train deletes older ones; the
+    final checkpoint is kept besides them), as HF's ``save_total_limit``; null: keep all."""
+    model: ModelConfig | HFModelConfig = Field(default_factory=ModelConfig)
+    """``kind: demo`` (default) or ``kind: hf``; see ``ModelConfig`` and ``HFModelConfig``."""
+
+    @model_validator(mode="after")
+    def _schedule_horizon(self) -> TrainConfig:
+        if self.lr_schedule in ("cosine", "linear") and self.max_steps is None:
+            raise ValueError(
+                f"lr_schedule: {self.lr_schedule} decays to max_steps; set train.max_steps "
+                "(a streamed run's length is not known before its data is read) or use constant"
+            )
+        if self.max_steps is not None and self.warmup_steps > self.max_steps:
+            raise ValueError(
+                f"warmup_steps ({self.warmup_steps}) exceeds max_steps ({self.max_steps})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _flex_needs_a_gpu(self) -> TrainConfig:
+        """Refused here rather than in every train worker once Ray and the data have started."""
+        if self.use_gpu:
+            return self
+        if self.attention == "flex":
+            key = "train.attention: flex"
+        elif getattr(self.model, "attn_implementation", None) == "flex_attention":
+            key = "train.model.attn_implementation: flex_attention"
+        else:
+            return self
+        raise ValueError(
+            f"{key} trains on CUDA only (FlexAttention has no CPU backward pass in torch 2.13); "
+            f"set train.use_gpu: true, or use sdpa (train.attention: auto picks flex on CUDA)"
+        )
+
+    @property
+    def schedule(self) -> str:
+        """The LR schedule ``lr_schedule`` resolves to."""
+        if self.lr_schedule != "auto":
+            return self.lr_schedule
+        return "cosine" if self.max_steps is not None else "constant"
+
+    @field_validator("resources_per_worker")
+    @classmethod
+    def _custom_resources_only(cls, value: dict[str, float]) -> dict[str, float]:
+        reserved = sorted({"CPU", "GPU", "memory"} & set(value))
+        if reserved:
+            raise ValueError(
+                f"{', '.join(reserved)}: set CPUs with cpus_per_worker and GPUs with use_gpu; "
+                "resources_per_worker is for custom resources"
+            )
+        negative = sorted(name for name, amount in value.items() if amount <= 0)
+        if negative:
+            raise ValueError(f"{', '.join(negative)}: amounts must be positive")
+        return value
+
+    @field_validator("model", mode="wrap")
+    @classmethod
+    def _model_kind(cls, value: Any, handler: Any) -> ModelConfig | HFModelConfig:
+        # Dispatch on kind by hand: a pydantic discriminated union would put the kind into error
+        # locations (train.model.hf.path), naming a key that does not exist.
+        if isinstance(value, (ModelConfig, HFModelConfig)):
+            return handler(value)
+        if not isinstance(value, dict):
+            raise ValueError("must be a mapping (kind: demo or kind: hf, and its keys)")
+        kind = value.get("kind", "demo")
+        if kind not in MODEL_KINDS:
+            raise ValidationError.from_exception_data(
+                "model",
+                [
+                    {
+                        "type": "literal_error",
+                        "loc": ("kind",),
+                        "input": kind,
+                        "ctx": {"expected": " or ".join(repr(k) for k in MODEL_KINDS)},
+                    }
+                ],
+            )
+        return MODEL_KINDS[kind].model_validate(value)
+
+
+class RayConfig(_Strict):
+    address: str | None = None
+    """Cluster to connect to; default: $RAY_ADDRESS, else an embedded local Ray."""
+    num_cpus: float | None = Field(default=None, gt=0)
+    """Logical CPUs of the embedded local Ray; default max(4, 2 × cores), see README."""
+    tokenize_concurrency: int | None = Field(default=None, gt=0)
+    """Maximum Tokenize actors (the pool grows to it as data waits); default half the cluster's
+    CPUs, so adding CPU nodes adds tokenizers."""
+    min_actors: int = Field(default=1, gt=0)
+    """Actors each data pool (Tokenize, packers) starts with, before it grows."""
+    pack_concurrency: int | None = Field(default=None, gt=0)
+    """stream: maximum packer actors; default a quarter of the cluster's CPUs (at least 1)."""
+    data_label_selector: dict[str, str] = Field(default_factory=dict)
+    """Ray node labels every data task and actor (read, tokenize, pack) requires, e.g.
+    ``{rayjobs.io/role: data}`` (Ray's label selector syntax: ``"!gpu"``, ``"in(a,b)"``); empty:
+    anywhere with free CPUs."""
+
+
+class DPOConfig(_Strict):
+    beta: float = Field(default=0.1, gt=0)
+    """The DPO temperature: the implicit reward is ``beta`` × the policy's log-ratio to the
+    reference."""
+    disable_dropout: bool = True
+    """Zero the model's dropout (policy and reference), as TRL's ``disable_dropout`` does by
+    default: with dropout in the training policy and none in the eval-mode reference, the
+    log-ratios are noise even at equal weights (a GPT-2 config's 0.1 gave a step-0 loss of 0.756,
+    not log 2)."""
+
+
+class EvalConfig(_Strict):
+    """Held-out evaluation: the loss (DPO: loss and rewards) over datasets never trained on, as
+    HF's ``eval_dataset`` / ``eval_steps`` and torchtune's ``dataset_val``."""
+
+    datasets: list[DatasetConfig] = Field(default_factory=list)
+    """Datasets to evaluate on, in the same form as ``datasets`` (template, column_map,
+    on_bad_row, ...) but without ``weight``: each is read, tokenized and packed once, whole,
+    before training starts, and every evaluation runs over all of its packs. Empty: no
+    evaluation."""
+    every_steps: int | None = Field(default=None, gt=0)
+    """Evaluate every this many optimizer steps, and always once when training ends; null: at
+    the end only."""
+    batch_size: int | None = Field(default=None, gt=0)
+    """Packed rows per forward on each worker; null: ``train.batch_size``."""
+
+    @field_validator("datasets")
+    @classmethod
+    def _unweighted(cls, datasets: list[DatasetConfig]) -> list[DatasetConfig]:
+        weighted = [d.name for d in datasets if d.weight is not None]
+        if weighted:
+            raise ValueError(
+                f"eval datasets {weighted} set weight: an evaluation reads each dataset whole, "
+                "once; remove weight"
+            )
+        return _unique(datasets)
+
+    @model_validator(mode="after")
+    def _settings_need_datasets(self) -> EvalConfig:
+        settings = [k for k in ("every_steps", "batch_size") if getattr(self, k) is not None]
+        if settings and not self.datasets:
+            raise ValueError(
+                f"eval.{settings[0]} is set but eval.datasets is empty: list the held-out "
+                "datasets to evaluate on"
+            )
+        return self
+
+
+def _unique(datasets: list[DatasetConfig]) -> list[DatasetConfig]:
+    names = [d.name for d in datasets]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"dataset names must be unique; repeated: {duplicates}")
+    return datasets
+
+
+class Config(_Strict):
+    task: Literal["sft", "dpo"] = "sft"
+    """sft: samples packed as documents, token cross entropy; dpo: preference triples (template
+    ``preference``) packed as units of three documents, the DPO loss against a frozen reference
+    (the initial model)."""
+    datasets: list[DatasetConfig] = Field(min_length=1)
+    tokenizer: TokenizerConfig
+    packing: PackingConfig = Field(default_factory=PackingConfig)
+    mix: MixConfig = Field(default_factory=MixConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    dpo: DPOConfig = Field(default_factory=DPOConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
+    seed: int = Field(default=0, ge=0)  # numpy's SeedSequence takes no negative entropy
+
+    @model_validator(mode="after")
+    def _task_fits(self) -> Config:
+        for section, specs in (("datasets", self.datasets), ("eval.datasets", self.eval.datasets)):
+            preference = [d.name for d in specs if templates.TEMPLATES[d.template].task == "dpo"]
+            if self.task == "sft" and preference:
+                raise ValueError(
+                    f"{section} {preference} use a preference template: set task: dpo to train "
+                    "on preference triples"
+                )
+            others = [d.name for d in specs if d.name not in preference]
+            if self.task == "dpo" and others:
+                raise ValueError(
+                    f"task: dpo trains on preference triples; {section} {others} need template: "
+                    "preference"
+                )
+        if self.task == "dpo":
+            if self.packing.mode != "stream":
+                raise ValueError(
+                    "task: dpo packs in stream mode (packing.mode: stream); the planned path "
+                    "plans single documents"
+                )
+            if self.packing.overflow == "split":
+                raise ValueError(
+                    "task: dpo: packing.overflow split would part a response from its prompt; "
+                    "use truncate or drop"
+                )
+        return self
+
+    @field_validator("datasets")
+    @classmethod
+    def _unique_names(cls, datasets: list[DatasetConfig]) -> list[DatasetConfig]:
+        _unique(datasets)
+        weighted = [d.weight is not None for d in datasets]
+        if any(weighted) and not all(weighted):
+            unset = [d.name for d in datasets if d.weight is None]
+            raise ValueError(f"set weight on every dataset or on none; missing on {unset}")
+        return datasets

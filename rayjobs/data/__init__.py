@@ -1,0 +1,1 @@
+"""The data side (CPU nodes; numpy, pyarrow, Ray Data; never torch): files to packed rows."""

@@ -1,0 +1,321 @@
+"""The ``chat`` template: OpenAI ``messages`` or ShareGPT ``conversations``, rendered by the
+tokenizer's chat template (ChatML when it has none); only what each assistant turn adds is trained.
+
+Each assistant turn is found by rendering the conversation prefix by prefix, which works for any
+prefix-stable template without ``{% generation %}`` markers; an unstable one is a bad row. Tool
+calls, tool schemas and reasoning reach the template as ``apply_chat_template`` takes them, and a
+template that drops them makes the row a ``template_error`` (docs/data.md, "Tool calls").
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from rayjobs.data.templates.registry import (
+    Message,
+    RenderChat,
+    RowError,
+    Segment,
+    Tool,
+    _shown,
+    field_value,
+    register_template,
+)
+
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+    "function_call": "assistant",
+    "observation": "tool",
+    "tool": "tool",
+}
+
+
+OPENAI_ROLES = {
+    "system": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+    "function": "tool",
+}
+"""OpenAI roles (``function``: the legacy role of a function's result) → the roles templates see."""
+
+
+REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
+"""An OpenAI assistant turn's reasoning, under the names transformers aliases (the first set is
+used); it reaches the template as ``reasoning_content``."""
+
+
+def _json_value(value: Any, field: str, what: str) -> Any:
+    """``value`` parsed where it is JSON text (a call's arguments, a ``tools`` column)."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError as error:
+        raise RowError(field, f"{what} is not valid JSON ({error}): {value!r:.80}") from None
+
+
+def _function(entry: Any, field: str, what: str) -> tuple[Mapping[str, Any], str]:
+    """A call's or a tool schema's function (``{type: function, function: {...}}`` or the bare
+    function) and its name, or a ``RowError`` saying ``what`` was expected."""
+    function = entry.get("function", entry) if isinstance(entry, Mapping) else None
+    name = function.get("name") if isinstance(function, Mapping) else None
+    if not isinstance(name, str) or not name:
+        raise RowError(field, f"expected {what}, got {entry!r:.120}")
+    return function, name
+
+
+def _tool_call(call: Any, field: str) -> dict[str, Any]:
+    """One call as templates take it: ``{type: function, function: {name, arguments: object}}``
+    (its ``id`` kept), from the OpenAI shape or a bare ``{name, arguments}``."""
+    function, name = _function(call, field, "a call with a function name")
+    arguments = function.get("arguments")
+    arguments = {} if arguments in (None, "") else _json_value(arguments, field, "arguments")
+    if not isinstance(arguments, Mapping):
+        raise RowError(
+            field, f"the call's arguments are not a JSON object but {type(arguments).__name__}"
+        )
+    normalised: dict[str, Any] = {
+        "type": "function",
+        "function": {"name": name, "arguments": dict(arguments)},
+    }
+    if isinstance(call.get("id"), str):
+        normalised["id"] = call["id"]
+    return normalised
+
+
+def _tool_calls(calls: Any, field: str) -> list[dict[str, Any]]:
+    calls = calls if isinstance(calls, list) else [calls]
+    return [_tool_call(call, f"{field}.tool_calls[{i}]") for i, call in enumerate(calls)]
+
+
+def chat_tools(row: Mapping[str, Any], column_map: Mapping[str, str]) -> list[Tool] | None:
+    """The row's ``tools`` (a list of JSON schemas, or it as JSON text), None where it has none;
+    a bare ``{name, description, parameters}`` schema is wrapped as ``{type: function, ...}``."""
+    if not isinstance(row, Mapping):
+        return None
+    shown = _shown("tools", column_map)
+    tools = _json_value(row.get(column_map.get("tools", "tools")), shown, "the tools list")
+    if tools in (None, "", []):
+        return None
+    if not isinstance(tools, list):
+        raise RowError(shown, f"expected a list of tool schemas, got {type(tools).__name__}")
+    wrapped: list[Tool] = []
+    for index, tool in enumerate(tools):
+        _function(tool, f"{shown}[{index}]", "a schema with a name")
+        wrapped.append(dict(tool) if "function" in tool else {"type": "function", "function": tool})
+    return wrapped
+
+
+def _turn(turn: Any, sharegpt: bool, field: str) -> Message:
+    """One turn → a message; see the module note's "Tool calls" for what reaches the template."""
+    if not isinstance(turn, Mapping):
+        raise RowError(
+            field, f"expected a turn with a known role and text content, got {turn!r:.120}"
+        )
+    if sharegpt:
+        source_role, content = turn.get("from"), turn.get("value")
+        role = SHAREGPT_ROLES.get(source_role)
+    else:
+        source_role, content = turn.get("role"), turn.get("content")
+        role = OPENAI_ROLES.get(source_role)
+    calls = None
+    if sharegpt and source_role == "function_call" and isinstance(content, str):
+        calls, content = _tool_calls(_json_value(content, field, "the call"), field), ""
+    elif not sharegpt and role == "assistant":
+        found = [key for key in ("tool_calls", "function_call") if turn.get(key)]
+        if found:
+            calls = _tool_calls(turn[found[0]], field)
+            content = "" if content is None else content
+    if role is None or not isinstance(content, str):
+        raise RowError(
+            field, f"expected a turn with a known role and text content, got {turn!r:.120}"
+        )
+    message: Message = {"role": role, "content": content}
+    if calls:
+        message["tool_calls"] = calls
+    reasoning = next((turn[k] for k in REASONING_KEYS if turn.get(k) is not None), None)
+    if role == "assistant" and not sharegpt and reasoning is not None:
+        if not isinstance(reasoning, str):
+            raise RowError(
+                field, f"the turn's reasoning is not text but {type(reasoning).__name__}"
+            )
+        if reasoning.strip():
+            message["reasoning_content"] = reasoning
+    if role == "tool":
+        for key in ("name", "tool_call_id"):
+            if isinstance(turn.get(key), str):
+                message[key] = turn[key]
+    return message
+
+
+def read_conversation(
+    row: Mapping[str, Any], column_map: Mapping[str, str]
+) -> tuple[list[Message], str, int]:
+    """The row's conversation as messages (OpenAI ``messages`` or ShareGPT ``conversations``,
+    normalised: roles, content, tool calls, reasoning), the column they came from and the index of
+    its first turn among them (1 after a ``system`` column's turn)."""
+    messages = field_value(row, "messages", column_map, required=False)
+    sharegpt = messages is None
+    if sharegpt:
+        messages = field_value(row, "conversations", column_map, required=False)
+    if messages is None:
+        raise RowError(
+            _shown("messages", column_map),
+            f"missing (nor {_shown('conversations', column_map)!r}); the row has columns "
+            f"{sorted(row)}",
+            reason="missing_field",
+        )
+    name = "conversations" if sharegpt else "messages"
+    field = column_map.get(name, name)  # the dataset's own column, as turn paths name it: dialog[2]
+    if not isinstance(messages, list):
+        raise RowError(field, f"expected a non-empty list of turns, got {type(messages).__name__}")
+    if not messages:
+        raise RowError(field, "empty: expected a non-empty list of turns", reason="empty_field")
+    normalised: list[Message] = []
+    system = row.get(column_map.get("system", "system"))
+    if system is not None and not isinstance(system, str):
+        raise RowError(_shown("system", column_map), f"expected text, got {type(system).__name__}")
+    if system:
+        normalised.append({"role": "system", "content": system})
+    offset = len(normalised)
+    for turn_index, turn in enumerate(messages):
+        normalised.append(_turn(turn, sharegpt, f"{field}[{turn_index}]"))
+    return normalised, field, offset
+
+
+def _call_json(call: dict[str, Any]) -> str:
+    function = call["function"]
+    return json.dumps({"name": function["name"], "arguments": function["arguments"]})
+
+
+def chatml(
+    messages: list[Message], add_generation_prompt: bool, tools: list[Tool] | None = None
+) -> str:
+    """The ChatML layout used when the tokenizer has no chat template; tools go in the system
+    turn and calls after the assistant's text, in the Hermes ``<tool_call>`` convention."""
+    turns = list(messages)
+    if tools:
+        listing = "\n".join(json.dumps(tool) for tool in tools)
+        block = (
+            "# Tools\n\nYou may call these functions. For each call, write a JSON object with the "
+            'function\'s "name" and "arguments" within <tool_call></tool_call> tags.\n'
+            f"<tools>\n{listing}\n</tools>"
+        )
+        if turns and turns[0]["role"] == "system":
+            turns[0] = {**turns[0], "content": f"{turns[0]['content']}\n\n{block}"}
+        else:
+            turns.insert(0, {"role": "system", "content": block})
+    rendered = ""
+    for message in turns:
+        content = message["content"]
+        if message.get("reasoning_content"):
+            content = f"<think>\n{message['reasoning_content'].strip()}\n</think>\n\n{content}"
+        calls = [
+            f"<tool_call>\n{_call_json(c)}\n</tool_call>" for c in message.get("tool_calls", [])
+        ]
+        content = "\n".join(([content] if content else []) + calls)
+        rendered += f"<|im_start|>{message['role']}\n{content}<|im_end|>\n"
+    return rendered + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
+def _renderer(
+    render_chat: RenderChat | None, tools: list[Tool] | None, field: str
+) -> Callable[..., str]:
+    """(messages, add_generation_prompt) → text, with the row's ``tools`` where it has some (a
+    row without them calls ``render_chat`` with two arguments, as templates registered before
+    tools do). A chat template's error names ``field``, the conversation's column in the
+    dataset (``render_chat`` cannot know it: ShareGPT rows were reported as ``messages``)."""
+    render = render_chat or chatml
+    extra = () if tools is None else (tools,)
+
+    def rendered(messages: list[Message], add_generation_prompt: bool) -> str:
+        try:
+            return render(messages, add_generation_prompt, *extra)
+        except RowError as error:
+            if error.field == field:
+                raise
+            raise RowError(field, error.problem, reason=error.reason) from None
+
+    return rendered
+
+
+def _check_tools_rendered(rendered: str, tools: list[Tool] | None) -> None:
+    for tool in tools or []:
+        name = tool["function"]["name"]
+        if name not in rendered:
+            raise RowError(
+                "tools",
+                f"the chat template does not render the row's tools (no {name!r} in its text); "
+                "set tokenizer.chat_template to one that takes tools",
+                reason="template_error",
+            )
+
+
+def _check_turn_rendered(trained: str, message: Message, field: str) -> None:
+    """What an assistant turn trains must hold its tool calls and reasoning (by name, by text):
+    a template that drops them would train an empty turn, or an answer without its thinking."""
+    missing = [
+        f"tool call {call['function']['name']!r}"
+        for call in message.get("tool_calls", [])
+        if call["function"]["name"] not in trained
+    ]
+    if message.get("reasoning_content", "").strip() not in trained:
+        missing.append("reasoning (reasoning_content)")
+    if missing:
+        raise RowError(
+            field,
+            f"the chat template does not render the turn's {', '.join(missing)}; set "
+            "tokenizer.chat_template to one that does",
+            reason="template_error",
+        )
+
+
+def _check_prefix(earlier: str, later: str, field: str) -> None:
+    """``later`` (a longer conversation, rendered) starts with ``earlier``; ``field``: the
+    column the turns came from."""
+    if not later.startswith(earlier):
+        raise RowError(
+            field,
+            "the chat template is not prefix-stable: rendering a longer "
+            "conversation changed earlier text; set tokenizer.chat_template",
+            reason="template_error",
+        )
+
+
+@register_template("chat", fields=("messages", "conversations", "system", "tools"))
+def chat(
+    row: Mapping[str, Any], column_map: Mapping[str, str], render_chat: RenderChat | None = None
+) -> list[Segment]:
+    """A conversation → segments; only the text each assistant message adds is trainable."""
+    messages, field, offset = read_conversation(row, column_map)
+    tools = chat_tools(row, column_map)
+    if not any(m["role"] == "assistant" for m in messages):
+        raise RowError(
+            field, "the conversation has no assistant turn to learn from", reason="missing_field"
+        )
+    render = _renderer(render_chat, tools, field)
+    segments: list[Segment] = []
+    done = ""
+    for index, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prompt = render(messages[:index], True)
+        full = render(messages[: index + 1], False)
+        _check_prefix(done, prompt, field)
+        _check_prefix(prompt, full, field)
+        _check_turn_rendered(full[len(prompt) :], message, f"{field}[{index - offset}]")
+        segments += [Segment(prompt[len(done) :], False), Segment(full[len(prompt) :], True)]
+        done = full
+    whole = render(messages, False)
+    _check_prefix(done, whole, field)
+    _check_tools_rendered(whole, tools)
+    if whole[len(done) :]:
+        segments.append(Segment(whole[len(done) :], False))
+    return [s for s in segments if s.text]

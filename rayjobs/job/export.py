@@ -1,0 +1,172 @@
+"""``rayjobs export``: run the data side only and write the packed rows as Parquet plus a manifest.
+
+Layout of ``OUT``: ``epoch=<e>/*.parquet`` (the data-contract columns as ``fixed_size_list<int32>``
+of ``seq_len``, with ``parent_ids`` and ``response_role`` for ``task: dpo``, plus ``num_tokens`` and
+``num_documents``), ``eval/*.parquet`` (the packed ``eval.datasets``, when the config has them:
+the rows a run evaluates on, same columns) and ``manifest.json``: the validated
+config, per-dataset accounting (the same numbers as the run summary), the realized mix and the pack
+counts of each epoch, and the eval sets' own counts (``eval``: datasets and packs, the run
+summary's ``eval.datasets`` and ``eval.packed``), so exported data can be audited and reused by
+any trainer.
+
+``OUT`` must be empty (or new), so that two exports never mix. ``overwrite`` (``--overwrite``)
+empties it first, but only when it holds nothing but an earlier export (``manifest.json``,
+``epoch=<e>`` and ``eval`` folders): design note, a mistyped ``--out`` (a home folder, the
+repository) must not be wiped by a flag meant for re-running an export.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import ray
+
+from rayjobs.config import Config, ConfigError
+from rayjobs.data.preference import PREFERENCE_COLUMNS
+from rayjobs.data.rows import PACKED_COLUMNS, STAT_COLUMNS
+
+MANIFEST = "manifest.json"
+EVAL = "eval"
+"""The folder of the packed ``eval.datasets``."""
+
+
+def to_arrow(batch: dict[str, np.ndarray], epoch: bool = True) -> pa.Table:
+    """Packed rows (2-D numpy columns) → Arrow with fixed-size list columns (and ``epoch``, when
+    the rows carry it and ``epoch`` is true)."""
+    columns = {}
+    for name in (*PACKED_COLUMNS, *PREFERENCE_COLUMNS):
+        if name not in batch:  # the preference columns: task: dpo rows only
+            continue
+        values = np.ascontiguousarray(batch[name], dtype=np.int32)
+        columns[name] = pa.FixedSizeListArray.from_arrays(values.reshape(-1), values.shape[1])
+    for name in (*STAT_COLUMNS, *(("epoch",) if epoch else ())):
+        if name in batch:
+            columns[name] = pa.array(np.asarray(batch[name], dtype=np.int32))
+    return pa.table(columns)
+
+
+def prepare_out(out: Path, overwrite: bool = False) -> None:
+    """Check that ``out`` is new or empty; with ``overwrite``, empty an earlier export there.
+
+    Raises:
+        ConfigError: ``out`` is not empty (and ``overwrite`` is off), or holds something that is
+            not part of an export.
+    """
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a folder")
+    entries = sorted(out.iterdir()) if out.exists() else []
+    if not entries:
+        return
+    if not overwrite:
+        raise ConfigError(
+            f"--out {out} is not empty; export into a new folder, or pass --overwrite to "
+            f"replace the earlier export there"
+        )
+    foreign = [e.name for e in entries if not _export_entry(e)]
+    if foreign:
+        raise ConfigError(
+            f"--out {out} holds {foreign[:3]}, which no export writes; --overwrite only replaces "
+            f"an earlier export (manifest.json, epoch=<e>/, eval/), so remove them yourself"
+        )
+    for entry in entries:
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+
+
+def _export_entry(entry: Path) -> bool:
+    """Whether ``entry`` (in an export folder) is something an export writes: the manifest, or
+    an ``epoch=<number>`` or ``eval`` folder of Parquet files only (a Hive-partitioned folder of
+    the user's own, ``epoch=2024/notes.csv``, is not)."""
+    if entry.name == MANIFEST:
+        return entry.is_file()
+    named = re.fullmatch(r"epoch=\d+", entry.name) or entry.name == EVAL
+    if not named or not entry.is_dir() or entry.is_symlink():
+        return False
+    return all(
+        f.is_file() and not f.is_symlink() and f.suffix == ".parquet" for f in entry.iterdir()
+    )
+
+
+def export(
+    config: Config, out: str | os.PathLike, epochs: int | None = None, overwrite: bool = False
+) -> dict[str, Any]:
+    """Write every epoch's packed rows under ``out`` (``epoch=<e>/*.parquet``) and return the
+    manifest (also written). ``out`` must be new or empty; ``overwrite`` first empties an earlier
+    export there (see module note)."""
+    from rayjobs.job.pipeline import start_job
+
+    if epochs is not None and epochs < 1:  # before anything is emptied
+        raise ConfigError(f"--epochs must be at least 1, got {epochs}")
+    out = Path(out)
+    prepare_out(out, overwrite)
+    if epochs is not None:
+        config = config.model_copy(
+            update={"train": config.train.model_copy(update={"epochs": epochs})}
+        )
+    job = start_job(config, prefix="export")
+    try:
+        return _write(config, job, out)
+    finally:
+        job.close()
+
+
+def _write(config: Config, job: Any, out: Path) -> dict[str, Any]:
+    """``export`` once its job is set up: the Parquet files, then the manifest."""
+    if job.rows is not None:  # stream: one pass over every epoch, partitioned by epoch
+        job.rows.map_batches(to_arrow, batch_format="numpy").write_parquet(
+            str(out), partition_cols=["epoch"]
+        )
+    else:
+        for epoch in range(config.train.epochs):
+            rows = job.epochs.packed(epoch).map_batches(to_arrow, batch_format="numpy")
+            rows.write_parquet(str(out / f"epoch={epoch}"))
+    summary = job.accounting()
+    packs = job.snapshot()["pack"]
+    manifest = {
+        "config": config.model_dump(mode="json"),
+        "seq_len": config.packing.seq_len,
+        "columns": [
+            *PACKED_COLUMNS,
+            *(PREFERENCE_COLUMNS if config.task == "dpo" else ()),
+            *STAT_COLUMNS,
+        ],
+        "epochs": [
+            {
+                "epoch": e["epoch"],
+                "path": f"epoch={e['epoch']}",
+                "mix": e["datasets"],
+                "packs": packs[e["epoch"]],
+            }
+            for e in summary.pop("mix")
+        ],
+        **summary,
+    }
+    if config.eval.datasets:
+        manifest["eval"] = _write_eval(config, job, out / EVAL)
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1, default=str))
+    return manifest
+
+
+def _write_eval(config: Config, job: Any, folder: Path) -> dict[str, Any]:
+    """The packed ``eval.datasets`` under ``folder`` (made even when no row is packed, so the
+    manifest's path exists) and their counts."""
+    from rayjobs.job.pipeline import eval_accounting, eval_rows
+
+    rows, ledger = eval_rows(config, job)
+    try:
+        rows = rows.map_batches(to_arrow, batch_format="numpy", fn_kwargs={"epoch": False})
+        rows.write_parquet(str(folder))
+        folder.mkdir(exist_ok=True)
+        counts = eval_accounting(ledger)
+    finally:
+        ray.kill(ledger)
+    return {"path": EVAL, **counts}

@@ -1,0 +1,259 @@
+"""The ledger: exact per-run accounting, an actor that every data batch reports to.
+
+Design note. Two needs, one place. The run summary needs *exact* counts (samples, tokens,
+truncation, drops, skips per dataset; packs and pad slots), gathered from Tokenize and packing
+actors (``PackStream``; ``AssemblePacks`` in planned mode) spread over the cluster. Each of those
+calls ``ray.get(ledger.add_….remote(...))`` once per batch, synchronously, so by the time a batch's
+rows reach a trainer its counts are already in the ledger and the driver's final ``snapshot()``
+misses nothing. The same calls feed ``ray.util.metrics`` counters, exported by every Ray node to
+Prometheus (``ray_rayjobs_*``) and shown on the Ray dashboard / Grafana while the job runs.
+Tokenization is counted over the run, by dataset (stream mode tokenizes every epoch's reads, planned
+mode once); packing per epoch. Exactly once: Ray runs a batch again when the actor that ran it died
+(even after it reported), so every report carries the batch's identity (``batch_key``: a digest of
+the rows it holds, with their epoch and pass) and the ledger adds a batch once, counting repeats
+under ``repeated_reports``. A re-read is new work: a Ray Train restart in stream mode runs the
+stream anew, and its batches are new to the ledger (a key hashes the rows in arrival order, the mix
+interleaves the datasets differently each time), so they count again (README, "Checkpoints,
+failures and resume"); planned mode's packs, assembled again, keep their keys and count once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+import ray
+
+from rayjobs.data.counts import (
+    FAIL,
+    PackCounts,
+    TokenizeCounts,
+    _merge,
+    packing_efficiency,
+)
+from rayjobs.metrics import METRICS, _init_counter, _series, wait_for_export
+
+_TOKENIZE_COUNTERS = (
+    "rows",
+    "samples",
+    "tokens",
+    "trained_tokens",
+    "truncated_tokens",
+    "dropped_samples",
+    "split_samples",
+    "skipped_rows",
+)
+
+
+@ray.remote(num_cpus=0)
+class Ledger:
+    """Cluster-wide counters of one run: tokenization by dataset, packing by epoch."""
+
+    def __init__(
+        self,
+        run_name: str = "rayjobs",
+        fail_after: dict[str, int] | None = None,
+        dedupe: bool = True,
+        datasets: tuple[str, ...] | list[str] = (),
+    ):
+        """``fail_after``: fault injection for tests, ``{"add_tokenize": n}`` makes the actor
+        whose report is the n-th of that kind die right after it (once per kind); ``dedupe``
+        off (tests only) adds a batch Ray runs again twice, as the ledger once did.
+        ``datasets``: the config's dataset names; every counter of each, and the pack counters,
+        are exported at 0 from here on, before any batch (``_init_counter``)."""
+        self._fail_after = dict(fail_after or {})
+        self._dedupe = dedupe
+        self._reports: dict[str, int] = defaultdict(int)
+        self.tokenize: dict[str, TokenizeCounts] = defaultdict(TokenizeCounts)  # by dataset
+        self.actors: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        self.pack: dict[int, PackCounts] = defaultdict(PackCounts)
+        self._run = run_name
+        self._budgets: dict[tuple[int, str], float] = {}
+        self._used: dict[tuple[int, str], float] = defaultdict(float)
+        self._admitted: dict[str, dict[str, int]] = {}
+        self._seen: set[str] = set()
+        self.repeated_reports = self.injected_faults = 0
+        self.attempts = 0  # worker groups started on the run (start_attempt)
+        self._series = _series(name for name in METRICS if not name.startswith("rayjobs_train_"))
+        self._counters = {name: self._series[f"rayjobs_{name}"] for name in _TOKENIZE_COUNTERS}
+        self._packs, self._pack_slots, self._pack_tokens, self._efficiency = (
+            self._series[f"rayjobs_{name}"]
+            for name in ("packs", "pack_slots", "pack_tokens", "packing_efficiency")
+        )
+        self._mix = {
+            name: self._series[f"rayjobs_mix_{name}"] for name in ("share", "samples", "tokens")
+        }
+        self._sample_tokens = self._series["rayjobs_sample_tokens"]
+        self._samples_per_pack = self._series["rayjobs_samples_per_pack"]
+        self._zeroed: set[str] = set()
+        for dataset in datasets:
+            self._zero(dataset)
+        for counter in (self._packs, self._pack_slots, self._pack_tokens):
+            _init_counter(counter, {"run": self._run})
+        self._last_record: float | None = None
+
+    def _zero(self, dataset: str) -> None:
+        """Export every per-dataset counter of ``dataset`` at 0, once (``_init_counter``): at
+        creation for the config's datasets, else at the dataset's first batch (a ledger created
+        without them: a series then starts at that batch's values)."""
+        if dataset not in self._zeroed:
+            self._zeroed.add(dataset)
+            for counter in self._counters.values():
+                _init_counter(counter, {"run": self._run, "dataset": dataset})
+
+    def set_budgets(self, budgets: dict[tuple[int, str], float]) -> None:
+        """Each dataset's share of each epoch, ``{(epoch, dataset): units}`` in ``mix.by`` units
+        (weighted stream mode)."""
+        self._budgets = dict(budgets)
+
+    def admit(self, key: str, epoch: int, wants: dict[str, list[int]]) -> dict[str, int]:
+        """How many of a packer window's samples of each dataset (in window order, ``wants``:
+        each sample's size in ``mix.by`` units) fit the dataset's share of ``epoch``: first come,
+        first served, to the nearest sample. The answer for ``key`` is kept, so a window Ray runs
+        again gets the same one."""
+        if key in self._admitted:
+            return self._admitted[key]
+        grant = {}
+        for name, sizes in wants.items():
+            budget = self._budgets.get((epoch, name))
+            if budget is None:
+                grant[name] = len(sizes)
+                continue
+            left = budget - self._used[epoch, name]
+            total = np.cumsum(np.asarray(sizes, dtype=np.float64))
+            n = int(np.searchsorted(total, left, side="right"))  # prefix that fits
+            if n < len(sizes) and total[n] - left < left - (total[n - 1] if n else 0.0):
+                n += 1  # one more comes nearer the share
+            grant[name] = n
+            self._used[epoch, name] += float(total[n - 1]) if n else 0.0
+        self._admitted[key] = grant
+        return grant
+
+    def _answer(self, method: str) -> str | None:
+        """``FAIL`` if fault injection wants this report's sender dead, else None."""
+        self._reports[method] += 1
+        if self._reports[method] == self._fail_after.get(method):
+            self.injected_faults += 1
+            return FAIL
+        return None
+
+    def _first(self, key: str | None) -> bool:
+        """Whether the batch ``key`` names is reported for the first time (a ``None`` key always
+        is); a repeat is Ray running the batch again (a task retried after its actor died) and
+        is counted under ``repeated_reports``, not added."""
+        if key is None or not self._dedupe:
+            return True
+        if key in self._seen:
+            self.repeated_reports += 1
+            return False
+        self._seen.add(key)
+        return True
+
+    def add_tokenize(
+        self,
+        by_dataset: dict[str, TokenizeCounts],
+        key: str | None = None,
+        lengths: dict[str, list[int]] | None = None,
+    ) -> str | None:
+        """One Tokenize batch's counts, per dataset; ``key`` identifies the batch (see
+        ``batch_key``), so a batch Ray runs twice is counted once. ``lengths``: each sample's
+        tokens, per dataset (the ``rayjobs_sample_tokens`` histogram: observed here, once per
+        batch like the counts)."""
+        if not self._first(key):
+            return None
+        for dataset, values in (lengths or {}).items():
+            tags = {"run": self._run, "dataset": dataset}
+            for value in values:
+                self._sample_tokens.observe(value, tags=tags)
+        for dataset, counts in by_dataset.items():
+            self._zero(dataset)
+            _merge(self.tokenize[dataset], counts)
+            tags = {"run": self._run, "dataset": dataset}
+            for name, counter in self._counters.items():
+                if getattr(counts, name):
+                    counter.inc(getattr(counts, name), tags=tags)
+        self._last_record = time.monotonic()
+        return self._answer("add_tokenize")
+
+    def add_pack(
+        self,
+        epoch: int,
+        counts: PackCounts,
+        key: str | None = None,
+        samples_per_pack: list[int] | None = None,
+    ) -> str | None:
+        """One packing call's counts for ``epoch``; ``key`` as in ``add_tokenize``;
+        ``samples_per_pack``: each emitted row's samples (the ``rayjobs_samples_per_pack``
+        histogram)."""
+        if not self._first(key):
+            return None
+        _merge(self.pack[epoch], counts)
+        tags = {"run": self._run}
+        for value in samples_per_pack or ():
+            self._samples_per_pack.observe(value, tags=tags)
+        if counts.num_packs:
+            self._packs.inc(counts.num_packs, tags=tags)
+            self._pack_slots.inc(counts.num_slots, tags=tags)
+            self._pack_tokens.inc(counts.num_tokens, tags=tags)
+        total_tokens = sum(c.num_tokens for c in self.pack.values())
+        total_slots = sum(c.num_slots for c in self.pack.values())
+        self._efficiency.set(packing_efficiency(total_tokens, total_slots), tags=tags)
+        self._last_record = time.monotonic()
+        return self._answer("add_pack")
+
+    def add_mix(self, mixes: list[dict[str, dict[str, float]]]) -> None:
+        """The realized mix of each epoch (``Job.mixes``: what the pack stage counted) as gauges."""
+        for epoch, mix in enumerate(mixes):
+            for dataset, stats in mix.items():
+                tags = {"run": self._run, "dataset": dataset, "epoch": str(epoch)}
+                for name, gauge in self._mix.items():
+                    gauge.set(stats[name], tags=tags)
+        self._last_record = time.monotonic()
+
+    def flush(self) -> float:
+        """Export the run's final values before the job exits; the run calls it last. Ray
+        exports a gauge once per ``set`` and its agent drops the series two report intervals
+        later, so the final packing efficiency is set again here, next to the mix gauges just
+        set. Then wait until everything is exported (``wait_for_export``): the ledger dies with
+        the driver, and the wait also gives the train workers ``fit`` has just killed the time to
+        export their last steps on their way out. Returns the seconds waited."""
+        if self.pack:
+            total_tokens = sum(c.num_tokens for c in self.pack.values())
+            total_slots = sum(c.num_slots for c in self.pack.values())
+            efficiency = packing_efficiency(total_tokens, total_slots)
+            self._efficiency.set(efficiency, tags={"run": self._run})
+            self._last_record = time.monotonic()
+        return wait_for_export(self._last_record)
+
+    def add_actor(self, kind: str, node_id: str) -> None:
+        """An actor of ``kind`` (Tokenize, PackStream, ...) started on ``node_id``."""
+        self.actors[kind][node_id] += 1
+
+    def start_attempt(self) -> int:
+        """A train worker group started (its rank 0 calls this first): 1 for a run's first, one
+        more for each restart, with or without a checkpoint to resume from. A restart reads the
+        stream again from its start, so the weighted shares (``admit``) start afresh: they were
+        the first attempt's, used up, and the re-read stream, its windows formed anew, was
+        trimmed to almost nothing (its ranks then skipped their consumed rows into later
+        epochs)."""
+        self.attempts += 1
+        if self.attempts > 1:
+            self._used.clear()
+            self._admitted.clear()
+        return self.attempts
+
+    def snapshot(self) -> dict[str, Any]:
+        """Plain-dict copy: ``{"tokenize": {dataset: counts}, "pack": {epoch: counts},
+        "actors": {kind: {node id: actors started}}}`` (tokenization counted over the run,
+        packing per epoch)."""
+        return {
+            "tokenize": {dataset: asdict(c) for dataset, c in sorted(self.tokenize.items())},
+            "pack": {epoch: asdict(c) for epoch, c in sorted(self.pack.items())},
+            "actors": {kind: dict(nodes) for kind, nodes in sorted(self.actors.items())},
+            "repeated_reports": self.repeated_reports,
+            "injected_faults": self.injected_faults,
+            "attempts": self.attempts,
+        }

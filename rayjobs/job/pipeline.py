@@ -1,0 +1,437 @@
+"""The job: config → packed rows (streamed, or planned per epoch) → TorchTrainer → summary.
+
+Design note. Two data paths share the reader, the Tokenize actors, the packer and the row
+assembly. ``packing.mode: stream`` (default, ``stream.py``) is one lazy dataset for every epoch:
+training starts as soon as the first window is packed, memory is set by window and block sizes,
+and every stage scales with the cluster. ``packing.mode: planned`` (``epochs.py``) tokenizes
+everything once, then plans each epoch's mix and packs in the driver from sample lengths: exact
+shares and the same packs for the same seed, after a barrier as long as the tokenization.
+
+Resources: a Tokenize actor pool (1 CPU per actor), packing actors at 0.5 CPU, trainers at
+``train.cpus_per_worker``; an embedded local Ray declares max(4, 2 × cores) logical CPUs so read
+tasks, the actor pools and the trainers fit at once (with only as many logical CPUs as cores, the
+trainers starve the data operators and the job hangs: README, "Design").
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+import ray.data
+
+from rayjobs.config import Config, ConfigError, MixConfig
+from rayjobs.data import stream
+from rayjobs.data.counts import AccountingError, check_accounting, packing_efficiency, unpacked
+from rayjobs.data.mix import with_shares
+from rayjobs.data.planned import Epochs
+from rayjobs.data.sources import read_dataset
+from rayjobs.data.tokenize import Tokenizer
+from rayjobs.job.ledger import Ledger
+from rayjobs.train.loop import FINAL_SUMMARY
+
+
+def init_ray(config: Config) -> None:
+    """Connect to ``ray.address`` / ``$RAY_ADDRESS``, or start an embedded local Ray."""
+    if ray.is_initialized():
+        return
+    address = config.ray.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        return
+    num_cpus = config.ray.num_cpus or max(4, 2 * (os.cpu_count() or 1))
+    # address "local": a new Ray of its own even where a `ray start` cluster runs on the machine
+    # (ray.init() alone would join that one and refuse num_cpus).
+    ray.init(address="local", num_cpus=num_cpus, log_to_driver=True)  # dashboard: metrics
+
+
+def load_tokenizer(config: Config) -> Tokenizer:
+    """The run's tokenizer; a tokenizer that cannot be loaded is a ``ConfigError``."""
+    try:
+        return Tokenizer(config.tokenizer)
+    except ConfigError:  # a setting the tokenizer refused (eos_token, add_bos) names itself
+        raise
+    except Exception as error:  # noqa: BLE001 - tokenizers raises a bare Exception on a corrupt file
+        if not isinstance(error, OSError | ValueError) and type(error) is not Exception:
+            raise
+        raise ConfigError(
+            f"tokenizer.path: cannot load a tokenizer from {config.tokenizer.path!r} ({error})"
+        ) from None
+
+
+def tokenize(config: Config, ledger: Any = None) -> ray.data.Dataset:
+    """Every dataset read, templated and tokenized once (lazy; ``Epochs`` materializes it)."""
+    where = stream.on_data_nodes(config)  # planned mode's reads keep to the data nodes too
+    raw = [read_dataset(spec, **where) for spec in config.datasets]
+    rows = raw[0].union(*raw[1:]) if len(raw) > 1 else raw[0]
+    return stream.tokenized(rows, config, ledger)
+
+
+@dataclass
+class Job:
+    """One run's data side, set up: its name, tokenizer, ``Ledger`` actor and packed rows."""
+
+    config: Config
+    name: str
+    tokenizer: Tokenizer
+    ledger: Any
+    epochs: Epochs | None = None
+    """planned mode: the epoch planner."""
+    rows: ray.data.Dataset | None = None
+    """stream mode: the packed rows of every epoch, one lazy dataset (column ``epoch``)."""
+
+    held_out: HeldOut | None = None
+    """The packed ``eval.datasets`` (``held_out``), once set up."""
+
+    def snapshot(self) -> dict[str, Any]:
+        return ray.get(self.ledger.snapshot.remote())
+
+    def close(self) -> None:
+        """End the run's ``Ledger`` actors once their counts are read: a driver that outlives its
+        jobs (a notebook, a service, a test session) would otherwise keep them, one per job."""
+        ray.kill(self.ledger)
+        if self.held_out is not None:
+            ray.kill(self.held_out.ledger)
+
+    def train_datasets(self) -> dict[str, ray.data.Dataset]:
+        """What the trainer consumes, in order: one stream, or one dataset per epoch."""
+        if self.rows is not None:
+            return {"train": self.rows}
+        return {f"train_epoch_{e}": self.epochs.packed(e) for e in range(self.config.train.epochs)}
+
+    def mixes(self, snapshot: dict[str, Any]) -> list[dict[str, dict[str, float]]]:
+        """The realized mix of each epoch: per dataset, samples, tokens and share (in ``mix.by``
+        units) of what the pack stage packed."""
+        mixes = []
+        for epoch in sorted(snapshot["pack"]):
+            counts = snapshot["pack"][epoch]
+            mix = {
+                spec.name: {
+                    "samples": counts["documents_by_source"].get(spec.name, 0),
+                    "tokens": counts["tokens_by_source"].get(spec.name, 0),
+                }
+                for spec in self.config.datasets
+            }
+            mixes.append(with_shares(mix, self.config.mix.by))
+        return mixes
+
+    def accounting(self, complete: bool = True) -> dict[str, Any]:
+        """The data side's part of the run summary (README, "Run summary"): per-dataset
+        tokenization counts with each dataset's mean share, the realized mix of every epoch, and
+        pack totals over all epochs. Raises ``AccountingError`` when the counts do not add up.
+        ``complete``: False when training stopped before the stream ended (``max_steps``); the
+        samples tokenized but not packed by then are each dataset's ``unpacked_*``."""
+        snapshot = self.snapshot()
+        streamed = self.rows is not None
+        problems = check_accounting(snapshot, streamed=streamed, complete=complete)
+        if problems:
+            raise AccountingError("the run's counts do not add up: " + "; ".join(problems))
+        summary = accounting(snapshot)
+        if streamed:
+            for name, left in unpacked(snapshot).items():
+                summary["datasets"][name]["unpacked_samples"] = left["samples"]
+                summary["datasets"][name]["unpacked_tokens"] = left["tokens"]
+        mixes = self.mixes(snapshot)
+        for name, stats in summary["datasets"].items():
+            stats["share"] = sum(mix[name]["share"] for mix in mixes) / max(1, len(mixes))
+        summary["mix"] = [{"epoch": epoch, "datasets": mix} for epoch, mix in enumerate(mixes)]
+        summary["actors"] = snapshot["actors"]
+        summary["repeated_reports"] = snapshot["repeated_reports"]
+        if self.epochs is not None:
+            summary["packed"]["max_delay_windows"] = self.epochs.max_delay_windows
+            summary["packed"]["plan_seconds"] = self.epochs.plan_seconds
+        return summary
+
+
+@dataclass
+class HeldOut:
+    """``eval.datasets``, read, tokenized and packed once: what every evaluation runs over."""
+
+    ledger: Any
+    """Their own ``Ledger`` (run ``<run>-eval``): their counts are not the training data's."""
+    datasets: dict[str, ray.data.Dataset]
+    """Each rank's share of the packs (``train.EVAL_DATASET`` + rank), materialized: consecutive
+    slices of the packs, their sizes differing by at most one row."""
+    batches: int
+    """Forwards per rank per evaluation: the largest share's batches."""
+    num_packs: int
+
+    def summary(self, evals: list[dict[str, Any]]) -> dict[str, Any]:
+        """The summary's ``eval`` counts: per-dataset tokenization and the packs. Raises
+        ``AccountingError`` when the counts do not add up, or an evaluation did not see every
+        pack exactly once."""
+        return eval_accounting(
+            self.ledger,
+            [  # each against its own set: a resumed run's may predate a changed config
+                f"the evaluation at step {e['step']} saw {e['rows']} of {e['packs']} eval packs"
+                for e in evals
+                if e["rows"] != e["packs"]
+            ],
+        )
+
+
+def eval_accounting(ledger: Any, problems: list[str] | None = None) -> dict[str, Any]:
+    """The eval sets' counts (``datasets``, ``packed``) from their ledger, every pack made.
+    Raises ``AccountingError`` when they, or ``problems`` found by the caller, do not add up."""
+    snapshot = ray.get(ledger.snapshot.remote())
+    problems = check_accounting(snapshot, streamed=True, complete=True) + (problems or [])
+    if problems:
+        raise AccountingError("the evaluation's counts do not add up: " + "; ".join(problems))
+    return accounting(snapshot)
+
+
+def eval_config(config: Config) -> Config:
+    """The config that reads ``eval.datasets``: each dataset whole, once (one epoch, no mix, no
+    warm-up lane: the packs are made before training starts)."""
+    return config.model_copy(
+        update={
+            "datasets": config.eval.datasets,
+            "mix": MixConfig(),
+            "packing": config.packing.model_copy(update={"mode": "stream", "warmup_tokens": 0}),
+            "train": config.train.model_copy(update={"epochs": 1}),
+        }
+    )
+
+
+def eval_rows(config: Config, job: Job) -> tuple[ray.data.Dataset, Any]:
+    """``eval.datasets`` packed (lazy: read, tokenized and packed when consumed) and their own
+    ``Ledger`` (run ``<run>-eval``: their counts are not the training data's), which the caller
+    ends. ``held_out`` trains with them; ``export`` and ``inspect`` write and report them."""
+    names = [spec.name for spec in config.eval.datasets]
+    ledger = Ledger.remote(f"{job.name}-eval", None, True, names)
+    try:
+        return stream.packed_rows(eval_config(config), job.tokenizer.pad_id, ledger), ledger
+    except BaseException:
+        ray.kill(ledger)
+        raise
+
+
+def held_out(config: Config, job: Job) -> HeldOut | None:
+    """Pack ``eval.datasets`` once (None without them) and cut the packs into one share per
+    rank. Materialized before training: every evaluation reads them again, and a lazy stream
+    would re-read, re-tokenize and re-count them each time; an eval set is meant to be small."""
+    if not config.eval.datasets:
+        return None
+    names = [spec.name for spec in config.eval.datasets]
+    rows, ledger = eval_rows(config, job)
+    try:
+        rows = rows.materialize()
+        num_packs = rows.count()
+        if num_packs == 0:
+            raise AccountingError(f"eval.datasets {names}: no sample left to evaluate on")
+    except BaseException:
+        ray.kill(ledger)  # the run fails here: nothing will read or close it
+        raise
+    workers = max(1, config.train.num_workers)
+    cuts = [num_packs * rank // workers for rank in range(1, workers)]
+    shares = rows.split_at_indices(cuts) if cuts else [rows]
+    batch_size = config.eval.batch_size or config.train.batch_size
+    batches = math.ceil(math.ceil(num_packs / workers) / batch_size)
+    from rayjobs.train.loop import EVAL_DATASET
+
+    datasets = {f"{EVAL_DATASET}{rank}": share for rank, share in enumerate(shares)}
+    return HeldOut(ledger, datasets, batches, num_packs)
+
+
+def start_job(
+    config: Config,
+    prefix: str = "rayjobs",
+    fail_after: dict[str, int] | None = None,
+    dedupe: bool = True,
+    name: str | None = None,
+    tokenizer: Tokenizer | None = None,
+) -> Job:
+    """Set up a run's data side: load the tokenizer (a bad one fails before Ray starts; ``run``
+    passes the one it loaded to check the model's config), connect to or start Ray, create the
+    run's ``Ledger`` and the packed rows (lazy in stream mode; planned mode tokenizes once here).
+    ``run``, ``export`` and the benches all start here.
+    ``name``: the run's name (default ``<prefix>-<8 hex digits>``; a resumed run keeps its own).
+    ``fail_after`` and ``dedupe`` are the ledger's fault injection, for tests."""
+    tokenizer = tokenizer or load_tokenizer(config)
+    init_ray(config)
+    name = name or f"{prefix}-{uuid.uuid4().hex[:8]}"
+    ledger = Ledger.remote(name, fail_after, dedupe, [spec.name for spec in config.datasets])
+    if config.packing.mode == "planned":
+        epochs = Epochs(config, tokenize(config, ledger), tokenizer.pad_id, ledger)
+        return Job(config, name, tokenizer, ledger, epochs=epochs)
+    rows = stream.packed_rows(config, tokenizer.pad_id, ledger)
+    return Job(config, name, tokenizer, ledger, rows=rows)
+
+
+RUN_SNAPSHOT = "checkpoint_manager_snapshot.json"
+"""The file Ray Train keeps in a run's storage folder listing its checkpoints: a run that has one
+can be resumed (Ray Train v2 resumes a run started again under the same name)."""
+
+
+def resume_name(config: Config, resume: str) -> str:
+    """The run ``--resume`` names: ``resume`` itself, or with ``latest`` the most recently
+    changed run under ``train.storage_path`` that has checkpoints and did not finish (a finished
+    run's final checkpoint holds its summary and nothing to resume from). Raises ``ConfigError``
+    when a local storage folder holds no such run."""
+    storage = _storage(config.train.storage_path)
+    if "://" in storage:
+        if resume == "latest":
+            raise ConfigError("--resume: name the run (latest needs a local train.storage_path)")
+        return resume
+    if resume != "latest":
+        if not os.path.exists(os.path.join(storage, resume, RUN_SNAPSHOT)):
+            raise ConfigError(f"--resume: no run {resume!r} with checkpoints under {storage}")
+        return resume
+    runs = [
+        entry
+        for entry in (os.scandir(storage) if os.path.isdir(storage) else ())
+        if os.path.exists(os.path.join(entry.path, RUN_SNAPSHOT)) and not _finished(entry.path)
+    ]
+    if not runs:
+        raise ConfigError(f"--resume latest: no unfinished run with checkpoints under {storage}")
+    return max(runs, key=lambda e: os.path.getmtime(os.path.join(e.path, RUN_SNAPSHOT))).name
+
+
+def _finished(run_folder: str) -> bool:
+    """Whether a run folder holds a finished run's final checkpoint (``FINAL_SUMMARY``)."""
+    return any(
+        os.path.exists(os.path.join(entry.path, FINAL_SUMMARY))
+        for entry in os.scandir(run_folder)
+        if entry.is_dir()
+    )
+
+
+def run(
+    config: Config, resume: str | None = None, hooks: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Run the whole job and return the summary (see README, "Run summary").
+
+    ``resume``: a run name under ``train.storage_path`` (or ``latest``): the run continues from
+    its latest periodic checkpoint (``train.checkpoint_every``) under the same name. ``hooks``:
+    fault injection and tracing for tests (``train._fault``, ``train._trace``)."""
+    from rayjobs.train.loop import check_model_config
+
+    tokenizer = load_tokenizer(config)
+    check_model_config(config, tokenizer)  # before Ray and the data start
+    name = resume_name(config, resume) if resume else None
+    job = start_job(config, name=name, tokenizer=tokenizer)
+    try:
+        return _train(config, job, hooks)
+    finally:
+        job.close()
+
+
+def _train(config: Config, job: Job, hooks: dict[str, Any] | None) -> dict[str, Any]:
+    """``run`` once its job is set up: train on its datasets, then the summary."""
+    from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from rayjobs.train.loop import train_loop
+
+    datasets = job.train_datasets()
+    job.held_out = held_out(config, job)
+    evaluation = job.held_out.datasets if job.held_out else {}
+    keep = config.train.keep_checkpoints
+    trainer = TorchTrainer(
+        train_loop,
+        train_loop_config={
+            "config": config.model_dump(),
+            "vocab_size": job.tokenizer.vocab_size,
+            "run_name": job.name,
+            "datasets": list(datasets),
+            "eval_batches": job.held_out.batches if job.held_out else None,
+            "eval_packs": job.held_out.num_packs if job.held_out else None,
+            "ledger": job.ledger,  # rank 0 counts the worker groups started (attempts)
+            **(hooks or {}),
+        },
+        scaling_config=ScalingConfig(
+            num_workers=config.train.num_workers,
+            use_gpu=config.train.use_gpu,
+            resources_per_worker={
+                **config.train.resources_per_worker,
+                "CPU": config.train.cpus_per_worker,
+            },
+            label_selector=config.train.label_selector or None,
+        ),
+        datasets={**datasets, **evaluation},
+        # the training data split over the ranks; each rank reads its own eval share whole
+        dataset_config=DataConfig(datasets_to_split=list(datasets)),
+        run_config=RunConfig(
+            name=job.name,
+            storage_path=_storage(config.train.storage_path),
+            failure_config=FailureConfig(max_failures=config.train.max_failures),
+            # the most recent N periodic checkpoints and the final one (reported last)
+            checkpoint_config=CheckpointConfig(num_to_keep=keep + 1 if keep else None),
+        ),
+    )
+    result = trainer.fit()
+    summary = dict(result.metrics)
+    summary["run_name"] = job.name
+    summary["checkpoint"] = result.checkpoint.path if result.checkpoint else None
+    if keep:  # the periodic checkpoints Ray Train kept (listed by the workers as they saved)
+        kept = {os.path.basename(c.path) for c, _ in result.best_checkpoints}
+        summary["checkpoints"] = [
+            c
+            for c in summary["checkpoints"]
+            if c["path"] is None or os.path.basename(c["path"]) in kept
+        ]
+    summary.update(job.accounting(complete=not summary["stopped_early"]))
+    summary["attempts"] = job.snapshot()["attempts"]
+    if job.held_out is not None:
+        summary["eval"].update(job.held_out.summary(summary["eval"]["history"]))
+    summary["untrained_packs"] = untrained_packs(config, summary, len(datasets))
+    ray.get(job.ledger.add_mix.remote([m["datasets"] for m in summary["mix"]]))  # final gauges
+    # Final values are exported before the job exits: the ledger dies with the driver, and the
+    # train workers fit() just killed may still be exiting. Waits one metrics report interval
+    # (Ray's 10 s by default) plus a margin after the last update (README, "Metrics").
+    ray.get(job.ledger.flush.remote())
+    return summary
+
+
+def untrained_packs(config: Config, summary: dict[str, Any], num_datasets: int) -> int | None:
+    """Packs the pipeline produced that no rank trained on; None where that count means nothing
+    (``stopped_early``: the stream ran ahead; a resumed run, or workers restarted with or without
+    a checkpoint (``attempts`` > 1): its data was read again). Raises
+    ``AccountingError`` beyond what the equal split may leave over: fewer than ``num_workers``
+    rows of each dataset (with ``train.drop_last``, fewer than ``num_workers × batch_size``).
+    No bound once the guard dropped a batch: a rank stops at the first batch another lacks, so
+    what it held after that is not counted (``guard_dropped_batches`` says it happened)."""
+    if summary["stopped_early"] or summary["resumes"] or summary.get("attempts", 1) > 1:
+        return None
+    spec = config.train
+    untrained = summary["packed"]["num_packs"] - summary["num_packs"]
+    workers = max(1, spec.num_workers)
+    bound = num_datasets * (workers * (spec.batch_size if spec.drop_last else 1) - 1)
+    if summary["guard_dropped_batches"]:
+        bound = summary["packed"]["num_packs"]
+    if not 0 <= untrained <= bound:
+        raise AccountingError(
+            f"the run's counts do not add up: {summary['packed']['num_packs']} packs made, "
+            f"{summary['num_packs']} trained; at most {bound} may be left untrained"
+        )
+    return untrained
+
+
+def _storage(path: str) -> str:
+    """Ray Train's storage: a URI (``s3://…``, ``gs://…``) as is, a folder made absolute."""
+    return path if "://" in path else os.path.abspath(path)
+
+
+def accounting(snapshot: dict[str, Any]) -> dict[str, Any]:
+    """Per-dataset tokenization counts and pack totals over all epochs from a ``Ledger``
+    snapshot."""
+    timers = ("seconds", "cpu_seconds")
+    datasets = {
+        name: {key: value for key, value in counts.items() if key not in timers}
+        for name, counts in snapshot["tokenize"].items()
+    }
+    pack = snapshot["pack"].values()
+    num_tokens = sum(c["num_tokens"] for c in pack)
+    num_slots = sum(c["num_slots"] for c in pack)
+    return {
+        "datasets": datasets,
+        "packed": {
+            "num_packs": sum(c["num_packs"] for c in pack),
+            "num_tokens": num_tokens,
+            "efficiency": packing_efficiency(num_tokens, num_slots),
+        },
+    }
