@@ -26,7 +26,8 @@ from rayjobs.config import config_from_dict
 from rayjobs.data import templates, tokenize
 from rayjobs.data.counts import TokenizeCounts
 from rayjobs.data.formats import SKIP_REASONS, SourceError, parse_file
-from rayjobs.data.tokenize import DataError, Tokenize, sample_uid
+from rayjobs.data.samples import sample_uid
+from rayjobs.data.tokenize import DataError, Tokenize
 
 PARSE_REASONS = ("invalid_json", "invalid_utf8", "ragged_csv_row")
 """Reasons found by the parser in the read task (the others by Tokenize)."""

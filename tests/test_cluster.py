@@ -13,7 +13,7 @@ import pytest
 
 from conftest import ROOT, shutdown_shared_ray
 from rayjobs.config import ConfigError, load_config
-from rayjobs.data.stream import labels_match
+from rayjobs.data.placement import labels_match
 
 ROLE = "rayjobs.io/role"
 DEMO = ROOT / "configs" / "demo"

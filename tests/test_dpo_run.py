@@ -13,8 +13,9 @@ import numpy as np
 from conftest import ROOT
 from rayjobs.config import load_config
 from rayjobs.data import preference
+from rayjobs.data.preference import TRIPLE_COLUMNS
 from rayjobs.data.sources import record_table
-from rayjobs.data.tokenize import TRIPLE_COLUMNS, Tokenize
+from rayjobs.data.tokenize import Tokenize
 from rayjobs.job.pipeline import run, start_job
 
 CONFIG = ROOT / "configs" / "dpo_demo.yaml"

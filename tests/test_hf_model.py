@@ -21,7 +21,8 @@ from conftest import ALPACA, GPT2, ROOT
 from rayjobs.config import TokenizerConfig
 from rayjobs.data import templates
 from rayjobs.data.rows import IGNORE_INDEX, assemble
-from rayjobs.data.tokenize import Tokenizer, encode_segments
+from rayjobs.data.samples import encode_segments
+from rayjobs.data.tokenizer import Tokenizer
 from rayjobs.train.model import Decoder, DecoderConfig, PackedLM, build_hf_model, chunked_loss_sum
 
 ARCHITECTURES = {

@@ -28,7 +28,7 @@ import yaml
 from conftest import ROOT
 from rayjobs.cli import _parser
 from rayjobs.config import ConfigError, load_config
-from rayjobs.data.stream import labels_match
+from rayjobs.data.placement import labels_match
 
 CLUSTER = ROOT / "cluster"
 RAYCLUSTER = CLUSTER / "kuberay" / "raycluster.yaml"

@@ -10,7 +10,7 @@ import pytest
 from conftest import ALPACA, GPT2, GPTEACHER, HH_CHAT, ROOT
 from rayjobs.config import ConfigError, config_from_dict
 from rayjobs.data.mix import plan_epoch
-from rayjobs.data.tokenize import TOKEN_LIST
+from rayjobs.data.samples import TOKEN_LIST
 
 RNG = np.random.default_rng(7)
 LENGTHS = [RNG.integers(50, 400, 999), RNG.integers(100, 800, 2300), RNG.integers(20, 200, 1923)]

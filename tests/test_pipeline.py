@@ -203,14 +203,14 @@ def test_bad_rows_skipped_are_counted(ray_local, tmp_path):
 def test_the_warm_up_lane_takes_part_of_each_dataset():
     """Guard for the tests above: both lanes carry rows of both datasets, so "every sample
     exactly once" covers the split between them."""
-    from rayjobs.data import stream
+    from rayjobs.data import estimate, mix, reads
     from rayjobs.data.formats import parse_file
 
     config = _config()
-    estimates = stream.estimate(config, count_rows=False)
-    fractions = stream.epoch_fractions(config, estimates)
-    first = [stream.passes(s, i, 0, config.seed, 1.0)[0] for i, s in enumerate(config.datasets)]
-    heads = stream.warmup_heads(config, estimates, fractions, first)
+    estimates = estimate.estimate(config, count_rows=False)
+    fractions = mix.epoch_fractions(config, estimates)
+    first = [reads.passes(s, i, 0, config.seed, 1.0)[0] for i, s in enumerate(config.datasets)]
+    heads = reads.warmup_heads(config, estimates, fractions, first)
     assert set(heads) == {"alpaca", "hh_chat"}
     for spec in config.datasets:
         path = spec.files[0]  # each dataset is one file

@@ -440,7 +440,7 @@ def test_the_job_trains_a_tiny_llama_whose_checkpoints_load_with_from_pretrained
 
     from conftest import GPT2
     from rayjobs.config import TokenizerConfig
-    from rayjobs.data.tokenize import Tokenizer
+    from rayjobs.data.tokenizer import Tokenizer
 
     summary = job.record["summary"]
     steps = summary["steps"]

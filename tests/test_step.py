@@ -398,7 +398,7 @@ def _gpt2(template: str = "alpaca", train_keys: dict | None = None, **extra):
     tokenizer; ``train_keys``: more ``train`` keys, ``extra``: more top-level config keys."""
     from conftest import GPT2
     from rayjobs.config import Config
-    from rayjobs.data.tokenize import Tokenizer
+    from rayjobs.data.tokenizer import Tokenizer
 
     gpt2 = {"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 2, "n_positions": 128}
     config = Config.model_validate(

@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 
 from conftest import ALPACA, GPT2, GPTEACHER, HH_CHAT, ROOT
 from rayjobs.config import config_from_dict
-from rayjobs.data import stream
+from rayjobs.data import estimate, mix, packer, reads, stream
 from rayjobs.data.rows import IGNORE_INDEX
-from rayjobs.data.tokenize import TOKEN_LIST
+from rayjobs.data.samples import TOKEN_LIST
 
 
 @settings(max_examples=60, deadline=None)
@@ -27,7 +27,7 @@ from rayjobs.data.tokenize import TOKEN_LIST
 )
 def test_pack_batch_places_every_sample_once(lengths, strategy, seed):
     lengths = np.array(lengths, dtype=np.int64)
-    packs = stream.pack_batch(lengths, 64, strategy, np.random.default_rng(seed))
+    packs = packer.pack_batch(lengths, 64, strategy, np.random.default_rng(seed))
     placed = np.concatenate(packs) if packs else np.empty(0, dtype=np.int64)
     assert sorted(placed.tolist()) == list(range(len(lengths)))
     assert all(lengths[p].sum() <= 64 and len(p) for p in packs)
@@ -37,7 +37,7 @@ def test_pack_batch_is_tight_on_real_lengths():
     """One window of real-like lengths: at most one more row than the lower bound."""
     rng = np.random.default_rng(0)
     lengths = np.minimum(rng.geometric(1 / 300, 5000), 2048)
-    packs = stream.pack_batch(lengths, 2048, "bfd", rng)
+    packs = packer.pack_batch(lengths, 2048, "bfd", rng)
     lower = -(-lengths.sum() // 2048)
     assert lower <= len(packs) <= lower + 1
 
@@ -63,7 +63,7 @@ def test_pack_stream_keeps_epochs_apart_and_counts_each(fake_ledger):
     """A window that straddles an epoch boundary packs each epoch's samples into its own rows."""
     epoch_of = [0] * 70 + [1] * 50
     batch = _samples(epoch_of)
-    rows = stream.PackStream(seq_len=64, strategy="bfd", pad_id=0, seed=0, ledger=fake_ledger)(
+    rows = packer.PackStream(seq_len=64, strategy="bfd", pad_id=0, seed=0, ledger=fake_ledger)(
         batch
     )
     assert set(rows["epoch"].tolist()) == {0, 1}
@@ -129,16 +129,16 @@ FRACTIONS = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize(("weights", "mix", "sizes", "expected"), FRACTIONS.values(),
+@pytest.mark.parametrize(("weights", "mix_config", "sizes", "expected"), FRACTIONS.values(),
                          ids=FRACTIONS)  # fmt: skip
-def test_epoch_fractions(weights, mix, sizes, expected):
-    config = _config(weights=weights, mix=mix)
+def test_epoch_fractions(weights, mix_config, sizes, expected):
+    config = _config(weights=weights, mix=mix_config)
     estimates = {
-        spec.name: stream.Estimate(mean_tokens=mean, rows=rows)
+        spec.name: estimate.Estimate(mean_tokens=mean, rows=rows)
         for spec, (rows, mean) in zip(config.datasets, sizes, strict=True)
     }
-    assert stream.epoch_fractions(config, estimates) == pytest.approx(expected)
-    assert stream.sized(config) == (expected != [1.0, 1.0, 1.0])  # budgets trim to the shares
+    assert mix.epoch_fractions(config, estimates) == pytest.approx(expected)
+    assert mix.sized(config) == (expected != [1.0, 1.0, 1.0])  # budgets trim to the shares
 
 
 def test_a_dataset_of_bad_and_dropped_rows_is_sized_in_samples(tmp_path):
@@ -160,17 +160,17 @@ def test_a_dataset_of_bad_and_dropped_rows_is_sized_in_samples(tmp_path):
             "tokenizer": {"path": str(GPT2)},
         }
     )
-    estimate = stream.estimate(config, count_rows=False)["a"]
-    assert estimate.samples_per_row == pytest.approx(0.5)
-    assert estimate.rows_per_byte * path.stat().st_size == pytest.approx(1000, rel=0.01)
+    found = estimate.estimate(config, count_rows=False)["a"]
+    assert found.samples_per_row == pytest.approx(0.5)
+    assert found.rows_per_byte * path.stat().st_size == pytest.approx(1000, rel=0.01)
     weighted = _config(weights=[0.5, 0.25, 0.25], mix={"by": "samples"})
     sized = {  # 100 raw rows each: 50 + 100 + 100 samples, shares 125 / 62.5 / 62.5
-        spec.name: stream.Estimate(1.0, rows=100, samples_per_row=0.5 if i == 0 else 1.0)
+        spec.name: estimate.Estimate(1.0, rows=100, samples_per_row=0.5 if i == 0 else 1.0)
         for i, spec in enumerate(weighted.datasets)
     }
-    fractions = stream.epoch_fractions(weighted, sized)
+    fractions = mix.epoch_fractions(weighted, sized)
     assert fractions == pytest.approx([2.5, 0.625, 0.625])
-    budgets = stream.budgets(weighted, sized, fractions)  # what the ledger trims each read to
+    budgets = mix.budgets(weighted, sized, fractions)  # what the ledger trims each read to
     shares = [budgets[(0, spec.name)] for spec in weighted.datasets]
     assert shares == pytest.approx([125, 62.5, 62.5])
 
@@ -188,10 +188,10 @@ def test_a_hugging_face_dataset_is_sized_by_its_rows_without_weights(ray_local, 
         {"name": "hub", "source": str(tmp_path / "hf"), "format": "hf", "template": "alpaca"},
     ]
     config = config_from_dict({"datasets": specs, "tokenizer": {"path": str(GPT2)}})
-    estimates = stream.estimate(config, count_rows=False)
-    assert estimates["hub"].rows == 120 and stream._rows_hint(estimates["hub"]) == 120
+    estimates = estimate.estimate(config, count_rows=False)
+    assert estimates["hub"].rows == 120 and estimates["hub"].rows_hint == 120
     assert estimates["file"].rows is None  # a file dataset is sized by its bytes, uncounted
-    hint = stream._rows_hint(estimates["file"])
+    hint = estimates["file"].rows_hint
     assert hint == pytest.approx(len(json.loads(ALPACA.read_text())), rel=0.2)
 
 
@@ -216,8 +216,8 @@ def test_a_hugging_face_datasets_uids_and_subsample_do_not_depend_on_its_folder(
         config = config_from_dict({"datasets": [spec], "tokenizer": {"path": str(GPT2)}})
         uids.append(sorted(row["uid"] for row in tokenize(config).take_all()))
         table = pa.Table.from_pylist(read_dataset(config.datasets[0]).take_all())
-        kept.append(stream._subsample(table, 0.5, 3, place=HF_PLACE).column("_row").to_pylist())
-        by_path.append(stream._subsample(table, 0.5, 3).column("_row").to_pylist())
+        kept.append(reads._subsample(table, 0.5, 3, place=HF_PLACE).column("_row").to_pylist())
+        by_path.append(reads._subsample(table, 0.5, 3).column("_row").to_pylist())
     assert len(uids[0]) == 50 and uids[0] == uids[1]
     assert 0 < len(kept[0]) < 50 and sorted(kept[0]) == sorted(kept[1])
     assert sorted(by_path[0]) != sorted(by_path[1])  # guard: named by its folder, they differ
@@ -230,7 +230,7 @@ def test_a_dataset_whose_head_the_template_skips_whole_is_sized_from_a_longer_on
     whose second file is good: start-up reads a longer head rather than refusing to stream a
     dataset that planned mode reads, and sizes it from what it found (half its rows make
     samples). A dataset that makes no sample at all is still refused, naming it."""
-    monkeypatch.setattr(stream, "SAMPLE_ROWS", 16)  # the head: 16 good rows, not 2048
+    monkeypatch.setattr(estimate, "SAMPLE_ROWS", 16)  # the head: 16 good rows, not 2048
     folder = tmp_path / "rows"
     folder.mkdir()
     (folder / "a.jsonl").write_text(
@@ -241,12 +241,12 @@ def test_a_dataset_whose_head_the_template_skips_whole_is_sized_from_a_longer_on
     )
     spec = {"name": "d", "source": str(folder), "template": "text", "on_bad_row": "skip"}
     config = config_from_dict({"datasets": [spec], "tokenizer": {"path": str(GPT2)}})
-    estimate = stream.estimate(config, count_rows=False)["d"]
-    assert estimate.samples_per_row == pytest.approx(0.5) and estimate.mean_tokens > 0
+    found = estimate.estimate(config, count_rows=False)["d"]
+    assert found.samples_per_row == pytest.approx(0.5) and found.mean_tokens > 0
     (folder / "b.jsonl").unlink()
     config = config_from_dict({"datasets": [spec], "tokenizer": {"path": str(GPT2)}})
     with pytest.raises(ValueError, match="dataset 'd': no samples in any of its 40 good rows"):
-        stream.estimate(config, count_rows=False)
+        estimate.estimate(config, count_rows=False)
 
 
 def _sources_of_documents(config) -> dict[tuple[int, ...], str]:
@@ -301,9 +301,9 @@ def test_weighted_stream_realizes_its_shares(ray_local, monkeypatch):
     assert len(blocks) > 1.5 * calls, "guard: the packer calls' rows were cut into blocks"
     mixes = job.mixes(job.snapshot())
     assert len(mixes) == 1
-    for mix in mixes:
-        shares = [mix[name]["share"] for name in ("alpaca", "hh_chat", "roleplay")]
-        assert shares == pytest.approx([0.5, 0.3, 0.2], abs=0.01), mix
+    for epoch_mix in mixes:
+        shares = [epoch_mix[name]["share"] for name in ("alpaca", "hh_chat", "roleplay")]
+        assert shares == pytest.approx([0.5, 0.3, 0.2], abs=0.01), epoch_mix
     sources = _sources_of_documents(config)
     for epoch in (0,):
         mine = [r for r in rows if int(r["epoch"]) == epoch]
@@ -318,7 +318,7 @@ def test_weighted_stream_realizes_its_shares(ray_local, monkeypatch):
             assert [tokens[name] / total for name in tokens] == pytest.approx(
                 [0.5, 0.3, 0.2], abs=0.05
             ), (epoch, tokens)
-    fractions = stream.epoch_fractions(config, stream.estimate(config, count_rows=True))
+    fractions = mix.epoch_fractions(config, estimate.estimate(config, count_rows=True))
     assert all(f > 1 and not float(f).is_integer() for f in fractions), (
         "guard: every dataset read in whole passes and a subsample"
     )
@@ -328,7 +328,7 @@ def test_weighted_stream_realizes_its_shares(ray_local, monkeypatch):
 
 def test_estimate_counts_rows_and_mean_length(ray_local):
     config = _config()
-    estimates = stream.estimate(config, count_rows=True)
+    estimates = estimate.estimate(config, count_rows=True)
     assert {name: e.rows for name, e in estimates.items()} == {
         "alpaca": 300,
         "hh_chat": 400,
@@ -342,16 +342,16 @@ def test_subsample_keeps_the_same_rows_whatever_the_blocks():
     block are the rows kept from the whole, the fraction is met, and another seed keeps others."""
     table = pa.table({"_path": ["a.jsonl"] * 50_000 + ["b.jsonl"] * 50_000,
                       "_row": list(range(50_000)) * 2})  # fmt: skip
-    kept = stream._subsample(table, 0.3, seed=7)
+    kept = reads._subsample(table, 0.3, seed=7)
     assert kept.num_rows / table.num_rows == pytest.approx(0.3, abs=0.01)
 
     def keys(t):
         return set(zip(t["_path"].to_pylist(), t["_row"].to_pylist(), strict=True))
 
-    blocks = [stream._subsample(table.slice(start, 7_001), 0.3, seed=7)
+    blocks = [reads._subsample(table.slice(start, 7_001), 0.3, seed=7)
               for start in range(0, table.num_rows, 7_001)]  # fmt: skip
     assert set().union(*map(keys, blocks)) == keys(kept)
-    other = keys(stream._subsample(table, 0.3, seed=8))
+    other = keys(reads._subsample(table, 0.3, seed=8))
     assert 0.27 < len(other & keys(kept)) / len(other) < 0.33  # independent: P(kept) = 0.3
 
 
@@ -364,14 +364,14 @@ def test_subsample_is_the_same_wherever_the_dataset_lies():
         files = [f"{folder}/data/part-0.jsonl", f"{folder}/data/sub/part-1.jsonl"]
         table = pa.table({"_path": [files[0]] * 500 + [files[1]] * 500,
                           "_row": list(range(500)) * 2})  # fmt: skip
-        out = stream._subsample(table, 0.5, seed=3, root=root and stream.files_root(files))
+        out = reads._subsample(table, 0.5, seed=3, root=root and reads.files_root(files))
         return [(p.removeprefix(folder), r) for p, r in zip(*out.to_pydict().values())]
 
     here, there = kept("/a/clone", "yes"), kept("/elsewhere/b", "yes")
     assert here == there and 400 < len(here) < 600
     assert kept("/a/clone", None) != kept("/elsewhere/b", None)
-    assert stream.files_root(["/x/d/a.json", "/x/d/s/b.json"]) == "/x/d"
-    assert stream.files_root(["/x/d/a.json"]) == "/x/d" and stream.files_root([]) is None
+    assert reads.files_root(["/x/d/a.json", "/x/d/s/b.json"]) == "/x/d"
+    assert reads.files_root(["/x/d/a.json"]) == "/x/d" and reads.files_root([]) is None
 
 
 def test_start_up_parses_the_head_of_a_large_first_file_not_all_of_it(tmp_path, monkeypatch):
@@ -396,12 +396,12 @@ def test_start_up_parses_the_head_of_a_large_first_file_not_all_of_it(tmp_path, 
     [spec] = config.datasets
     with pytest.raises(SourceError, match="big.jsonl"):
         parse_file(path.read_bytes(), str(path), format="jsonl", dataset="big")
-    table, density, _ = stream._head(spec)
-    assert table.num_rows == stream.SAMPLE_ROWS
-    assert table.column("_row").to_pylist() == list(range(1, stream.SAMPLE_ROWS + 1))
+    table, density, _ = estimate._head(spec)
+    assert table.num_rows == estimate.SAMPLE_ROWS
+    assert table.column("_row").to_pylist() == list(range(1, estimate.SAMPLE_ROWS + 1))
     per_row = len(json.dumps(rows[0])) + 1
     assert density == pytest.approx(1 / per_row, rel=0.05)
-    head_rows, _, consumed, _ = stream._parse_head(spec, str(path), 100)
+    head_rows, _, consumed, _ = estimate._parse_head(spec, str(path), 100)
     assert len(head_rows) > 100 and consumed < path.stat().st_size / 20
 
 
@@ -422,8 +422,8 @@ def test_a_compressed_first_file_is_parsed_decompressed(tmp_path):
             "tokenizer": {"path": str(GPT2)},
         }
     )
-    table, density, _ = stream._head(config.datasets[0])
-    assert table.num_rows == stream.SAMPLE_ROWS
+    table, density, _ = estimate._head(config.datasets[0])
+    assert table.num_rows == estimate.SAMPLE_ROWS
     assert json.loads(table.column("_record")[5].as_py()) == rows[5]
     assert density * path.stat().st_size == pytest.approx(len(rows), rel=0.1)
 
@@ -451,27 +451,28 @@ def test_a_runs_reads_of_a_dataset_are_its_passes_file_by_file(tmp_path):
     from rayjobs.data.sources import read_files
 
     spec, paths = _jsonl_dataset(tmp_path, [300, 200])
-    reads = [stream.passes(spec, 0, epoch, 0, 2.5) for epoch in range(2)]
-    head = stream.Head(paths[1], below_row=41, rows=40)  # JSONL rows are 1-based line numbers
-    plan = stream.pass_reads(spec, reads, head)
+    epoch_passes = [reads.passes(spec, 0, epoch, 0, 2.5) for epoch in range(2)]
+    head = reads.Head(paths[1], below_row=41, rows=40)  # JSONL rows are 1-based line numbers
+    plan = reads.pass_reads(spec, epoch_passes, head)
     got = [
         (r.epoch, r.copy, r.path[-8:], r.sample, r.from_row, r.root == str(tmp_path)) for r in plan
     ]
-    first = [p[-8:] for p in reads[0][0].files]
+    first = [p[-8:] for p in epoch_passes[0][0].files]
     assert got == [
         (0, 0, first[0], None, 41 if first[0] == "a1.jsonl" else None, True),
         (0, 0, first[1], None, 41 if first[1] == "a1.jsonl" else None, True),
-        *[(0, 1, p[-8:], None, None, True) for p in reads[0][1].files],
-        *[(0, 2, p[-8:], 0.5, None, True) for p in reads[0][2].files],
+        *[(0, 1, p[-8:], None, None, True) for p in epoch_passes[0][1].files],
+        *[(0, 2, p[-8:], 0.5, None, True) for p in epoch_passes[0][2].files],
         *[(1, c, p[-8:], [None, None, 0.5][c], None, True) for c in range(3)
-          for p in reads[1][c].files],
+          for p in epoch_passes[1][c].files],
     ]  # fmt: skip
-    assert {tuple(r.files) for e in reads for r in e} == {tuple(paths), tuple(paths[::-1])}, (
-        "guard: passes read the files in different orders"
-    )
+    assert {tuple(r.files) for e in epoch_passes for r in e} == {
+        tuple(paths),
+        tuple(paths[::-1]),
+    }, "guard: passes read the files in different orders"
     options = {"format": "jsonl", "dataset": "a", "text_split": "paragraph"}
     rows = pa.concat_tables(read_files(plan, options)).to_pylist()
-    warm = pa.concat_tables(read_files([stream._head_read(spec, head, reads[0][0])], options))
+    warm = pa.concat_tables(read_files([reads._head_read(spec, head, epoch_passes[0][0])], options))
     keys = {(r["_epoch"], r["_pass"]): [] for r in rows}
     for r in rows:
         keys[(r["_epoch"], r["_pass"])].append((r["_path"], r["_row"]))
@@ -525,7 +526,7 @@ def test_a_datasets_whole_run_is_one_read_operator(ray_local, capsys, monkeypatc
     # them, which copied every packed row once more (the plan is printed root first).
     below_packers = plan.split("MapBatches(PackStream)")[0]
     assert "Repartition" not in below_packers and "PackStream" in plan, plan
-    fractions = stream.epoch_fractions(config, stream.estimate(config, count_rows=True))
+    fractions = mix.epoch_fractions(config, estimate.estimate(config, count_rows=True))
     assert min(fractions) > 2, "guard: every dataset read in several passes an epoch"
 
 
@@ -534,23 +535,23 @@ def test_each_epoch_reads_files_in_another_order():
     import types
 
     spec = types.SimpleNamespace(files=[f"f{i}.jsonl" for i in range(20)])
-    assert stream.passes(spec, 0, 0, 7, 1.0)[0].files != stream.passes(spec, 0, 1, 7, 1.0)[0].files
+    assert reads.passes(spec, 0, 0, 7, 1.0)[0].files != reads.passes(spec, 0, 1, 7, 1.0)[0].files
 
 
 # -- guards a mutation run found missing
 
 
 def test_window_rows_is_at_least_one_sample():
-    assert stream.window_rows(4096, 8192.0) == 1  # samples longer than the window: still one
-    assert stream.window_rows(4096, 0.25) == 4096  # mean below 1 token counts as 1
-    assert stream.window_rows(4096, 100.0) == 40
+    assert packer.window_rows(4096, 8192.0) == 1  # samples longer than the window: still one
+    assert packer.window_rows(4096, 0.25) == 4096  # mean below 1 token counts as 1
+    assert packer.window_rows(4096, 100.0) == 40
 
 
 def test_rows_hint_scales_bytes_by_rows_per_byte():
     """An uncounted dataset is sized from its bytes times rows per byte, not from its bytes."""
-    est = stream.Estimate(10.0, rows=None, rows_per_byte=0.01, file_sizes={"a": 3000, "b": 1000})
-    assert stream._rows_hint(est) == pytest.approx(40.0)
-    assert stream._samples_hint(stream.Estimate(10.0, rows=50, samples_per_row=0.5)) == 25.0
+    est = estimate.Estimate(10.0, rows=None, rows_per_byte=0.01, file_sizes={"a": 3000, "b": 1000})
+    assert est.rows_hint == pytest.approx(40.0)
+    assert estimate.Estimate(10.0, rows=50, samples_per_row=0.5).samples_hint == 25.0
 
 
 def _one_dataset(tmp_path, warmup_tokens):
@@ -570,15 +571,13 @@ def test_warm_up_head_takes_more_rows_of_a_subsampled_pass(tmp_path, monkeypatch
     head ends right below the first row not taken."""
     config, path = _one_dataset(tmp_path, warmup_tokens=1000)
     monkeypatch.setattr(
-        stream, "_parse_head", lambda spec, file, wanted: (list(range(0, 2000, 2)), [], 0, 0)
+        reads, "_parse_head", lambda spec, file, wanted: (list(range(0, 2000, 2)), [], 0, 0)
     )
-    estimates = {"a": stream.Estimate(10.0, rows=1000)}
-    whole = stream.Pass((path,), 0, None, 0)
-    half = stream.Pass((path,), 0, 0.5, 0)
-    assert stream.warmup_heads(config, estimates, [1.0], [whole])["a"] == stream.Head(
-        path, 200, 100
-    )
-    assert stream.warmup_heads(config, estimates, [0.5], [half])["a"] == stream.Head(path, 400, 200)
+    estimates = {"a": estimate.Estimate(10.0, rows=1000)}
+    whole = reads.Pass((path,), 0, None, 0)
+    half = reads.Pass((path,), 0, 0.5, 0)
+    assert reads.warmup_heads(config, estimates, [1.0], [whole])["a"] == reads.Head(path, 200, 100)
+    assert reads.warmup_heads(config, estimates, [0.5], [half])["a"] == reads.Head(path, 400, 200)
 
 
 def test_pack_counts_count_trimmed_samples_and_tokens_by_source():
@@ -592,7 +591,7 @@ def test_pack_counts_count_trimmed_samples_and_tokens_by_source():
     rows = {"num_tokens": np.array([7, 5], dtype=np.int32)}
     with StageTimer() as timer:
         pass
-    counts = stream.pack_counts(kept, rows, 8, timer, trimmed)
+    counts = packer.pack_counts(kept, rows, 8, timer, trimmed)
     assert (counts.num_packs, counts.num_tokens, counts.num_slots, counts.num_documents) == (
         2,
         12,
@@ -619,10 +618,10 @@ def test_budgets_are_in_tokens_by_tokens_and_set_for_every_epoch(tmp_path):
             "train": {"epochs": 2},
         }
     )
-    estimates = {"a": stream.Estimate(10.0, rows=100), "b": stream.Estimate(20.0, rows=50)}
-    fractions = stream.epoch_fractions(config, estimates)  # 2000 tokens: 1500 / 500
+    estimates = {"a": estimate.Estimate(10.0, rows=100), "b": estimate.Estimate(20.0, rows=50)}
+    fractions = mix.epoch_fractions(config, estimates)  # 2000 tokens: 1500 / 500
     assert fractions == pytest.approx([1.5, 0.5])
-    assert stream.budgets(config, estimates, fractions) == pytest.approx(
+    assert mix.budgets(config, estimates, fractions) == pytest.approx(
         {(0, "a"): 1500.0, (0, "b"): 500.0, (1, "a"): 1500.0, (1, "b"): 500.0}
     )
 
@@ -632,9 +631,9 @@ def test_size_estimates_count_only_the_share_a_read_keeps():
     subsample), not by the files' bytes."""
     from rayjobs.data.sources import RowFileDatasource
 
-    reads = [stream.PassRead("/x/a.jsonl", sample=0.25), stream.PassRead("/x/b.jsonl")]
+    file_reads = [reads.PassRead("/x/a.jsonl", sample=0.25), reads.PassRead("/x/b.jsonl")]
     source = RowFileDatasource(
-        reads,
+        file_reads,
         format="jsonl",
         dataset="a",
         text_split="paragraph",
@@ -657,5 +656,5 @@ def test_a_read_that_keeps_none_of_a_blocks_rows_emits_no_empty_block(tmp_path):
         return [table.num_rows for table in read_files([read], options)]
 
     assert blocks(FileRead(path)) == [1024, 1024, 452]  # guard: rows 1-1024, 1025-2048, 2049-
-    assert blocks(stream.PassRead(path, from_row=1100)) == [949, 452]
-    assert blocks(stream.PassRead(path, from_row=3000)) == []
+    assert blocks(reads.PassRead(path, from_row=1100)) == [949, 452]
+    assert blocks(reads.PassRead(path, from_row=3000)) == []

@@ -20,15 +20,10 @@ from conftest import DATA
 from rayjobs.config import DatasetConfig, TokenizerConfig
 from rayjobs.data import tokenize
 from rayjobs.data.counts import TokenizeCounts
+from rayjobs.data.samples import apply_overflow, sample_uid, shift_labels
 from rayjobs.data.sources import record_table
-from rayjobs.data.tokenize import (
-    DataError,
-    Tokenize,
-    Tokenizer,
-    apply_overflow,
-    sample_uid,
-    shift_labels,
-)
+from rayjobs.data.tokenize import DataError, Tokenize
+from rayjobs.data.tokenizer import Tokenizer
 
 EOS = 50256  # GPT-2 "<|endoftext|>"
 X = -100  # IGNORE_INDEX, short so the label rows below line up
@@ -314,8 +309,10 @@ def test_shift_labels(input_ids, trained, expected):
     assert labels.tolist() == expected
 
 
-def test_tokenize_doctests():
-    results = doctest.testmod(tokenize)
+def test_samples_doctests():
+    from rayjobs.data import samples
+
+    results = doctest.testmod(samples)
     assert results.attempted >= 1 and results.failed == 0  # guard: the examples ran
 
 

@@ -178,9 +178,9 @@ def _efficiency(lengths: np.ndarray, packs: list[np.ndarray], seq_len: int) -> f
 def stream_windows(
     lengths: np.ndarray, seq_len: int, window_tokens: int, seed: int = 0
 ) -> tuple[list[np.ndarray], int]:
-    """The streaming path's packer (``stream.pack_batch``) over consecutive windows sized as the
+    """The streaming path's packer (``packer.pack_batch``) over consecutive windows sized as the
     job sizes them (``window_tokens`` over the mean sample length): (packs, window rows)."""
-    from rayjobs.data.stream import pack_batch, window_rows
+    from rayjobs.data.packer import pack_batch, window_rows
 
     rows = window_rows(window_tokens, float(lengths.mean()))
     rng = np.random.default_rng(seed)

@@ -403,7 +403,8 @@ def bench_pipeline(
     import ray.data
 
     from rayjobs.config import config_from_dict
-    from rayjobs.data.stream import TOKENIZE_CPUS, cluster_cpus
+    from rayjobs.data.placement import cluster_cpus
+    from rayjobs.data.stream import TOKENIZE_CPUS
     from rayjobs.job.pipeline import init_ray, load_tokenizer
 
     ray.data.DataContext.get_current().enable_progress_bars = False  # the table is the output

@@ -1,32 +1,24 @@
-"""Mix: which samples of which dataset make up one epoch, in what order, from the config's weights.
+"""Mix: every weighted-share computation of a run, from the config's weights and ``mix.by``.
 
-Design note. A dataset's ``weight`` is its target share of the epoch, counted in samples or in
-tokens (``mix.by``). The plan is computed from the sample lengths alone (pure numpy, no Ray), after
-tokenization, so "30% of the tokens come from chat" can be met exactly, not just on average:
-
-1. Epoch size: ``mix.epoch_samples`` / ``mix.epoch_tokens``, default everything once.
-2. Dataset i gets ``share_i × size`` of it. Its samples are drawn from successive permutations
-   (a fresh shuffle per pass): a dataset that needs more than it has is repeated, one that needs
-   less is subsampled without replacement. By tokens, the prefix of that draw whose token count
-   is closest to the target is taken.
-3. Interleaving: the k draws of a dataset get stratified keys ``(j + U) / k``; sorting all keys
-   spreads every dataset evenly over the whole epoch (each tenth of the epoch holds a tenth of each
-   dataset, up to one sample), instead of one dataset after another.
-4. Draws and order come from the ``mix_draw`` and ``mix_order`` streams of ``rayjobs.data.seeds``,
-   keyed by (epoch, dataset): the same seed gives the same epoch, each epoch draws and orders
-   differently.
-
-Rejected: ``ray.data.Dataset.mix`` (alpha in Ray 2.60): it has no sampling with replacement, its
-default uses every row so weights only shape the order, and it cannot target token shares.
+Streaming (the default) reads each dataset ``epoch_fractions`` times an epoch (whole passes plus a
+subsample, a ``MIX_MARGIN`` more with weights) and the packers trim each dataset to its
+``budgets`` through the ledger, so realized shares hit the weights. The planned path
+(``plan_epoch``) draws each epoch's samples from their lengths alone, exactly, and interleaves
+them evenly (docs/design.md, "Mixing").
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from rayjobs.data import seeds
+
+if TYPE_CHECKING:
+    from rayjobs.config import Config
+    from rayjobs.data.estimate import Estimate
 
 
 def with_shares(mix: dict[str, dict[str, float]], by: str) -> dict[str, dict[str, float]]:
@@ -123,3 +115,52 @@ def plan_epoch(
     order = np.argsort(np.concatenate(keys), kind="stable")
     dataset_ids = np.concatenate([np.full(len(c), i, dtype=np.int64) for i, c in enumerate(picks)])
     return dataset_ids[order], np.concatenate(picks)[order]
+
+
+MIX_MARGIN = 0.1
+"""Weighted mixing reads each dataset this much more than its share of an epoch, so that estimates
+a little low still fill the share; the packers trim what lies beyond it (``Ledger.admit``)."""
+
+
+def sized(config: Config) -> bool:
+    """Whether each epoch holds set shares of the datasets (weights, or an epoch size: then each
+    dataset in its natural proportion), read from estimates and trimmed by ledger budgets; else
+    every epoch reads every dataset once, as it is."""
+    epoch_size = config.mix.epoch_tokens if config.mix.by == "tokens" else config.mix.epoch_samples
+    return config.datasets[0].weight is not None or epoch_size is not None
+
+
+def epoch_fractions(config: Config, estimates: dict[str, Estimate]) -> list[float]:
+    """How many times each dataset is read per epoch (1.0 = every sample once): its share of the
+    epoch (by weight; without weights, in its natural proportion), in ``mix.by`` units, over its
+    estimated size."""
+    specs = config.datasets
+    if not sized(config):
+        return [1.0] * len(specs)
+    by_tokens = config.mix.by == "tokens"
+    sizes = np.array(
+        [
+            estimates[s.name].samples_hint * (estimates[s.name].mean_tokens if by_tokens else 1.0)
+            for s in specs
+        ]
+    )
+    weighted = specs[0].weight is not None
+    shares = np.array([s.weight for s in specs], dtype=np.float64) if weighted else sizes.copy()
+    shares /= shares.sum()
+    total = (config.mix.epoch_tokens if by_tokens else config.mix.epoch_samples) or sizes.sum()
+    return list(shares * total / sizes)
+
+
+def budgets(
+    config: Config, estimates: dict[str, Estimate], fractions: list[float]
+) -> dict[tuple[int, str], float]:
+    """Each dataset's share of each epoch in ``mix.by`` units, from the estimates: what its
+    ``fraction`` of a read would hold (``Ledger.admit`` trims the margin read beyond it)."""
+    by_tokens = config.mix.by == "tokens"
+    return {
+        (epoch, spec.name): fraction
+        * estimates[spec.name].samples_hint
+        * (estimates[spec.name].mean_tokens if by_tokens else 1.0)
+        for epoch in range(config.train.epochs)
+        for spec, fraction in zip(config.datasets, fractions, strict=True)
+    }

@@ -32,8 +32,10 @@ from rayjobs.data import seeds
 from rayjobs.data.counts import PackCounts, StageTimer, batch_key, report
 from rayjobs.data.mix import plan_epoch
 from rayjobs.data.pack import StreamPacker
+from rayjobs.data.packer import pack_counts
+from rayjobs.data.placement import on_data_nodes
 from rayjobs.data.rows import assemble, ranges
-from rayjobs.data.stream import flat_samples, on_data_nodes, pack_counts, samples_per_pack
+from rayjobs.data.samples import flat_samples
 
 PACK_STAGE_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**30), "MALLOC_TRIM_THRESHOLD_": str(2**32)}
 """Environment of the pack-stage actors: glibc keeps freed memory for the next call. Its default
@@ -92,7 +94,7 @@ class AssemblePacks:
         # One call is one emission group (map_groups): its number names the batch, so a group
         # Ray runs again, or an epoch's dataset consumed twice, is counted once.
         key = batch_key("assemble", [self.epoch], pc.unique(batch.column("group")))
-        report(self.ledger, "add_pack", self.epoch, counts, key, samples_per_pack(rows))
+        report(self.ledger, "add_pack", self.epoch, counts, key, rows["num_documents"].tolist())
         return rows
 
     def _assemble(self, batch: pa.Table) -> dict[str, np.ndarray]:

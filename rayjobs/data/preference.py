@@ -38,7 +38,7 @@ Two more per-token columns (:data:`DPO_COLUMNS`), int32 like the rest:
 - ``response_role``: 0 prompt or padding, 1 chosen, 2 rejected (:data:`ROLE_PROMPT` ...), so a loss
   can pick responses without knowing the id arithmetic.
 
-Overflow (``fit_triple``) follows the job's policy (``tokenize.apply_overflow``; ``split`` has no
+Overflow (``fit_triple``) follows the job's policy (``samples.apply_overflow``; ``split`` has no
 meaning for a triple and is refused): ``drop`` drops a triple longer than ``seq_len``; ``truncate``
 cuts the prompt first, keeping its *end* (the turn the responses answer, as TRL's ``keep_end``
 does for prompts) and at least one token (the duplicated one), then the responses, keeping their
@@ -51,14 +51,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
+import pyarrow as pa
 
+from rayjobs.data.counts import TokenizeCounts
 from rayjobs.data.rows import DTYPE, IGNORE_INDEX, PACKED_COLUMNS, ranges, row_segments
-
-if TYPE_CHECKING:
-    pass
+from rayjobs.data.samples import TOKEN_LIST, Templated, sample_uid
 
 ROLE_PROMPT, ROLE_CHOSEN, ROLE_REJECTED = 0, 1, 2
 """``response_role`` values: prompt document or padding, chosen response, rejected response."""
@@ -290,3 +290,91 @@ def assemble_triples(
 
 
 # ---------------------------------------------------------------- train side (torch)
+
+
+TRIPLE_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
+"""A tokenized preference triple's columns, list<int32> each."""
+
+
+def encode_triples(
+    tokenizer: Any,
+    rows: Sequence[Templated],
+    counts: dict[str, TokenizeCounts],
+    seq_len: int,
+    overflow: str,
+) -> tuple[dict[str, pa.Array], list[int]]:
+    """Preference rows → one sample per triple: ``prompt_ids``, ``chosen_ids`` and
+    ``rejected_ids`` (each response ends with EOS), fitted to ``seq_len`` by :func:`fit_triple`
+    (``num_tokens``: the unit length, P + C + R + 1); and, per triple, the index of its row.
+    Counted like samples: ``tokens`` are the unit's, ``trained_tokens`` its labelled ones
+    (C + R), cuts and drops by the policy."""
+    # Each response is tokenized after its prompt, as one text, and keeps the tokens that start
+    # past the prompt (on its own a SentencePiece tokenizer would give it a leading space). Where
+    # a token of that text straddles the boundary (GPT-2's " 4" after a prompt ending in a space)
+    # the prompt's own tokens differ from the text's, and the response is tokenized on its own,
+    # as TRL does: keeping only what starts past the prompt lost the straddling token, the
+    # answer's first word. EOS is appended unless the text ends with it already.
+    texts = [
+        t
+        for row in rows
+        for t in (row.content.prompt, row.content.prompt + row.content.chosen,
+                  row.content.prompt + row.content.rejected)
+    ]  # fmt: skip
+    encoded = iter(tokenizer.encode_with_starts(texts))
+    eos = [tokenizer.eos_id]
+
+    def response(prompt_ids: list[int], at: int, text: str) -> tuple[list[int], int]:
+        """The response's tokens, and 1 where it was tokenized on its own (else 0)."""
+        ids, starts = next(encoded)
+        inside = sum(start < at for start in starts)
+        alone = int(ids[:inside] != prompt_ids)
+        if alone:  # a token straddles the boundary (rare): the response on its own
+            [(ids, _)] = tokenizer.encode_with_starts([text])
+            inside = 0
+        tokens = ids[inside:]
+        return (tokens if tokenizer.ends_with_eos(text) else [*tokens, *eos]), alone
+
+    columns: dict[str, list] = {name: [] for name in TRIPLE_COLUMNS}
+    sources, uids, kept = [], [], []
+    for row in rows:
+        texts_of = row.content
+        own, starts = next(encoded)
+        at = len(texts_of.prompt)
+        tally = counts[row.spec.name]
+        chosen, chosen_alone = response(own, at, texts_of.chosen)
+        rejected, rejected_alone = response(own, at, texts_of.rejected)
+        prompt, _ = tokenizer.with_bos(own, starts)
+        if not prompt:  # a prompt that renders to no token (an empty chat template output)
+            tally.dropped_samples += 1
+            continue
+        triple, cut = fit_triple(prompt, chosen, rejected, seq_len, overflow)
+        tally.truncated_tokens += cut.truncated_tokens
+        if triple is None:
+            tally.dropped_samples += 1
+            continue
+        for name, part in zip(TRIPLE_COLUMNS, triple, strict=True):
+            columns[name].append(part)
+        sources.append(row.spec.name)
+        uids.append(sample_uid(f"{row.origin}\0{0}"))
+        kept.append(row.index)
+        tally.samples += 1
+        tally.tokens += triple.unit_length
+        tally.responses_tokenized_alone += chosen_alone + rejected_alone  # of kept triples
+        tally.trained_tokens += len(triple.chosen) + len(triple.rejected)
+    out = {name: pa.array(values, type=TOKEN_LIST) for name, values in columns.items()}
+    out["source"] = pa.array(sources, type=pa.string())
+    out["uid"] = pa.array(uids, type=pa.int64())
+    out["num_tokens"] = pa.array(
+        [len(p) + len(c) + len(r) + 1 for p, c, r in zip(*columns.values(), strict=True)],
+        type=pa.int32(),
+    )
+    return out, kept
+
+
+def assemble_triple_rows(
+    batch: pa.Table, packs: list[np.ndarray], seq_len: int, pad_id: int
+) -> dict[str, np.ndarray]:
+    """Packed preference rows of a batch of triples (``packs``: each row's triple indices)."""
+    parts = [batch.column(name).to_numpy(zero_copy_only=False) for name in TRIPLE_COLUMNS]
+    triples = [Triple(*triple) for triple in zip(*parts, strict=True)]
+    return assemble_triples(triples, packs, seq_len, pad_id)

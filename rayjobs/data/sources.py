@@ -15,7 +15,7 @@ read, spread over the cluster like Ray's own readers. A read task streams its fi
 parts (``formats.read_rows``, ``formats.CHUNK_BYTES`` at a time; Parquet files are opened for
 random access, to be read by record batch) and emits each part's rows as it goes, so its memory is
 that of a part, not of the file. A ``FileRead`` may keep some of its rows and tag them on the way
-out (the stream's passes, ``stream.PassRead``): then a whole run's reads of a dataset, every
+out (the stream's passes, ``reads.PassRead``): then a whole run's reads of a dataset, every
 epoch and every pass over its files, are one read operator, not a chain of operators per pass
 joined by unions, whose scheduling costs Ray Data's executor time in proportion to their
 number. Hugging Face datasets (hub names or ``save_to_disk`` folders) are
@@ -164,7 +164,7 @@ def open_row_file(path: str, file_format: str) -> pa.NativeFile:
 @dataclass(frozen=True)
 class FileRead:
     """One file as a read task reads it: every row (``RowFileDatasource``). Subclasses keep some
-    of the rows and tag them (``stream.PassRead``)."""
+    of the rows and tag them (``reads.PassRead``)."""
 
     path: str
 

@@ -25,12 +25,12 @@ import ray
 import ray.data
 
 from rayjobs.config import Config, ConfigError, MixConfig
-from rayjobs.data import stream
+from rayjobs.data import placement, stream
 from rayjobs.data.counts import AccountingError, check_accounting, packing_efficiency, unpacked
 from rayjobs.data.mix import with_shares
 from rayjobs.data.planned import Epochs
 from rayjobs.data.sources import read_dataset
-from rayjobs.data.tokenize import Tokenizer
+from rayjobs.data.tokenizer import Tokenizer
 from rayjobs.job.ledger import Ledger
 from rayjobs.train.loop import FINAL_SUMMARY
 
@@ -65,7 +65,7 @@ def load_tokenizer(config: Config) -> Tokenizer:
 
 def tokenize(config: Config, ledger: Any = None) -> ray.data.Dataset:
     """Every dataset read, templated and tokenized once (lazy; ``Epochs`` materializes it)."""
-    where = stream.on_data_nodes(config)  # planned mode's reads keep to the data nodes too
+    where = placement.on_data_nodes(config)  # planned mode's reads keep to the data nodes too
     raw = [read_dataset(spec, **where) for spec in config.datasets]
     rows = raw[0].union(*raw[1:]) if len(raw) > 1 else raw[0]
     return stream.tokenized(rows, config, ledger)

@@ -49,7 +49,7 @@ from rayjobs.config import Config, ConfigError, HFModelConfig, TrainConfig
 from rayjobs.data import seeds
 from rayjobs.data.preference import ROLE_CHOSEN
 from rayjobs.data.rows import IGNORE_INDEX
-from rayjobs.data.tokenize import Tokenizer
+from rayjobs.data.tokenizer import Tokenizer
 from rayjobs.train import dpo, masks
 from rayjobs.train.ahead import read_ahead
 from rayjobs.train.collate import collate

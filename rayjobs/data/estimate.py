@@ -1,0 +1,151 @@
+"""What the driver knows of each dataset before streaming it: mean sample length (a tokenized head),
+rows per byte, file sizes, and (only where weights need it) a row count."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import ray
+
+from rayjobs.config import Config, DatasetConfig
+from rayjobs.data.formats import HF, read_rows
+from rayjobs.data.placement import on_data_nodes
+from rayjobs.data.sources import compression_of, read_dataset, record_table
+from rayjobs.data.tokenize import Tokenize
+
+SAMPLE_ROWS = 2048
+"""Rows of each dataset tokenized in the driver to estimate its mean sample length."""
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What the driver knows of a dataset before streaming it."""
+
+    mean_tokens: float
+    """Mean tokens per sample, from a tokenized sample of the dataset."""
+    rows: int | None = None
+    """Raw rows in the dataset, bad ones included (counted only when weights need it)."""
+    rows_per_byte: float | None = None
+    """Raw rows per byte of the files parsed for the sample (to size a dataset whose rows are not
+    counted)."""
+    file_sizes: dict[str, int] | None = None
+    """Bytes of each of the dataset's files (stat'ed once, here; the reads are planned with
+    them); None for a Hugging Face dataset."""
+    samples_per_row: float = 1.0
+    """Samples the job makes of a raw row, measured on the sample: below 1 where rows are bad
+    (skipped) or dropped, above 1 where ``overflow: split`` cuts them. A weighted mix sizes a
+    dataset in samples: sized in rows, one with many bad rows was read too little for its share
+    (a ledger trims what is read beyond a share; it cannot add what was not read)."""
+
+    @property
+    def size(self) -> int | None:
+        """Bytes in the dataset's files."""
+        return sum(self.file_sizes.values()) if self.file_sizes is not None else None
+
+    @property
+    def rows_hint(self) -> float:
+        """Raw rows in the dataset: counted, else its bytes times the raw rows per byte of its
+        first files (what the streams are interleaved by: rows, before tokenization)."""
+        if self.rows is not None:
+            return float(self.rows)
+        size = float(self.size or 1)
+        return size * self.rows_per_byte if self.rows_per_byte else size
+
+    @property
+    def samples_hint(self) -> float:
+        """Samples the dataset makes: its raw rows times the samples per raw row of its first
+        rows (what shares and budgets count)."""
+        return self.rows_hint * self.samples_per_row
+
+
+def estimate(config: Config, count_rows: bool) -> dict[str, Estimate]:
+    """Each dataset's mean sample length (and, if asked, its row count)."""
+    tokenize = Tokenize(
+        config.datasets, config.tokenizer, config.packing.seq_len, config.packing.overflow
+    )
+    estimates = {}
+    where = on_data_nodes(config)
+    for spec in config.datasets:
+        limit = SAMPLE_ROWS
+        while True:  # a head the template or the overflow policy left nothing of: a longer one
+            sample, density, raw_rows = _head(spec, where, limit)
+            lengths = tokenize(sample).column("num_tokens").to_numpy() if sample else np.empty(0)
+            taken = sample.num_rows if sample is not None else 0
+            if len(lengths) or taken < limit:  # samples, or every row of the dataset read
+                break
+            limit *= 8
+        if not len(lengths):
+            raise ValueError(
+                f"dataset {spec.name!r}: no samples in any of its {taken} good rows after "
+                "templating (see on_bad_row and the overflow policy); it cannot be streamed"
+            )
+        sizes = {f: os.path.getsize(f) for f in spec.files} if spec.files else None
+        count = None
+        # A Hugging Face dataset has no bytes to size it by: counted always (it knows its
+        # length), else it weighed 1 row in the mix of unweighted streams and its rows came
+        # after every epoch of the file datasets'.
+        if count_rows or spec.format == HF:
+            count = read_dataset(spec, sizes=sizes, **where).count()
+        estimates[spec.name] = Estimate(
+            float(lengths.mean()), count, density, sizes, len(lengths) / raw_rows
+        )
+    return estimates
+
+
+def _head(
+    spec: DatasetConfig, where: dict[str, Any] | None = None, limit: int = SAMPLE_ROWS
+) -> tuple[pa.Table | None, float | None, float]:
+    """Up to ``limit`` good rows from the first files of a dataset, parsed in the driver (a
+    cost that does not grow with the number of files; a Hugging Face dataset goes through Ray);
+    the raw rows per byte of the files parsed; and the raw rows, bad ones included, that the good
+    rows kept stand for (so samples per raw row = samples of the sample / this). ``where``:
+    ``on_data_nodes``, for the read of a Hugging Face dataset."""
+    if spec.format == HF:
+        refs = read_dataset(spec, **(where or {})).limit(limit).to_arrow_refs()
+        table = pa.concat_tables(ray.get(refs)) if refs else None
+        return table, None, float(table.num_rows if table is not None else 1)
+    tables, count, good_rows, bad_rows, parsed_bytes = [], 0, 0, 0, 0
+    for path in spec.files:
+        rows, records, consumed, bad = _parse_head(spec, path, limit - count)
+        keep = min(len(rows), limit - count)
+        tables.append(record_table(spec.name, [path] * keep, rows[:keep], records[:keep]))
+        count += keep
+        good_rows += len(rows)
+        bad_rows += bad
+        parsed_bytes += consumed
+        if count >= limit:
+            break
+    density = (good_rows + bad_rows) / parsed_bytes if parsed_bytes else None
+    raw_rows = count * (good_rows + bad_rows) / good_rows if good_rows else 1.0
+    return (pa.concat_tables(tables) if tables else None), density, raw_rows
+
+
+def _parse_head(
+    spec: DatasetConfig, path: str, limit: int
+) -> tuple[list[int], list[str], int, int]:
+    """The first good rows of one file, parsed in the driver a bounded part at a time
+    (``formats.read_rows``, as a read task does) until more than ``limit`` are in, or the file
+    ends: (row numbers, records, bytes read for them, bad rows among them). Start-up reads the
+    head of a large first file, never the whole of it."""
+    rows: list[int] = []
+    records: list[str] = []
+    bad = 0
+    codec = compression_of(path)
+    with pa.OSFile(path) as raw:  # bytes read from disk: ``raw.tell()``, compressed or not
+        file = pa.CompressedInputStream(raw, codec) if codec else raw
+        parts = read_rows(
+            file, path, format=spec.format, dataset=spec.name, text_split=spec.text_split,
+            binary=spec.binary, on_bad_row=spec.on_bad_row,
+        )  # fmt: skip
+        for part in parts:
+            rows += part.rows
+            records += part.records
+            bad += len(part.bad)
+            if len(rows) > limit:
+                break
+        consumed = raw.tell()
+    return rows, records, consumed, bad

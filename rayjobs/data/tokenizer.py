@@ -1,0 +1,192 @@
+"""The run's tokenizer: the Rust ``tokenizers`` backend, the special-token ids rayjobs needs, and
+chat rendering, loaded without torch (Tokenize actors on CPU nodes never import it)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rayjobs.config import ConfigError, TokenizerConfig
+from rayjobs.data import templates
+from rayjobs.data.templates import Message, RowError
+
+
+class Tokenizer:
+    """The run's tokenizer: the Rust ``tokenizers`` backend, the special-token ids rayjobs needs and
+    chat rendering.
+
+    A ``tokenizer.json`` (given as the file, or inside a folder with its ``tokenizer_config.json``)
+    loads with ``tokenizers`` alone, and chat templates render with transformers' own Jinja renderer
+    (``render_jinja_template``, which does not import torch): Tokenize actors on CPU nodes never
+    load torch. Only a Hub name, or a folder without ``tokenizer.json`` (slow-tokenizer files that
+    need converting), goes through ``AutoTokenizer``, which imports torch where it is installed.
+    """
+
+    def __init__(self, config: TokenizerConfig):
+        path = Path(config.path)
+        file = path if path.is_file() else path / "tokenizer.json"
+        if file.is_file():
+            from tokenizers import Tokenizer as Backend
+
+            self.backend = Backend.from_file(str(file))
+            settings = _folder_settings(path) if path.is_dir() else {}
+            special = {key: _token_text(settings.get(key)) for key in SPECIAL_TOKENS}
+            chat_template = _chat_template(path, settings) if path.is_dir() else None
+        else:
+            from transformers import AutoTokenizer
+
+            hf = AutoTokenizer.from_pretrained(config.path, local_files_only=path.exists())
+            self.backend = hf.backend_tokenizer
+            special = {key: getattr(hf, key, None) for key in SPECIAL_TOKENS}
+            chat_template = hf.chat_template
+        self.chat_template = config.chat_template or chat_template
+        self.special_tokens = {key: value for key, value in special.items() if value}
+        self.eos_id = self._token_id(
+            config.eos_token, special["eos_token"], "eos_token", fallback="<|endoftext|>"
+        )
+        self.pad_id = self._token_id(
+            config.pad_token, special["pad_token"], "pad_token", fallback=None, default=self.eos_id
+        )
+        # A chat template's eos_token / pad_token are the ones the run uses: a tokenizer.json
+        # given as a file has no folder settings, and a template writing {{ eos_token }} failed
+        # on every row (undefined) even with tokenizer.eos_token set.
+        for key, configured in (("eos_token", config.eos_token), ("pad_token", config.pad_token)):
+            if configured:
+                self.special_tokens[key] = configured
+        self.vocab_size = self.backend.get_vocab_size(with_added_tokens=True)
+        self.bos_id = self._bos_id(config.add_bos)
+        self._eos_text = self.backend.id_to_token(self.eos_id)
+
+    def _token_id(
+        self,
+        configured: str | None,
+        own: str | None,
+        key: str,
+        *,
+        fallback: str | None,
+        default: int | None = None,
+    ) -> int:
+        token = configured or own or fallback
+        token_id = self.backend.token_to_id(token) if token else None
+        if token_id is None:
+            if default is not None and configured is None:  # one the config names must exist
+                return default
+            raise ConfigError(
+                f"tokenizer.{key}: token {token!r} is not in the vocabulary; "
+                f"set tokenizer.{key} to one of its special tokens"
+            )
+        return int(token_id)
+
+    def _bos_id(self, add_bos: bool | None) -> int | None:
+        """The BOS id every sample starts with, or None (``tokenizer.add_bos``): by default the
+        one the tokenizer's post-processor puts first (what ``tokenizer(text)`` gives)."""
+        if add_bos is False:
+            return None
+        plain = self.backend.encode("a", add_special_tokens=False).ids
+        framed = self.backend.encode("a", add_special_tokens=True).ids
+        own = framed[0] if len(framed) > len(plain) and framed[1:][: len(plain)] == plain else None
+        if add_bos is None:
+            return own
+        named = self.special_tokens.get("bos_token")
+        bos = self.backend.token_to_id(named) if named else own
+        if bos is None:
+            raise ConfigError(
+                "tokenizer.add_bos: the tokenizer names no BOS token (no bos_token in its "
+                "settings, none added by its post-processor)"
+            )
+        return int(bos)
+
+    def with_bos(self, ids: list[int], starts: list[int]) -> tuple[list[int], list[int]]:
+        """``ids`` (and their ``starts``) with BOS first where the run adds one and the text did
+        not start with it already."""
+        if self.bos_id is None or (ids and ids[0] == self.bos_id):
+            return ids, starts
+        return [self.bos_id, *ids], [0, *starts]
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [ids for ids, _ in self.encode_with_starts(texts)]
+
+    def encode_with_starts(self, texts: list[str]) -> list[tuple[list[int], list[int]]]:
+        """Each text's token ids and where each token starts (a character offset in the text)."""
+        encodings = self.backend.encode_batch(texts, add_special_tokens=False)
+        return [(e.ids, [start for start, _ in e.offsets]) for e in encodings]
+
+    def ends_with_eos(self, text: str) -> bool:
+        """Whether ``text`` already ends with the EOS token, whitespace aside (a chat template
+        that closes each turn with it: Mistral's ``</s>``, Zephyr's ``</s>\n``, Qwen's
+        ``<|im_end|>\n`` where that is the EOS): then none is appended."""
+        return bool(self._eos_text) and text.rstrip().endswith(self._eos_text)
+
+    def render_chat(
+        self,
+        messages: list[Message],
+        add_generation_prompt: bool,
+        tools: list[templates.Tool] | None = None,
+    ) -> str:
+        """The conversation as the chat template renders it (as ``apply_chat_template`` would,
+        with ``tools``, special tokens visible to the template); ChatML when there is no
+        template.
+
+        Raises:
+            RowError: (``template_error``) the template raised on this conversation, as templates
+                do through ``raise_exception`` ("roles must alternate", ...).
+            jinja2.TemplateSyntaxError: the template itself is not valid Jinja (every row would
+                fail: the run stops under either policy).
+        """
+        if self.chat_template is None:
+            return templates.chatml(messages, add_generation_prompt, tools)
+        # No shortcut for no messages: what a template writes before the first turn (BOS, a
+        # default system prompt) comes before a conversation's opening assistant turn too, and
+        # an empty prompt made it part of that turn's trained text.
+        from jinja2 import TemplateSyntaxError
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        try:
+            rendered, _ = render_jinja_template(
+                conversations=[messages],
+                tools=tools,
+                chat_template=self.chat_template,
+                add_generation_prompt=add_generation_prompt,
+                **self.special_tokens,
+            )
+        except TemplateSyntaxError:
+            raise
+        except Exception as error:  # noqa: BLE001 - whatever a template raises on a row
+            before = " on the turns before the opening assistant turn" if not messages else ""
+            raise RowError(
+                "messages",
+                f"the chat template raised {type(error).__name__}{before}: {error}",
+                reason="template_error",
+            ) from None
+        return rendered[0]
+
+
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
+"""The special tokens a tokenizer folder may name (and a chat template may use)."""
+
+
+def _folder_settings(folder: Path) -> dict[str, Any]:
+    """``special_tokens_map.json`` overlaid with ``tokenizer_config.json`` (where either exists)."""
+    settings: dict[str, Any] = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        if (folder / name).is_file():
+            settings.update(json.loads((folder / name).read_text()))
+    return settings
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as saved by transformers: a string, or an AddedToken dict with content."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _chat_template(folder: Path, settings: dict[str, Any]) -> str | None:
+    """The folder's chat template: ``chat_template.jinja``, else tokenizer_config's
+    ``chat_template`` (a string, or named templates of which ``default`` is used)."""
+    if (folder / "chat_template.jinja").is_file():
+        return (folder / "chat_template.jinja").read_text()
+    template = settings.get("chat_template")
+    if isinstance(template, list):
+        named = {entry.get("name"): entry.get("template") for entry in template}
+        return named.get("default")
+    return template
