@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rayjobs.train import ahead
-from rayjobs.train.loop import rank_batches
+from rayjobs.train.batches import rank_batches
 
 SEQ = 8
 GATE_S = 5

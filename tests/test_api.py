@@ -1,5 +1,5 @@
-"""The library API for users' own training loops (README, "Bring your own training loop"): the
-README's example is extracted and run as written, on the module's local Ray."""
+"""The library API for users' own training loops (docs/own-loop.md): the
+example is extracted and run as written, on the module's local Ray."""
 
 from __future__ import annotations
 
@@ -13,12 +13,13 @@ HEADING = "## Bring your own training loop"
 
 
 def readme_example() -> str:
-    """The first ```python block under the README's "Bring your own training loop" heading."""
-    text = (ROOT / "README.md").read_text()
-    assert HEADING in text, "the README lost its 'Bring your own training loop' section"
+    """The first ```python block under docs/own-loop.md's "Bring your own training loop"
+    heading."""
+    text = (ROOT / "docs" / "own-loop.md").read_text()
+    assert HEADING in text, "docs/own-loop.md lost its 'Bring your own training loop' section"
     section = text.split(HEADING, 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
-    assert blocks, "no python block in the README's 'Bring your own training loop' section"
+    assert blocks, "no python block in docs/own-loop.md.s 'Bring your own training loop' section"
     return blocks[0]
 
 

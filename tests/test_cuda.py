@@ -318,7 +318,8 @@ def test_hf_llama_flex_packed_loss_equals_each_document_alone():
     BlockMask from ``document_ids``: a packed row's loss equals its documents run alone (the
     model issue's fidelity check for flex on a GPU)."""
     pytest.importorskip("transformers")
-    from rayjobs.train.model import PackedLM, build_hf_model
+    from rayjobs.train.hf import build_hf_model
+    from rayjobs.train.model import PackedLM
 
     torch.manual_seed(0)
     hf = build_hf_model(
@@ -371,7 +372,8 @@ def test_hf_sliding_window_flex_documents_equal_the_model_alone():
     where a window one token off moves the logits by ~4. The fixed 1e-4 the CPU test holds
     failed there, as did twice the backends' gap."""
     pytest.importorskip("transformers")
-    from rayjobs.train.model import PackedLM, build_hf_model, hf_model_mask
+    from rayjobs.train.hf import build_hf_model, hf_model_mask
+    from rayjobs.train.model import PackedLM
 
     torch.manual_seed(0)
     qwen2 = {

@@ -22,7 +22,8 @@ from rayjobs.data import preference
 from rayjobs.data.pack import pack_lengths
 from rayjobs.data.rows import IGNORE_INDEX, STAT_COLUMNS
 from rayjobs.train import dpo, masks
-from rayjobs.train.model import Decoder, DecoderConfig, PackedLM, build_hf_model
+from rayjobs.train.hf import build_hf_model
+from rayjobs.train.model import Decoder, DecoderConfig, PackedLM, token_logps
 from test_masks import _tiles_from_block_mask, _tiles_from_dense
 
 HH_DPO = DATA / "dpo" / "hh_rlhf_harmless.dpo.jsonl"
@@ -406,10 +407,10 @@ def _check_packed_equals_alone(
     hidden = policy.hidden_states(
         batch["input_ids"], batch["position_ids"], batch["document_ids"], batch["parent_ids"]
     )
-    token_logps = dpo.token_logps(hidden, policy.head, batch["labels"], chunk_tokens=256)
-    assert token_logps.dtype == dtype
+    logps = token_logps(hidden, policy.head, batch["labels"], chunk_tokens=256)
+    assert logps.dtype == dtype
     policy_chosen, policy_rejected = dpo.response_logps(
-        token_logps, batch["document_ids"], batch["response_role"]
+        logps, batch["document_ids"], batch["response_role"]
     )
     with torch.no_grad():
         ref_chosen, ref_rejected = dpo.packed_logps(reference, batch)
@@ -427,7 +428,7 @@ def _check_packed_equals_alone(
                 [_alone_token_logps(reference, prompt, r) for r in (chosen, rejected)]
             )
     # per token: a row's labelled positions are its triples' chosen then rejected tokens
-    packed_tokens = token_logps[batch["labels"] != IGNORE_INDEX].detach()
+    packed_tokens = logps[batch["labels"] != IGNORE_INDEX].detach()
     alone_tokens = torch.cat([t.detach() for pair in alone["policy"] for t in pair])
     torch.testing.assert_close(packed_tokens, alone_tokens, atol=1e-5, rtol=0)
 
@@ -511,8 +512,8 @@ def test_fidelity_fails_without_the_preference_mask(fidelity_rows):
     def logps(document_ids: torch.Tensor, parent_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
         with torch.no_grad():
             hidden = model.hidden_states(*inputs, document_ids, parent_ids)
-            token_logps = dpo.token_logps(hidden, model.head, labels, chunk_tokens=0)
-        return dpo.response_logps(token_logps, batch["document_ids"], roles)
+            logps = token_logps(hidden, model.head, labels, chunk_tokens=0)
+        return dpo.response_logps(logps, batch["document_ids"], roles)
 
     chosen, rejected = logps(batch["document_ids"], batch["parent_ids"])
     blind_chosen, blind_rejected = logps(batch["document_ids"], batch["document_ids"])
@@ -568,7 +569,7 @@ def test_chunked_token_logps_equal_full_logits():
     results = []
     for chunk in (0, 4):
         model.zero_grad(set_to_none=True)
-        values = dpo.token_logps(hidden, model.head, rows["labels"], chunk_tokens=chunk)
+        values = token_logps(hidden, model.head, rows["labels"], chunk_tokens=chunk)
         values.sum().backward(retain_graph=True)
         results.append((values.detach(), model.model.embedding.weight.grad.clone()))
     (full, full_grad), (chunked, chunked_grad) = results

@@ -23,7 +23,8 @@ from rayjobs.data import templates
 from rayjobs.data.rows import IGNORE_INDEX, assemble
 from rayjobs.data.samples import encode_segments
 from rayjobs.data.tokenizer import Tokenizer
-from rayjobs.train.model import Decoder, DecoderConfig, PackedLM, build_hf_model, chunked_loss_sum
+from rayjobs.train.hf import build_hf_model
+from rayjobs.train.model import Decoder, DecoderConfig, PackedLM, chunked_loss_sum
 
 ARCHITECTURES = {
     "llama": {
@@ -362,7 +363,7 @@ def test_sliding_window_layers_see_a_packed_document_as_they_see_it_alone(
     logits of each document of a packed row equal the model's own forward on the document alone
     (its own sliding-window mask). transformers takes one 4-D mask as it is for every layer, so
     the document mask alone gave the sliding layers whole documents: logits 3-5 off."""
-    from rayjobs.train.model import attention_layers, hf_model_mask
+    from rayjobs.train.hf import attention_layers, hf_model_mask
 
     overrides, kinds = SLIDING[architecture]
     torch.manual_seed(0)
@@ -395,7 +396,7 @@ def test_layers_without_a_document_mask_are_refused():
     """Chunked, linear or convolutional layers would mix a packed row's documents: refused."""
     from types import SimpleNamespace
 
-    from rayjobs.train.model import attention_layers
+    from rayjobs.train.hf import attention_layers
 
     config = SimpleNamespace(sliding_window=None, layer_types=["full_attention", "conv"])
     with pytest.raises(ValueError, match=r"layer types \['conv'\]: rayjobs builds document"):

@@ -1,11 +1,14 @@
-"""Checkpoints and resume: train workers killed mid-run (a test hook SIGKILLs a rank after a given
+"""Checkpoints and resume: train workers killed mid-run (a callback SIGKILLs a rank after a given
 step, not timing luck) and a run resumed by name continue from the last checkpoint: model,
 optimizer, LR schedule, step and the rows each rank had consumed, with what a restart re-sees or
 skips measured against the bound the README states."""
 
 from __future__ import annotations
 
+import hashlib
 import os
+import signal
+import time
 from collections import Counter
 
 import pytest
@@ -14,6 +17,7 @@ import ray.train
 from conftest import ROOT
 from rayjobs.config import ConfigError, config_from_dict
 from rayjobs.job.pipeline import resume_name, run
+from rayjobs.train.callbacks import Callback
 
 DEMO = ROOT / "configs" / "demo"
 BATCH = 2
@@ -50,6 +54,59 @@ def _config(storage, **train):
     )
 
 
+class Trace(Callback):
+    """Appends ``what attempt step fingerprint`` for every row a rank trains on or skips when
+    resuming, and ``loss attempt step value`` after each step, to ``<folder>/rank<r>.txt``: what
+    a restart re-sees, skips and continues."""
+
+    def __init__(self, folder):
+        self.folder = str(folder)
+
+    def _write(self, context, text):
+        with open(os.path.join(self.folder, f"rank{context.rank}.txt"), "a") as f:
+            f.write(text)
+
+    def on_batch(self, context, state, batch, skipped):
+        what = "skip" if skipped else "train"
+        lines = [
+            f"{what} {context.attempt} {state.steps + 1} "
+            f"{hashlib.blake2b(row.tobytes(), digest_size=8).hexdigest()}\n"
+            for row in batch["input_ids"].cpu().numpy()
+        ]
+        self._write(context, "".join(lines))
+
+    def on_step(self, context, state, result):
+        self._write(context, f"loss {context.attempt} {state.steps} {state.losses[-1]!r}\n")
+
+
+class Kill(Callback):
+    """SIGKILLs a rank after a given step, once per marker file: a worker dying the way a lost
+    node's do. It first waits until Ray Train has committed the run's latest checkpoint (listed it
+    in the run's snapshot), so which checkpoint a restart finds does not depend on timing."""
+
+    def __init__(self, faults):
+        self.faults = faults
+
+    def on_step(self, context, state, result):
+        for fault in self.faults:
+            if (fault["rank"], fault["step"]) != (context.rank, state.steps):
+                continue
+            if os.path.exists(fault["marker"]):
+                continue
+            if state.checkpoints:
+                name = os.path.basename(state.checkpoints[-1]["path"])
+                storage = ray.train.get_context().get_storage()
+                snapshot = storage.checkpoint_manager_snapshot_path
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline:
+                    if os.path.exists(snapshot) and name in open(snapshot).read():
+                        break
+                    time.sleep(0.1)
+            with open(fault["marker"], "w") as f:
+                f.write(str(state.steps))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _trace(folder):
     """Per attempt: rows trained and skipped (digest → count, all ranks) and losses by step."""
     rows = {}
@@ -77,14 +134,14 @@ def test_killed_workers_and_a_resumed_run_continue_from_the_last_checkpoint(ray_
     # keep_checkpoints: the restarts need only the latest; older ones are deleted as they go
     config = _config(tmp_path / "runs", max_failures=1, keep_checkpoints=2)
     with pytest.raises(ray.train.TrainingFailedError):
-        run(config, hooks={"faults": faults, "trace": str(trace)})
+        run(config, callbacks=[Trace(trace), Kill(faults)])
     assert (tmp_path / "fault1").exists() and (tmp_path / "fault2").exists()
     # The stopped run is resumed by name (``rayjobs run CONFIG --resume``: the latest run). In
     # it rank 0 dies after the last step, 12 = max_steps, just checkpointed: the workers restart
     # from checkpoint_step_12 with nothing left to train (they used to train a 13th step).
     name = resume_name(config, "latest")
     last = {"rank": 0, "step": 12, "marker": str(tmp_path / "fault3")}
-    summary = run(config, resume="latest", hooks={"faults": [last], "trace": str(trace)})
+    summary = run(config, resume="latest", callbacks=[Trace(trace), Kill([last])])
     assert summary["run_name"] == name
     assert (tmp_path / "fault3").exists()
     # Two worker groups started in this run (the restart after step 12): its stream was read

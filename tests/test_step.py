@@ -1,4 +1,4 @@
-"""The optimizer step (``train.train_step``), without Ray: gradient accumulation gives the
+"""The optimizer step (``step.train_step``), without Ray: gradient accumulation gives the
 gradient of one larger batch, clipping bounds the update, bf16 autocast runs on CPU, the LR
 schedule's literal values, and FSDP2 over two gloo processes takes the same step as one process
 on the whole batch (demo decoder and a tiny Llama)."""
@@ -19,17 +19,13 @@ import torch.multiprocessing as mp
 
 from rayjobs.config import TrainConfig
 from rayjobs.data.rows import IGNORE_INDEX
-from rayjobs.train import loop as train
+from rayjobs.train import build, checkpoint, objectives, step
+from rayjobs.train.build import lr_lambda, parallelize, transformer_blocks
+from rayjobs.train.checkpoint import full_state, save_model
 from rayjobs.train.collate import collate
-from rayjobs.train.loop import (
-    _full_state,
-    lr_lambda,
-    parallelize,
-    save_model,
-    train_step,
-    transformer_blocks,
-)
-from rayjobs.train.model import Decoder, DecoderConfig, PackedLM, build_hf_model
+from rayjobs.train.hf import build_hf_model
+from rayjobs.train.model import Decoder, DecoderConfig, PackedLM
+from rayjobs.train.step import train_step
 
 VOCAB = 97
 SEQ = 32
@@ -94,8 +90,9 @@ def _step(model, group, optimizer=None, reference=None, beta=0.1, **train):
         fsdp=False,
         bf16=False,
         spec=spec,
-        reference=reference,
-        beta=beta,
+        objective=objectives.objective_for(
+            "dpo" if reference is not None else "sft", reference, beta
+        ),
     )
 
 
@@ -123,7 +120,7 @@ def test_a_step_reports_the_learning_rate_it_used():
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, train.lr_lambda("cosine", warmup_steps=4, max_steps=8, min_ratio=0.0)
+        optimizer, build.lr_lambda("cosine", warmup_steps=4, max_steps=8, min_ratio=0.0)
     )
     spec = TrainConfig(max_steps=8, warmup_steps=4)
     used = []
@@ -180,9 +177,9 @@ SCHEDULES = [
 @pytest.mark.parametrize(("schedule", "warmup", "max_steps", "floor", "expected"), SCHEDULES)
 def test_lr_schedule(schedule, warmup, max_steps, floor, expected):
     factor = lr_lambda(schedule, warmup, max_steps, floor)
-    for step, value in zip((0, 1, 2, 6, 10), expected, strict=True):
+    for at, value in zip((0, 1, 2, 6, 10), expected, strict=True):
         if value is not None:
-            assert factor(step) == pytest.approx(value, abs=1e-12), step
+            assert factor(at) == pytest.approx(value, abs=1e-12), at
 
 
 def _free_port() -> int:
@@ -205,7 +202,7 @@ def _fsdp_worker(rank: int, port: int, kind: str, rows: dict, out: str) -> None:
     torch.set_num_threads(1)
     packed = _model(kind.removesuffix("+ac"))
     if kind.endswith("+ac"):  # activation checkpointing under FSDP2's hooks
-        train.enable_activation_checkpointing(packed)
+        build.enable_activation_checkpointing(packed)
     calls = []  # block forwards (as test_activation_checkpointing_recomputes_each_block_...)
     blocks = transformer_blocks(packed)  # (found by class name, which fully_shard changes)
     for block in blocks:
@@ -229,8 +226,8 @@ def _fsdp_worker(rank: int, port: int, kind: str, rows: dict, out: str) -> None:
     # row while rank 0 runs its third batch; FSDP2 needs both in every forward.
     share = {k: v[:5] if rank == 0 else v[5:] for k, v in rows.items()}
     kwargs = {"seq_len": SEQ, "device": torch.device("cpu"), "bf16": False}
-    evaluation = train.evaluate(model, _Shard(share), 3, 2, **kwargs)
-    state, optimizer_state = _full_state(model, optimizer, fsdp=True)
+    evaluation = step.evaluate(model, _Shard(share), 3, 2, **kwargs)
+    state, optimizer_state = full_state(model, optimizer, fsdp=True)
     gathered = []  # FSDP groups gathered at each block's forward in the checkpoint's probe
     if kind == "llama":  # the final model as a checkpoint writes it: every rank, rank 0 writes
         groups = [m for m in model.modules() if isinstance(m, FSDPModule)]
@@ -238,9 +235,9 @@ def _fsdp_worker(rank: int, port: int, kind: str, rows: dict, out: str) -> None:
             block.register_forward_pre_hook(
                 lambda *_: gathered.append(sum(_gathered(g) for g in groups)), prepend=False
             )
-        train.save_tokenizer = lambda *_: None  # the tokenizer files: the DDP run's test
+        checkpoint.save_tokenizer = lambda *_: None  # the tokenizer files: the DDP run's test
         vocab = types.SimpleNamespace(vocab_size=VOCAB)
-        final = train._full_model_state(model)  # the final save's gather (no optimizer state)
+        final = checkpoint.full_model_state(model)  # the final save's gather (no optimizer state)
         assert final.keys() == state.keys() and all(torch.equal(final[k], state[k]) for k in state)
         save_model(model, vocab, os.path.dirname(out), state_dict=final, write=rank == 0)
     # The checkpoint loads back into a freshly sharded model and optimizer through a restart's
@@ -250,22 +247,22 @@ def _fsdp_worker(rank: int, port: int, kind: str, rows: dict, out: str) -> None:
 
     folder = os.path.join(os.path.dirname(out), f"checkpoint_rank{rank}")
     os.makedirs(folder)
-    saved_state = train.TrainState(steps=5, rows_consumed=7, rows=40)
+    saved_state = checkpoint.TrainState(steps=5, rows_consumed=7, rows=40)
     if rank == 0:
         blob = {"model": state, "optimizer": optimizer_state, "scheduler": scheduler.state_dict()}
         blob["state"] = dataclasses.asdict(saved_state)
-        torch.save(blob, os.path.join(folder, train.TRAIN_STATE))
+        torch.save(blob, os.path.join(folder, checkpoint.TRAIN_STATE))
     ray.train.get_checkpoint = lambda: ray.train.Checkpoint.from_directory(folder)
     context = types.SimpleNamespace(get_world_rank=lambda: rank)
     ray.train.get_context = lambda: context
     fresh = parallelize(_model(kind.removesuffix("+ac")), "fsdp")
     fresh_optimizer = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
     fresh_scheduler = torch.optim.lr_scheduler.LambdaLR(fresh_optimizer, lambda _: 1.0)
-    restored = train._restore(fresh, fresh_optimizer, fresh_scheduler, fsdp=True)
+    restored = checkpoint.restore(fresh, fresh_optimizer, fresh_scheduler, fsdp=True)
     assert (restored.steps, restored.rows_consumed) == (5, 7), restored
     assert restored.rows == (40 if rank == 0 else 0)  # totals counted once
     assert fresh_scheduler.last_epoch == scheduler.last_epoch == 1
-    reloaded, reloaded_optimizer = _full_state(fresh, fresh_optimizer, fsdp=True)
+    reloaded, reloaded_optimizer = full_state(fresh, fresh_optimizer, fsdp=True)
     if rank == 0:
         momentum = {k: v["momentum_buffer"] for k, v in optimizer_state["state"].items()}
         result = {"state": state, "momentum": momentum, "loss": loss, "norm": norm}
@@ -294,7 +291,7 @@ def test_fsdp_over_two_processes_takes_the_single_process_step(kind, tmp_path):
     assert result["loss"] == pytest.approx(loss, abs=1e-5)
     assert result["norm"] == pytest.approx(norm, rel=1e-4)
     kwargs = {"seq_len": SEQ, "device": torch.device("cpu"), "bf16": False}
-    evaluation = train.evaluate(reference, _Shard(rows), 4, 2, **kwargs)
+    evaluation = step.evaluate(reference, _Shard(rows), 4, 2, **kwargs)
     assert result["eval_rows"] == evaluation.rows == 8
     assert result["eval_loss"] == pytest.approx(evaluation.loss, abs=1e-5)
     state = reference.state_dict()
@@ -426,8 +423,8 @@ def test_dpo_starts_at_log2_for_a_model_with_dropout(disable_dropout, equal):
 
     config, tokenizer = _gpt2("preference", task="dpo", dpo={"disable_dropout": disable_dropout})
     device = torch.device("cpu")
-    policy = train.build_model(config, tokenizer, device, "sdpa")
-    reference = train.build_model(config, tokenizer, device, "sdpa").eval().requires_grad_(False)
+    policy = build.build_model(config, tokenizer, device, "sdpa")
+    reference = build.build_model(config, tokenizer, device, "sdpa").eval().requires_grad_(False)
     rng = np.random.default_rng(0)
     triples = [preference.Triple(*(rng.integers(0, VOCAB, n) for n in (6, 5, 5))) for _ in range(6)]
     batch = collate(preference.assemble_triples(triples, [np.arange(3), np.arange(3, 6)], 64, 0))
@@ -448,14 +445,14 @@ def _fsdp_dpo_worker(rank: int, port: int, rows: dict, out: str) -> None:
     torch.set_num_threads(1)
     policy, reference = _dpo_models()
     model = parallelize(policy, "fsdp")
-    reference = train.frozen_reference(reference, fsdp=True)  # as train_loop builds it
+    reference = build.frozen_reference(reference, fsdp=True)  # as train_loop builds it
     local = sum(p.to_local().numel() for p in reference.parameters())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     mine = {k: v[rank * 2 : rank * 2 + 2] for k, v in rows.items()}
     result = _step(model, [_batch(mine, 0, 2)], optimizer, reference=reference, beta=0.5)
     groups = [m for m in reference.modules() if isinstance(m, FSDPModule)]
     gathered = [_gathered(group) for group in groups]  # after the reference's forward
-    state, _ = _full_state(model, optimizer, fsdp=True)
+    state, _ = full_state(model, optimizer, fsdp=True)
     if rank == 0:
         result = {"state": state, "loss": result.loss, "dpo": result.dpo, "local": local}
         torch.save({**result, "gathered": gathered}, out)
@@ -504,9 +501,9 @@ def test_each_rank_draws_its_own_dropout_masks():
     def kept(seed_as: tuple[int, int] | None) -> torch.Tensor:
         """What the embedding dropout kept in one training forward on a freshly built model,
         its rank's RNG seeded as ``(rank, step)``."""
-        packed = train.build_model(config, tokenizer, torch.device("cpu"), "sdpa")
+        packed = build.build_model(config, tokenizer, torch.device("cpu"), "sdpa")
         if seed_as is not None:
-            train.seed_rank(config.seed, *seed_as)
+            build.seed_rank(config.seed, *seed_as)
         seen = []
         packed.model.transformer.drop.register_forward_hook(lambda m, i, out: seen.append(out))
         packed(*columns)
@@ -525,8 +522,8 @@ def test_weight_decay_spares_biases_and_norm_gains():
     were and shrinks every matrix and embedding by exactly 1 − lr × weight_decay (with one
     group, norm gains were pulled toward 0 like the matrices)."""
     config, tokenizer = _gpt2()
-    packed = train.build_model(config, tokenizer, torch.device("cpu"), "sdpa")
-    optimizer = train.build_optimizer(packed, TrainConfig(lr=0.01, weight_decay=0.1))
+    packed = build.build_model(config, tokenizer, torch.device("cpu"), "sdpa")
+    optimizer = build.build_optimizer(packed, TrainConfig(lr=0.01, weight_decay=0.1))
     before = {name: p.detach().clone() for name, p in packed.named_parameters()}
     for p in packed.parameters():
         p.grad = torch.zeros_like(p)
@@ -551,11 +548,11 @@ def test_activation_checkpointing_recomputes_each_block_for_the_same_gradients(k
     def run(checkpointing: bool) -> tuple[dict[str, torch.Tensor], int]:
         if kind == "gpt2":
             config, tokenizer = _gpt2(train_keys={"activation_checkpointing": checkpointing})
-            packed = train.build_model(config, tokenizer, torch.device("cpu"), "sdpa")
+            packed = build.build_model(config, tokenizer, torch.device("cpu"), "sdpa")
         else:
             packed = _model(kind)
             if checkpointing:
-                train.enable_activation_checkpointing(packed)
+                build.enable_activation_checkpointing(packed)
         calls = []
         for block in transformer_blocks(packed):
             # On the block's first submodule, as a pre-hook: HF checkpoints a layer's forward,
@@ -598,35 +595,35 @@ def test_evaluate_sees_every_row_once_through_padding_and_restores_training():
     # 7 rows in batches of 3: 3 + 3 + 1, then two rows of padding (another rank's share is
     # longer): they add nothing.
     kwargs = {"seq_len": SEQ, "device": torch.device("cpu"), "bf16": False}
-    result = train.evaluate(model, _Shard(rows), 5, 3, **kwargs)
+    result = step.evaluate(model, _Shard(rows), 5, 3, **kwargs)
     assert (result.rows, result.tokens) == (7, tokens)
     assert result.loss == pytest.approx(float(total) / tokens, rel=1e-6)
     assert model.training and result.dpo is None
-    exact = train.evaluate(model, _Shard(rows), 3, 3, **kwargs)  # no padding: the same loss
+    exact = step.evaluate(model, _Shard(rows), 3, 3, **kwargs)  # no padding: the same loss
     assert exact.loss == pytest.approx(result.loss, rel=1e-12)
     with pytest.raises(RuntimeError, match="more than the 2 batches of 3 rows"):
-        train.evaluate(model, _Shard(rows), 2, 3, **kwargs)
+        step.evaluate(model, _Shard(rows), 2, 3, **kwargs)
     assert model.training  # restored after an error too
 
 
 @pytest.mark.parametrize("preference", [False, True])
 def test_a_padding_row_adds_nothing_to_an_evaluation(preference):
     model = _model().eval()
-    row = train._padding_row(SEQ, preference, torch.device("cpu"))
-    reference = model if preference else None
+    objective = objectives.objective_for("dpo" if preference else "sft", model)
+    row = objective.padding_row(SEQ, torch.device("cpu"))
     with torch.no_grad():
-        loss, sums = train._forward(model, row, False, reference)
+        loss, sums = objective.forward(model, row)
     assert float(loss) == 0.0 and not sums.any()
     assert row["input_ids"].shape == (1, SEQ) and ("response_role" in row) == preference
 
 
 def test_evaluate_runs_without_dropout_and_leaves_it_on_for_training():
     config, tokenizer = _gpt2()  # dropout 0.1
-    packed = train.build_model(config, tokenizer, torch.device("cpu"), "sdpa").train()
+    packed = build.build_model(config, tokenizer, torch.device("cpu"), "sdpa").train()
     rows = _rows(4, seed=5)
     kwargs = {"seq_len": SEQ, "device": torch.device("cpu"), "bf16": False}
-    first = train.evaluate(packed, _Shard(rows), 2, 2, **kwargs)
-    second = train.evaluate(packed, _Shard(rows), 2, 2, **kwargs)
+    first = step.evaluate(packed, _Shard(rows), 2, 2, **kwargs)
+    second = step.evaluate(packed, _Shard(rows), 2, 2, **kwargs)
     assert first.loss == second.loss  # no dropout: the same forward twice
     assert packed.training
     batch = _batch(rows, 0, 4)
@@ -651,7 +648,7 @@ def test_default_flex_falls_back_where_the_architecture_has_none(
     once Ray and the data had started. The default now falls back to ``sdpa`` (the dense
     document mask) where the class has no flex; an explicit ``attn_implementation`` is kept.
     ``hf_attention`` stands in for a CUDA device (flex cannot build or train on CPU here)."""
-    from rayjobs.train.model import supports_flex
+    from rayjobs.train.hf import supports_flex
 
     config, tokenizer = _gpt2()
     model = {"attn_implementation": chosen}  # copied past validation: flex needs use_gpu
@@ -663,13 +660,13 @@ def test_default_flex_falls_back_where_the_architecture_has_none(
         update={"model": config.train.model.model_copy(update=model)}
     )
     config = config.model_copy(update={"train": train_config})
-    monkeypatch.setattr(train, "hf_attention", lambda config, device: "flex_attention")
+    monkeypatch.setattr(build, "hf_attention", lambda config, device: "flex_attention")
     # the head check's forward: flex uncompiled on CPU took 20 s, and it is not what is tested
-    monkeypatch.setattr(train.PackedLM, "check_head", lambda self: 0.0)
+    monkeypatch.setattr(build.PackedLM, "check_head", lambda self: 0.0)
     if built == "refused":
         with pytest.raises(ValueError, match="GPT2LMHeadModel does not support .*flex_attention"):
-            train.build_model(config, tokenizer, torch.device("cpu"), "sdpa")
+            build.build_model(config, tokenizer, torch.device("cpu"), "sdpa")
         return
-    packed = train.build_model(config, tokenizer, torch.device("cpu"), "sdpa")
+    packed = build.build_model(config, tokenizer, torch.device("cpu"), "sdpa")
     assert packed.attention == built
     assert supports_flex(packed.model.config) == (model_type == "llama")

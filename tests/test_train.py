@@ -10,7 +10,8 @@ import pytest
 import ray.data
 import torch
 
-from rayjobs.train.loop import hf_attention, resolve_attention, train_batches
+from rayjobs.train.batches import train_batches
+from rayjobs.train.build import hf_attention, resolve_attention
 
 SEQ_LEN = 8
 
@@ -41,13 +42,13 @@ def _count_batches(loop_config: dict) -> None:
     import ray.train
     import torch.distributed as dist
 
-    from rayjobs.train.loop import _Guard
+    from rayjobs.train.batches import Guard
 
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
     metrics = {}
     for case, (names, batch_size, drop_last) in enumerate(loop_config["cases"]):
-        guard = _Guard()
+        guard = Guard()
         batches = train_batches(
             names[rank], batch_size, device=torch.device("cpu"), guard=guard, drop_last=drop_last
         )
@@ -141,8 +142,8 @@ def test_train_batches_mask_lets_each_response_see_its_prompt():
     response. One literal triple: prompt [5, 6, 7], chosen [8, 9], rejected [10]; the row is
     5 6 | 7 8 9 | 7 10 | padding (the prompt's last token heads each response)."""
     from rayjobs.data import preference
+    from rayjobs.train.batches import attention_mask
     from rayjobs.train.collate import collate
-    from rayjobs.train.loop import attention_mask
 
     triple = preference.Triple(np.array([5, 6, 7]), np.array([8, 9]), np.array([10]))
     batch = collate(preference.assemble_triples([triple], [np.array([0])], 10, pad_id=0))
@@ -163,7 +164,7 @@ def test_train_batches_masks_follow_a_models_sliding_window_layers():
     from transformers import AutoConfig
 
     from rayjobs.train import masks
-    from rayjobs.train.loop import attention_mask
+    from rayjobs.train.batches import attention_mask
 
     batch = {
         "document_ids": torch.tensor([[0, 0, 0, 0, 0, 1, 1, 1]]),

@@ -8,7 +8,6 @@ is the check every run ends with (docs/design.md, "Exactly-once accounting").
 
 from __future__ import annotations
 
-import os
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
@@ -49,15 +48,9 @@ def report_actor(ledger: Any, kind: str) -> None:
 
 def report(ledger: Any, method: str, *args: Any) -> None:
     """Call ``ledger.<method>(*args)`` and wait for it (so counts are in before rows move on);
-    no-op without a ledger (in-process use, unit tests). If the ledger answers ``FAIL`` (fault
-    injection, ``Ledger(fail_after=...)``), this process dies right after its report is in, as a
-    crashed actor would: the tests of exactly-once accounting use it."""
-    if ledger is not None and ray.get(getattr(ledger, method).remote(*args)) == FAIL:
-        os._exit(1)
-
-
-FAIL = "fail"
-"""The ledger's answer that tells a reporting actor to die (fault injection)."""
+    no-op without a ledger (in-process use, unit tests)."""
+    if ledger is not None:
+        ray.get(getattr(ledger, method).remote(*args))
 
 
 @dataclass

@@ -28,7 +28,6 @@ import numpy as np
 import ray
 
 from rayjobs.data.counts import (
-    FAIL,
     PackCounts,
     TokenizeCounts,
     _merge,
@@ -55,18 +54,10 @@ class Ledger:
     def __init__(
         self,
         run_name: str = "rayjobs",
-        fail_after: dict[str, int] | None = None,
-        dedupe: bool = True,
         datasets: tuple[str, ...] | list[str] = (),
     ):
-        """``fail_after``: fault injection for tests, ``{"add_tokenize": n}`` makes the actor
-        whose report is the n-th of that kind die right after it (once per kind); ``dedupe``
-        off (tests only) adds a batch Ray runs again twice, as the ledger once did.
-        ``datasets``: the config's dataset names; every counter of each, and the pack counters,
-        are exported at 0 from here on, before any batch (``_init_counter``)."""
-        self._fail_after = dict(fail_after or {})
-        self._dedupe = dedupe
-        self._reports: dict[str, int] = defaultdict(int)
+        """``datasets``: the config's dataset names; every counter of each, and the pack
+        counters, are exported at 0 from here on, before any batch (``_init_counter``)."""
         self.tokenize: dict[str, TokenizeCounts] = defaultdict(TokenizeCounts)  # by dataset
         self.actors: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self.pack: dict[int, PackCounts] = defaultdict(PackCounts)
@@ -75,7 +66,7 @@ class Ledger:
         self._used: dict[tuple[int, str], float] = defaultdict(float)
         self._admitted: dict[str, dict[str, int]] = {}
         self._seen: set[str] = set()
-        self.repeated_reports = self.injected_faults = 0
+        self.repeated_reports = 0
         self.attempts = 0  # worker groups started on the run (start_attempt)
         self._series = _series(name for name in METRICS if not name.startswith("rayjobs_train_"))
         self._counters = {name: self._series[f"rayjobs_{name}"] for name in _TOKENIZE_COUNTERS}
@@ -132,19 +123,11 @@ class Ledger:
         self._admitted[key] = grant
         return grant
 
-    def _answer(self, method: str) -> str | None:
-        """``FAIL`` if fault injection wants this report's sender dead, else None."""
-        self._reports[method] += 1
-        if self._reports[method] == self._fail_after.get(method):
-            self.injected_faults += 1
-            return FAIL
-        return None
-
     def _first(self, key: str | None) -> bool:
         """Whether the batch ``key`` names is reported for the first time (a ``None`` key always
         is); a repeat is Ray running the batch again (a task retried after its actor died) and
         is counted under ``repeated_reports``, not added."""
-        if key is None or not self._dedupe:
+        if key is None:
             return True
         if key in self._seen:
             self.repeated_reports += 1
@@ -157,7 +140,7 @@ class Ledger:
         by_dataset: dict[str, TokenizeCounts],
         key: str | None = None,
         lengths: dict[str, list[int]] | None = None,
-    ) -> str | None:
+    ) -> None:
         """One Tokenize batch's counts, per dataset; ``key`` identifies the batch (see
         ``batch_key``), so a batch Ray runs twice is counted once. ``lengths``: each sample's
         tokens, per dataset (the ``rayjobs_sample_tokens`` histogram: observed here, once per
@@ -176,7 +159,6 @@ class Ledger:
                 if getattr(counts, name):
                     counter.inc(getattr(counts, name), tags=tags)
         self._last_record = time.monotonic()
-        return self._answer("add_tokenize")
 
     def add_pack(
         self,
@@ -184,7 +166,7 @@ class Ledger:
         counts: PackCounts,
         key: str | None = None,
         samples_per_pack: list[int] | None = None,
-    ) -> str | None:
+    ) -> None:
         """One packing call's counts for ``epoch``; ``key`` as in ``add_tokenize``;
         ``samples_per_pack``: each emitted row's samples (the ``rayjobs_samples_per_pack``
         histogram)."""
@@ -202,7 +184,6 @@ class Ledger:
         total_slots = sum(c.num_slots for c in self.pack.values())
         self._efficiency.set(packing_efficiency(total_tokens, total_slots), tags=tags)
         self._last_record = time.monotonic()
-        return self._answer("add_pack")
 
     def add_mix(self, mixes: list[dict[str, dict[str, float]]]) -> None:
         """The realized mix of each epoch (``Job.mixes``: what the pack stage counted) as gauges."""
@@ -254,6 +235,5 @@ class Ledger:
             "pack": {epoch: asdict(c) for epoch, c in sorted(self.pack.items())},
             "actors": {kind: dict(nodes) for kind, nodes in sorted(self.actors.items())},
             "repeated_reports": self.repeated_reports,
-            "injected_faults": self.injected_faults,
             "attempts": self.attempts,
         }

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import os
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +33,8 @@ from rayjobs.data.planned import Epochs
 from rayjobs.data.sources import read_dataset
 from rayjobs.data.tokenizer import Tokenizer
 from rayjobs.job.ledger import Ledger
-from rayjobs.train.loop import FINAL_SUMMARY
+from rayjobs.train.callbacks import Callback
+from rayjobs.train.names import EVAL_DATASET, FINAL_SUMMARY
 
 
 def init_ray(config: Config) -> None:
@@ -202,7 +204,7 @@ def eval_rows(config: Config, job: Job) -> tuple[ray.data.Dataset, Any]:
     ``Ledger`` (run ``<run>-eval``: their counts are not the training data's), which the caller
     ends. ``held_out`` trains with them; ``export`` and ``inspect`` write and report them."""
     names = [spec.name for spec in config.eval.datasets]
-    ledger = Ledger.remote(f"{job.name}-eval", None, True, names)
+    ledger = Ledger.remote(f"{job.name}-eval", names)
     try:
         return stream.packed_rows(eval_config(config), job.tokenizer.pad_id, ledger), ledger
     except BaseException:
@@ -231,8 +233,6 @@ def held_out(config: Config, job: Job) -> HeldOut | None:
     shares = rows.split_at_indices(cuts) if cuts else [rows]
     batch_size = config.eval.batch_size or config.train.batch_size
     batches = math.ceil(math.ceil(num_packs / workers) / batch_size)
-    from rayjobs.train.loop import EVAL_DATASET
-
     datasets = {f"{EVAL_DATASET}{rank}": share for rank, share in enumerate(shares)}
     return HeldOut(ledger, datasets, batches, num_packs)
 
@@ -240,8 +240,6 @@ def held_out(config: Config, job: Job) -> HeldOut | None:
 def start_job(
     config: Config,
     prefix: str = "rayjobs",
-    fail_after: dict[str, int] | None = None,
-    dedupe: bool = True,
     name: str | None = None,
     tokenizer: Tokenizer | None = None,
 ) -> Job:
@@ -249,12 +247,11 @@ def start_job(
     passes the one it loaded to check the model's config), connect to or start Ray, create the
     run's ``Ledger`` and the packed rows (lazy in stream mode; planned mode tokenizes once here).
     ``run``, ``export`` and the benches all start here.
-    ``name``: the run's name (default ``<prefix>-<8 hex digits>``; a resumed run keeps its own).
-    ``fail_after`` and ``dedupe`` are the ledger's fault injection, for tests."""
+    ``name``: the run's name (default ``<prefix>-<8 hex digits>``; a resumed run keeps its own)."""
     tokenizer = tokenizer or load_tokenizer(config)
     init_ray(config)
     name = name or f"{prefix}-{uuid.uuid4().hex[:8]}"
-    ledger = Ledger.remote(name, fail_after, dedupe, [spec.name for spec in config.datasets])
+    ledger = Ledger.remote(name, [spec.name for spec in config.datasets])
     if config.packing.mode == "planned":
         epochs = Epochs(config, tokenize(config, ledger), tokenizer.pad_id, ledger)
         return Job(config, name, tokenizer, ledger, epochs=epochs)
@@ -301,26 +298,26 @@ def _finished(run_folder: str) -> bool:
 
 
 def run(
-    config: Config, resume: str | None = None, hooks: dict[str, Any] | None = None
+    config: Config, resume: str | None = None, callbacks: Sequence[Callback] = ()
 ) -> dict[str, Any]:
     """Run the whole job and return the summary (see README, "Run summary").
 
     ``resume``: a run name under ``train.storage_path`` (or ``latest``): the run continues from
-    its latest periodic checkpoint (``train.checkpoint_every``) under the same name. ``hooks``:
-    fault injection and tracing for tests (``train._fault``, ``train._trace``)."""
-    from rayjobs.train.loop import check_model_config
+    its latest periodic checkpoint (``train.checkpoint_every``) under the same name.
+    ``callbacks``: hooks into every train worker's loop (``rayjobs.train.callbacks``)."""
+    from rayjobs.train.build import check_model_config
 
     tokenizer = load_tokenizer(config)
     check_model_config(config, tokenizer)  # before Ray and the data start
     name = resume_name(config, resume) if resume else None
     job = start_job(config, name=name, tokenizer=tokenizer)
     try:
-        return _train(config, job, hooks)
+        return _train(config, job, callbacks)
     finally:
         job.close()
 
 
-def _train(config: Config, job: Job, hooks: dict[str, Any] | None) -> dict[str, Any]:
+def _train(config: Config, job: Job, callbacks: Sequence[Callback]) -> dict[str, Any]:
     """``run`` once its job is set up: train on its datasets, then the summary."""
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -341,7 +338,7 @@ def _train(config: Config, job: Job, hooks: dict[str, Any] | None) -> dict[str, 
             "eval_batches": job.held_out.batches if job.held_out else None,
             "eval_packs": job.held_out.num_packs if job.held_out else None,
             "ledger": job.ledger,  # rank 0 counts the worker groups started (attempts)
-            **(hooks or {}),
+            "callbacks": list(callbacks),
         },
         scaling_config=ScalingConfig(
             num_workers=config.train.num_workers,

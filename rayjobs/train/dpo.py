@@ -1,9 +1,7 @@
 """The DPO loss on packed preference rows (``rayjobs.data.preference`` lays the rows out).
 
-``token_logps`` is the log-prob of every labelled position, computed like
-``model.chunked_loss_sum``: only labelled positions reach the lm head, a chunk at a time inside
-``torch.utils.checkpoint`` (a 128k vocabulary × a batch of positions would not fit otherwise).
-``response_logps`` sums them per response document and pairs chosen and rejected per triple, in
+``PackedLM`` gives the log-prob of every labelled position (``model.token_logps``: only labelled
+positions reach the lm head, a chunk at a time). ``response_logps`` sums them per response document and pairs chosen and rejected per triple, in
 pack order (row by row, left to right: the order of ``np.concatenate(bins)``). ``dpo_loss`` is the
 sigmoid DPO loss with its rewards and metrics; ``dpo_loss_sum`` returns the sum and the triple
 count, so a data-parallel caller divides by the *global* count, as the train step does for token
@@ -12,75 +10,17 @@ loss.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 from rayjobs.data.preference import ROLE_CHOSEN, ROLE_REJECTED
-from rayjobs.data.rows import IGNORE_INDEX
 
 if TYPE_CHECKING:
     from rayjobs.train.model import PackedLM
-
-
-def _chunk_logps(
-    head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, targets: torch.Tensor
-) -> torch.Tensor:
-    import torch
-    import torch.nn.functional as F
-
-    logits = head(hidden)
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 → fp32, fp64 stays
-    return -F.cross_entropy(logits, targets, reduction="none")
-
-
-def token_logps(
-    hidden: torch.Tensor,
-    head: Callable[[torch.Tensor], torch.Tensor],
-    labels: torch.Tensor,
-    chunk_tokens: int = 1024,  # model.DEFAULT_LOSS_CHUNK_TOKENS (not imported: it imports torch)
-) -> torch.Tensor:
-    """[B,S]: ``log p(labels[t] | input up to t)`` where ``labels[t]`` is not -100, else 0; fp32
-    (fp64 for an fp64 model).
-
-    As ``model.chunked_loss_sum``: only labelled positions reach ``head``, ``chunk_tokens`` of them
-    at a time inside ``torch.utils.checkpoint`` (no batch-sized logits kept; backward recomputes a
-    chunk's); ``chunk_tokens=0`` projects them all at once. An empty chunk still runs when nothing
-    is labelled, so every head parameter takes part in backward (DDP expects that).
-
-    Args:
-        hidden: [B,S,dim] final hidden states.
-        head: hidden [n,dim] → logits [n,vocab] (e.g. ``PackedLM.head``).
-        labels: [B,S] shifted labels, -100 where no loss.
-        chunk_tokens: labelled positions per chunk (>= 0).
-    """
-    import torch
-    from torch.utils.checkpoint import checkpoint
-
-    if chunk_tokens < 0:
-        raise ValueError(f"chunk_tokens must be >= 0, got {chunk_tokens}.")
-    labelled = (labels != IGNORE_INDEX).reshape(-1)
-    selected = hidden.reshape(-1, hidden.shape[-1])[labelled]
-    targets = labels.reshape(-1)[labelled].long()
-    if not chunk_tokens:
-        values = _chunk_logps(head, selected, targets)
-    else:
-        values = torch.cat(
-            [
-                checkpoint(
-                    _chunk_logps,
-                    head,
-                    selected[start : start + chunk_tokens],
-                    targets[start : start + chunk_tokens],
-                    use_reentrant=False,
-                )
-                for start in range(0, max(len(targets), 1), chunk_tokens)
-            ]
-        )
-    out = torch.zeros(labelled.shape, dtype=values.dtype, device=hidden.device)
-    return out.masked_scatter(labelled, values).reshape(labels.shape)
 
 
 def response_logps(
@@ -98,8 +38,6 @@ def response_logps(
     Raises:
         ValueError: if a chosen document has no rejected document after it (not a preference row).
     """
-    import torch
-
     batch_size, seq_len = document_ids.shape
     width = seq_len + 1  # ids of a row are at most its seq_len (3 per triple of >= 4 tokens)
     slot = torch.arange(batch_size, device=document_ids.device)[:, None] * width + document_ids
@@ -121,19 +59,20 @@ def response_logps(
 def packed_logps(
     model: PackedLM, batch: Mapping[str, torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(chosen, rejected) summed log-probs [T] of every triple in ``batch`` (the
-    :data:`DPO_COLUMNS` as tensors [B,S]) under ``model``, a ``PackedLM`` (demo decoder or Hugging
-    Face model) or the DDP/FSDP module wrapping one: one forward with the preference mask, the lm
-    head on labelled positions only, ``model.loss_chunk_tokens`` at a time. Run it under
-    ``torch.no_grad()`` for the reference model."""
-    return model(
+    """(chosen, rejected) summed log-probs [T] of every triple in ``batch`` (the preference
+    rows' columns as tensors [B,S]) under ``model``, a ``PackedLM`` or the DDP/FSDP module
+    wrapping one: one forward with the preference mask, the lm head on labelled positions only
+    (``PackedLM.forward`` with ``per_token``). Run it under ``torch.no_grad()`` for the
+    reference model."""
+    logps = model(
         batch["input_ids"],
         batch["position_ids"],
         batch["document_ids"],
         batch["labels"],
         parent_ids=batch["parent_ids"],
-        response_role=batch["response_role"],
+        per_token=True,
     )
+    return response_logps(logps, batch["document_ids"], batch["response_role"])
 
 
 def _check_logps(*logps: torch.Tensor, beta: float) -> None:
@@ -171,9 +110,6 @@ def dpo_loss_sum(
     """(sigmoid DPO loss summed over the triples as fp32, the number of triples): divide the sum
     by the *global* count of a data-parallel batch for the mean. Zero triples give (0, 0).
     """
-    import torch
-    import torch.nn.functional as F
-
     chosen, rejected = _margins(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta)
     total = -F.logsigmoid(chosen - rejected).sum().float()
     return total, torch.tensor(len(chosen), device=total.device)
@@ -210,8 +146,6 @@ def dpo_loss(
         ValueError: for no triples (a rank may have none: use ``dpo_loss_sum``), mismatched
             shapes or ``beta`` <= 0.
     """
-    import torch.nn.functional as F
-
     chosen, rejected = _margins(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta)
     if not len(chosen):
         raise ValueError("dpo_loss got no triples; use dpo_loss_sum where a batch may have none.")

@@ -203,7 +203,7 @@ def hf_attention_mask(
     (its ``config._attn_implementation``): a bool [B,1,S,S] for ``sdpa``, an additive [B,1,S,S] of
     ``dtype`` (the attention scores' dtype) for ``eager``, a BlockMask for ``flex_attention``;
     ``parent_ids``, ``position_ids`` and ``window`` as in the module note. For a model with
-    sliding-window layers, ``model.hf_model_mask`` gives each kind of layer its mask."""
+    sliding-window layers, ``hf.hf_model_mask`` gives each kind of layer its mask."""
     if implementation == "sdpa":
         return document_causal_mask(document_ids, parent_ids, position_ids, window)[:, None]
     if implementation == "eager":

@@ -25,10 +25,8 @@ chunk recomputed in backward (``torch.utils.checkpoint``) instead of kept.
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -38,8 +36,7 @@ from torch.utils.checkpoint import checkpoint
 
 from rayjobs.data.rows import IGNORE_INDEX
 from rayjobs.train import masks
-
-logger = logging.getLogger(__name__)
+from rayjobs.train.hf import attention_layers, hf_model_mask
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -293,63 +290,56 @@ def chunked_loss_sum(
     return total, labelled.sum()
 
 
-ATTENTION_LAYERS = ("full_attention", "sliding_attention")
-"""The kinds of attention layer (``config.layer_types``) whose document masks rayjobs builds."""
+def _chunk_logps(
+    head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, targets: torch.Tensor
+) -> torch.Tensor:
+    logits = head(hidden)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 → fp32, fp64 stays
+    return -F.cross_entropy(logits, targets, reduction="none")
 
 
-def attention_layers(config: Any) -> tuple[int | None, tuple[str, ...] | None]:
-    """(sliding window, layer kinds) of a Hugging Face text config: the window is None when no
-    layer slides; the kinds are None for models that read one mask for every layer (Mistral,
-    Phi-3: all layers slide when ``sliding_window`` is set), else the kinds in
-    ``config.layer_types`` (Gemma 2/3, Qwen2/3...), whose forward takes a mask per kind.
+def token_logps(
+    hidden: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    labels: torch.Tensor,
+    chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
+) -> torch.Tensor:
+    """[B,S]: ``log p(labels[t] | input up to t)`` where ``labels[t]`` is not -100, else 0; fp32
+    (fp64 for an fp64 model).
 
-    Raises:
-        ValueError: for a kind of layer other than full or sliding-window attention (chunked,
-            linear or convolutional layers would mix the documents of a packed row).
+    As ``chunked_loss_sum``: only labelled positions reach ``head``, ``chunk_tokens`` of them
+    at a time inside ``torch.utils.checkpoint`` (no batch-sized logits kept; backward recomputes a
+    chunk's); ``chunk_tokens=0`` projects them all at once. An empty chunk still runs when nothing
+    is labelled, so every head parameter takes part in backward (DDP expects that).
+
+    Args:
+        hidden: [B,S,dim] final hidden states.
+        head: hidden [n,dim] → logits [n,vocab] (e.g. ``PackedLM.head``).
+        labels: [B,S] shifted labels, -100 where no loss.
+        chunk_tokens: labelled positions per chunk (>= 0).
     """
-    window = getattr(config, "sliding_window", None)
-    kinds = getattr(config, "layer_types", None)
-    if kinds is None:
-        return window, None
-    kinds = tuple(dict.fromkeys(kinds))
-    unknown = [kind for kind in kinds if kind not in ATTENTION_LAYERS]
-    if unknown:
-        raise ValueError(
-            f"layer types {unknown}: rayjobs builds document masks for "
-            f"{' and '.join(ATTENTION_LAYERS)} layers only"
+    if chunk_tokens < 0:
+        raise ValueError(f"chunk_tokens must be >= 0, got {chunk_tokens}.")
+    labelled = (labels != IGNORE_INDEX).reshape(-1)
+    selected = hidden.reshape(-1, hidden.shape[-1])[labelled]
+    targets = labels.reshape(-1)[labelled].long()
+    if not chunk_tokens:
+        values = _chunk_logps(head, selected, targets)
+    else:
+        values = torch.cat(
+            [
+                checkpoint(
+                    _chunk_logps,
+                    head,
+                    selected[start : start + chunk_tokens],
+                    targets[start : start + chunk_tokens],
+                    use_reentrant=False,
+                )
+                for start in range(0, max(len(targets), 1), chunk_tokens)
+            ]
         )
-    return (window if "sliding_attention" in kinds else None), kinds
-
-
-def hf_model_mask(
-    config: Any,
-    document_ids: torch.Tensor,
-    position_ids: torch.Tensor,
-    implementation: str | None = None,
-    dtype: torch.dtype = torch.float32,
-    parent_ids: torch.Tensor | None = None,
-) -> Any:
-    """The ``attention_mask`` a Hugging Face model with ``config`` takes for packed rows: one
-    document mask (``masks.hf_attention_mask``) when every layer sees the same, windowed when all
-    layers slide, and ``{"full_attention": ..., "sliding_attention": ...}`` for models with both
-    kinds of layer (their forward takes a mask per kind of layer as it is). transformers would
-    take a single 4-D mask for every layer as it is, so without this the sliding layers of a
-    packed row attended to the whole document. A window of at least the row's length changes
-    nothing and is left out. ``implementation``: default ``config._attn_implementation``."""
-    implementation = implementation or config._attn_implementation
-    window, kinds = attention_layers(config)
-    if window is not None and window >= document_ids.shape[1]:
-        window = None
-
-    def mask(sliding: bool) -> Any:
-        return masks.hf_attention_mask(
-            document_ids, implementation, dtype, parent_ids, position_ids,
-            window if sliding else None,
-        )  # fmt: skip
-
-    if kinds is None or window is None:
-        return mask(window is not None)
-    return {kind: mask(kind == "sliding_attention") for kind in kinds}
+    out = torch.zeros(labelled.shape, dtype=values.dtype, device=hidden.device)
+    return out.masked_scatter(labelled, values).reshape(labels.shape)
 
 
 class PackedLM(nn.Module):
@@ -464,18 +454,15 @@ class PackedLM(nn.Module):
         document_ids: torch.Tensor,
         labels: torch.Tensor,
         parent_ids: torch.Tensor | None = None,
-        response_role: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(summed cross entropy over labelled positions, their count) of a batch of rows; for
-        preference rows (``response_role`` given, ``rayjobs.data.preference``) the summed log-probs of every
-        triple's chosen and rejected response instead (``dpo.response_logps``). Either way in
-        this forward, so DDP and FSDP see the step."""
+        per_token: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+        """(summed cross entropy over labelled positions, their count) of a batch of rows; with
+        ``per_token``, the log-prob of every labelled position instead (``token_logps``: what the
+        DPO loss sums per response). Either way the head runs in this forward, so DDP and FSDP see
+        every parameter used."""
         hidden = self.hidden_states(input_ids, position_ids, document_ids, parent_ids)
-        if response_role is not None:
-            from rayjobs.train import dpo
-
-            logps = dpo.token_logps(hidden, self.head, labels, self.loss_chunk_tokens)
-            return dpo.response_logps(logps, document_ids, response_role)
+        if per_token:
+            return token_logps(hidden, self.head, labels, self.loss_chunk_tokens)
         if not self.loss_chunk_tokens:
             return loss_sum(self.head(hidden), labels)
         return chunked_loss_sum(hidden, self.head, labels, self.loss_chunk_tokens)
@@ -510,169 +497,3 @@ class PackedLM(nn.Module):
                 "its forward transforms the logits in a way rayjobs does not reproduce"
             )
         return difference
-
-
-def _refuse_unknown_overrides(config: Any, overrides: dict[str, Any], unused: dict) -> None:
-    """Refuse ``train.model.config`` keys the model does not read. transformers drops them
-    silently: ``from_pretrained`` returns them unused (in transformers 5 a legacy key such as
-    ``rope_theta`` too: it moved into ``rope_parameters``), ``for_model`` stores them as attributes
-    no layer reads (a typo such as ``num_hiden_layers`` would train the default architecture). A
-    key that is not among the config class's defaults but that the model's code names (Qwen2 and
-    Phi-3 read an optional ``head_dim``) is kept."""
-    import inspect
-    import re
-    import sys
-
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    try:
-        known = type(config)().to_dict()
-    except Exception:  # noqa: BLE001 - no defaults (e.g. Gemma4Assistant's strict dataclass):
-        # then only what transformers left unused is refused
-        known = config.to_dict()
-    stored = config.to_dict()
-    try:  # the causal LM class's module: the code that reads the config
-        source = inspect.getsource(
-            sys.modules[MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].__module__]
-        )
-    except (KeyError, OSError, TypeError):  # no such class here: its loading will say so
-        source = ""
-    unknown = sorted(
-        key
-        for key in overrides
-        if key != "model_type"
-        and key not in getattr(config, "attribute_map", {})
-        and (
-            key in unused
-            or (key not in known and key in stored and not re.search(rf"\b{key}\b", source))
-        )
-    )
-    if unknown:
-        raise ValueError(
-            f"train.model.config: {', '.join(unknown)} not a setting of {type(config).__name__} "
-            f"here (transformers ignores such keys); see its documented fields"
-        )
-
-
-def hf_config(
-    *,
-    vocab_size: int,
-    path: str | None = None,
-    config_path: str | None = None,
-    overrides: dict[str, Any] | None = None,
-    local_files_only: bool = True,
-    token_ids: dict[str, int] | None = None,
-) -> Any:
-    """The ``PretrainedConfig`` :func:`build_hf_model` builds its model from (see there), read
-    without any weights: cheap enough for the driver to check a config before Ray starts.
-
-    Raises:
-        ValueError: an unknown ``model_type``, a config file that cannot be read, a value of the
-            wrong type, or an override the model does not read.
-    """
-    from transformers import AutoConfig
-
-    overrides = dict(overrides or {})
-    try:
-        if path is not None:
-            config, unused = AutoConfig.from_pretrained(
-                path, local_files_only=local_files_only, return_unused_kwargs=True, **overrides
-            )
-        else:
-            settings = {"vocab_size": vocab_size, **(token_ids or {}), **overrides}
-            if config_path is not None:
-                config, unused = AutoConfig.from_pretrained(
-                    config_path, return_unused_kwargs=True, **settings
-                )
-            else:
-                config, unused = AutoConfig.for_model(settings.pop("model_type"), **settings), {}
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise ValueError(f"{error}"[:400]) from None  # transformers lists every model_type
-    except Exception as error:  # huggingface_hub's strict dataclasses: a value of the wrong type
-        if "StrictDataclass" not in type(error).__name__:
-            raise
-        raise ValueError(" ".join(str(error).split())) from None
-    _refuse_unknown_overrides(config, overrides, unused)
-    return config
-
-
-def supports_flex(config: Any) -> bool:
-    """Whether transformers' causal-LM class for ``config`` runs ``flex_attention`` (its
-    ``_supports_flex_attn``; an architecture the mapping does not know is left to transformers)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    try:
-        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
-    except KeyError:
-        return True
-    return bool(getattr(model_class, "_supports_flex_attn", False))
-
-
-def build_hf_model(
-    *,
-    vocab_size: int,
-    seq_len: int,
-    path: str | None = None,
-    config_path: str | None = None,
-    overrides: dict[str, Any] | None = None,
-    attn_implementation: str = "sdpa",
-    local_files_only: bool = True,
-    token_ids: dict[str, int] | None = None,
-    flex_fallback: str | None = None,
-) -> nn.Module:
-    """A Hugging Face causal LM in fp32, in train mode.
-
-    - ``path``: pretrained weights, ``AutoModelForCausalLM.from_pretrained(path)`` (a local
-      checkpoint directory, or a Hub name found in the local cache unless ``local_files_only`` is
-      False); ``overrides`` update its config.
-    - otherwise an architecture, randomly initialised from the current torch seed: the config from
-      ``config_path`` (a config.json or its folder) or ``AutoConfig.for_model(overrides
-      ["model_type"], ...)``, with ``overrides`` applied. ``vocab_size`` and ``token_ids``
-      (``bos_token_id``, ``eos_token_id``, ``pad_token_id``: the tokenizer's) fill what the
-      overrides do not set.
-
-    ``flex_fallback``: the backend to build with instead of ``flex_attention`` where the
-    architecture's transformers class has no flex support (GPT-2, for one): for a default
-    choice, not a user's explicit one (which transformers then refuses, naming the class).
-
-    Raises:
-        ValueError: if the model has fewer token embeddings than ``vocab_size`` or fewer positions
-            than ``seq_len``, or does not know ``model_type``.
-    """
-    from transformers import AutoModelForCausalLM
-
-    common = {"attn_implementation": attn_implementation, "dtype": torch.float32}
-    config = hf_config(
-        vocab_size=vocab_size,
-        path=path,
-        config_path=config_path,
-        overrides=overrides,
-        local_files_only=local_files_only,
-        token_ids=token_ids,
-    )  # before loading any weights
-    if attn_implementation == "flex_attention" and flex_fallback and not supports_flex(config):
-        logger.warning(
-            "%s has no flex_attention in transformers: training with %s and the dense "
-            "document mask",
-            config.model_type,
-            flex_fallback,
-        )
-        attn_implementation = common["attn_implementation"] = flex_fallback
-    if path is not None:
-        model = AutoModelForCausalLM.from_pretrained(
-            path, config=config, local_files_only=local_files_only, **common
-        )
-    else:
-        model = AutoModelForCausalLM.from_config(config, **common)
-    model.train()
-    embeddings = model.get_input_embeddings().num_embeddings
-    if embeddings < vocab_size:
-        raise ValueError(
-            f"the model has {embeddings} token embeddings but the tokenizer {vocab_size} token ids"
-        )
-    positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-    if positions is not None and positions < seq_len:
-        raise ValueError(
-            f"max_position_embeddings ({positions}) is below packing.seq_len ({seq_len})"
-        )
-    return model
