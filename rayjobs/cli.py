@@ -30,9 +30,8 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from rayjobs.config import ConfigError, load_config
-
-USER_ERRORS = ("DataError", "SourceError", "ConfigError")
+from rayjobs.config import load_config
+from rayjobs.errors import ConfigError, user_error
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -190,22 +189,6 @@ def _parser() -> argparse.ArgumentParser:
         if name == "logs":
             job.add_argument("--follow", action="store_true", help="follow until the job ends")
     return parser
-
-
-def _user_error(error: BaseException) -> str | None:
-    """The message of a rayjobs user error, even when Ray wrapped it in its own exception."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        if type(error).__name__ in USER_ERRORS:
-            return str(error)
-        for name in USER_ERRORS:
-            marker = f"{name}: "
-            text = str(error)
-            if marker in text:
-                return text[text.rindex(marker) + len(marker) :].strip().splitlines()[0]
-        error = error.__cause__ or error.__context__
-    return None
 
 
 def _dataset_line(name: str, stats: dict[str, Any]) -> str:
@@ -386,7 +369,8 @@ def _inspect(args: argparse.Namespace, config: Any) -> int:
     follow it."""
     import ray
 
-    from rayjobs.job.inspection import format_report, inspect, require_matplotlib
+    from rayjobs.job.inspection import inspect
+    from rayjobs.job.report import format_report, require_matplotlib
 
     if args.limit is not None and args.limit < 1:
         print(
@@ -473,11 +457,12 @@ def main(argv: list[str] | None = None) -> int:
             if owns_ray:  # Ray's last lines (raylet warnings, log dedup) come before the summary
                 ray.shutdown()
     except Exception as error:  # noqa: BLE001 - user errors are reported without a traceback
-        message = _user_error(error)
-        if message is None:
+        found = user_error(error)
+        if found is None:
             raise
-        print(f"rayjobs: {message}", file=sys.stderr)
-        return 2 if isinstance(error, ConfigError) else 1  # a config refused once it is read
+        print(f"rayjobs: {found}", file=sys.stderr)
+        # a config refused before anything started is 2; anything found once Ray runs, 1
+        return found.exit_status if found is error else 1
     print(format_summary(summary))
     if args.json:
         print(json.dumps(summary, default=str))

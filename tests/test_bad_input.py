@@ -25,9 +25,10 @@ from conftest import GPT2, file_tables
 from rayjobs.config import config_from_dict
 from rayjobs.data import templates, tokenize
 from rayjobs.data.counts import TokenizeCounts
-from rayjobs.data.formats import SKIP_REASONS, SourceError, parse_file
+from rayjobs.data.formats import SKIP_REASONS, parse_file
 from rayjobs.data.samples import sample_uid
-from rayjobs.data.tokenize import DataError, Tokenize
+from rayjobs.data.tokenize import Tokenize
+from rayjobs.errors import DataError, SourceError
 
 PARSE_REASONS = ("invalid_json", "invalid_utf8", "ragged_csv_row")
 """Reasons found by the parser in the read task (the others by Tokenize)."""

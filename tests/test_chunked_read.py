@@ -19,8 +19,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import ALPACA, DATA, GPTEACHER, HH_CHAT, SHAKESPEARE, SHAREGPT, file_tables
-from rayjobs.data.formats import BOM, SourceError, csv_rows, parse_rows, read_rows
+from rayjobs.data.formats import BOM, csv_rows, parse_rows, read_rows
 from rayjobs.data.sources import read_tables
+from rayjobs.errors import SourceError
 
 
 class CountingFile(io.BytesIO):

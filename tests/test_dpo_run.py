@@ -111,15 +111,16 @@ def test_dpo_demo_trains_with_two_workers_and_rewards_the_chosen(ray_local, tmp_
 def test_inspect_previews_a_row_as_prompt_chosen_rejected(ray_local):
     """``rayjobs inspect`` on preference data: per-dataset counts of triples, and the preview
     names each document's part of its triple, in layout order."""
-    from rayjobs.job import inspection as inspect
+    from rayjobs.job.inspection import inspect
+    from rayjobs.job.report import format_report
 
     config = load_config(CONFIG, ["train.epochs=1"])
-    report = inspect.inspect(config, limit=30)
-    assert report["datasets"]["hh_harmless"]["samples"] == 30
-    documents = report["preview"]["documents"]
+    found = inspect(config, limit=30)
+    assert found["datasets"]["hh_harmless"]["samples"] == 30
+    documents = found["preview"]["documents"]
     roles = [d["role"] for d in documents]
     assert len(roles) >= 6 and roles == ["prompt", "chosen", "rejected"] * (len(roles) // 3)
     for document in documents:
         assert (document["trained_tokens"] == 0) == (document["role"] == "prompt")
-    text = inspect.format_report(report)
+    text = format_report(found)
     assert "(chosen)" in text and "(rejected)" in text

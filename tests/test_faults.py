@@ -14,7 +14,7 @@ import ray
 from conftest import ALPACA, GPT2, HH_CHAT
 from rayjobs.config import config_from_dict
 from rayjobs.data import stream
-from rayjobs.data.counts import AccountingError
+from rayjobs.errors import AccountingError
 from rayjobs.job import pipeline
 from rayjobs.job.ledger import Ledger
 from rayjobs.job.pipeline import start_job

@@ -25,6 +25,8 @@ from rayjobs.config import config_from_dict, load_config
 from rayjobs.data.formats import parse_rows
 from rayjobs.data.tokenize import Tokenize
 from rayjobs.job import inspection
+from rayjobs.job import limit as limits
+from rayjobs.job import report as reports
 from rayjobs.job.export import export
 
 SEQ_LEN = 256
@@ -220,13 +222,13 @@ def test_length_percentiles_equal_a_numpy_reference(inspected, exported, setup):
 
 
 def _panels(png: Path, least: int = 20) -> int:
-    """Panels in a PNG written by ``inspection.plot``: rectangles of the axes' background
+    """Panels in a PNG written by ``reports.plot``: rectangles of the axes' background
     colour, counted band by band (a band of image rows, then runs of columns within it), at least
     ``least`` pixels each way."""
     from PIL import Image
 
     image = np.asarray(Image.open(png).convert("RGB"))
-    colour = np.array([int(inspection.AXES_COLOR[i : i + 2], 16) for i in (1, 3, 5)])
+    colour = np.array([int(reports.AXES_COLOR[i : i + 2], 16) for i in (1, 3, 5)])
     mask = (image == colour).all(axis=-1)
 
     def runs(flags: np.ndarray) -> list[tuple[int, int]]:
@@ -256,7 +258,7 @@ def test_png_has_one_panel_per_dataset_plus_the_fill_panel(inspected, setup):
 @pytest.mark.parametrize("datasets", [1, 5])
 def test_plot_draws_one_panel_per_dataset_and_the_fill(tmp_path, datasets):
     lengths = {f"set{i}": np.arange(1, 50 + 10 * i) for i in range(datasets)}
-    titles = inspection.plot(lengths, np.array([0.5, 0.9, 1.0]), 64, tmp_path / "p.png")
+    titles = reports.plot(lengths, np.array([0.5, 0.9, 1.0]), 64, tmp_path / "p.png")
     assert titles == [f"set{i}: sample length" for i in range(datasets)] + ["pack fill"]
     assert _panels(tmp_path / "p.png") == datasets + 1
 
@@ -270,10 +272,8 @@ def test_preview_marks_the_trained_tokens():
         "num_tokens": 8,
         "epoch": 0,
     }
-    shown = inspection.preview(
-        row, lambda ids: "".join(vocab[i] for i in ids), [["alpaca"], ["c4"]]
-    )
-    assert inspection.format_preview(shown) == (
+    shown = reports.preview(row, lambda ids: "".join(vocab[i] for i in ids), [["alpaca"], ["c4"]])
+    assert reports.format_preview(shown) == (
         "── document 0 (alpaca): 5 tokens, 2 trained\n"
         "Q: hi A:⟦ yo<eos>⟧\n"
         "── document 1 (c4): 3 tokens, 2 trained\n"
@@ -368,7 +368,7 @@ def test_limit_cuts_every_format_at_exactly_the_first_rows(tmp_path, limit):
         "tokenizer": {"path": str(GPT2)},
     }
     config = config_from_dict(raw, base_dir=ROOT)
-    limited = inspection.limit_config(config, limit, tmp_path / "limited")
+    limited = limits.limit_config(config, limit, tmp_path / "limited")
     for spec in limited.datasets:
         original, fmt = files[spec.name]
         assert len(_first_rows(original, fmt)) == 9, "guard: 9 rows in every file"
@@ -387,7 +387,7 @@ def test_limit_cuts_a_json_list_keeping_its_bad_text_bad(tmp_path):
         "datasets": [{"name": "j", "source": str(path), "template": "text", "on_bad_row": "skip"}],
         "tokenizer": {"path": str(GPT2)},
     }
-    limited = inspection.limit_config(config_from_dict(raw, base_dir=ROOT), 3, tmp_path / "cut")
+    limited = limits.limit_config(config_from_dict(raw, base_dir=ROOT), 3, tmp_path / "cut")
     (cut,) = limited.datasets[0].files
     assert _first_rows(Path(cut), "json") == _first_rows(path, "json", 3)
     assert [row[1] for row in _first_rows(path, "json", 2)] == ["invalid_utf8"] * 2, "guard"
@@ -402,7 +402,7 @@ def test_limit_takes_whole_files_then_cuts_one(tmp_path):
         "tokenizer": {"path": str(GPT2)},
     }
     config = config_from_dict(raw, base_dir=ROOT)
-    files = inspection.limit_config(config, 6, tmp_path / "limited").datasets[0].files
+    files = limits.limit_config(config, 6, tmp_path / "limited").datasets[0].files
     assert files[0] == str(tmp_path / "part-0.jsonl") and len(files) == 2
     assert Path(files[1]).read_text().splitlines() == [
         json.dumps({"text": "file 1 row 0"}),
@@ -423,20 +423,20 @@ def test_limit_cuts_a_hugging_face_dataset(tmp_path):
         "tokenizer": {"path": str(GPT2)},
     }
     config = config_from_dict(raw, base_dir=ROOT)
-    spec = inspection.limit_config(config, 3, tmp_path / "limited").datasets[0]
+    spec = limits.limit_config(config, 3, tmp_path / "limited").datasets[0]
     assert datasets.load_from_disk(spec.source)["text"] == ["row 0", "row 1", "row 2"]
 
 
 def test_length_and_pack_stats_are_numpy_percentiles():
     lengths = np.array([5, 1, 9, 3, 7, 256, 2])
-    assert inspection.length_stats(lengths) == {
+    assert reports.length_stats(lengths) == {
         "samples": 7,
         "mean": float(lengths.mean()),
         "p50": float(np.percentile(lengths, 50)),
         "p95": float(np.percentile(lengths, 95)),
         "max": 256,
     }
-    stats = inspection.pack_stats(np.array([8, 6, 8, 2]), np.array([3, 1, 2, 1]), seq_len=8)
+    stats = reports.pack_stats(np.array([8, 6, 8, 2]), np.array([3, 1, 2, 1]), seq_len=8)
     assert stats["samples_per_pack"] == {"mean": 1.75, "p50": 1.5, "max": 3}
     assert stats["fill"]["min"] == 0.25 and stats["fill"]["mean"] == 0.75
 

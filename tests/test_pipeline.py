@@ -13,9 +13,9 @@ import pytest
 
 from conftest import ALPACA, GPT2, HH_CHAT, ROOT
 from rayjobs.config import config_from_dict
-from rayjobs.data.counts import AccountingError
 from rayjobs.data.sources import read_dataset
 from rayjobs.data.tokenize import Tokenize
+from rayjobs.errors import AccountingError
 from rayjobs.job.pipeline import accounting, start_job, untrained_packs
 
 SEQ_LEN = 512  # short enough that some real samples are truncated

@@ -381,7 +381,8 @@ def test_start_up_parses_the_head_of_a_large_first_file_not_all_of_it(tmp_path, 
     from the parts read."""
     import json
 
-    from rayjobs.data.formats import SourceError, parse_file, registry
+    from rayjobs.data.formats import parse_file, registry
+    from rayjobs.errors import SourceError
 
     monkeypatch.setattr(registry, "CHUNK_BYTES", 16 * 1024)
     rows = [{"instruction": f"Say {i}.", "input": "", "output": "ok " * 20} for i in range(6000)]

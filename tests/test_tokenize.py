@@ -22,8 +22,9 @@ from rayjobs.data import tokenize
 from rayjobs.data.counts import TokenizeCounts
 from rayjobs.data.samples import apply_overflow, sample_uid, shift_labels
 from rayjobs.data.sources import record_table
-from rayjobs.data.tokenize import DataError, Tokenize
+from rayjobs.data.tokenize import Tokenize
 from rayjobs.data.tokenizer import Tokenizer
+from rayjobs.errors import DataError
 
 EOS = 50256  # GPT-2 "<|endoftext|>"
 X = -100  # IGNORE_INDEX, short so the label rows below line up

@@ -3,7 +3,6 @@
 from rayjobs.config.load import _apply_override, config_from_dict, load_config, yaml_load
 from rayjobs.config.schema import (
     Config,
-    ConfigError,
     DatasetConfig,
     DPOConfig,
     EvalConfig,
@@ -15,6 +14,7 @@ from rayjobs.config.schema import (
     TokenizerConfig,
     TrainConfig,
 )
+from rayjobs.errors import ConfigError
 
 __all__ = [
     "Config",

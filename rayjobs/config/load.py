@@ -26,8 +26,9 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from rayjobs.config.schema import Config, ConfigError, DatasetConfig, HFModelConfig, ModelConfig
+from rayjobs.config.schema import Config, DatasetConfig, HFModelConfig, ModelConfig
 from rayjobs.data import formats
+from rayjobs.errors import ConfigError
 
 
 class _YamlLoader(yaml.SafeLoader):

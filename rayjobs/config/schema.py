@@ -13,10 +13,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from rayjobs.data import formats, pack, templates
 
 
-class ConfigError(ValueError):
-    """A config problem a user can fix; the message names the dotted key or file."""
-
-
 def _registered(value: str, registry, kind: str) -> str:
     """``value`` if it names an entry of ``registry``; else a message listing the entries."""
     if value not in registry:

@@ -125,10 +125,6 @@ def batch_key(stage: str, *columns: Any) -> str:
     return digest.hexdigest()
 
 
-class AccountingError(RuntimeError):
-    """The run's counts do not add up (a lost or double-counted batch): the run fails."""
-
-
 def check_accounting(snapshot: dict[str, Any], streamed: bool, complete: bool = True) -> list[str]:
     """The end-of-run check (every run): per dataset, rows read = samples − split pieces + dropped
     + skipped; and, when streamed (every tokenized sample packed once, every epoch tokenized

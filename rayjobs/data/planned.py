@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import ray.data
 
-from rayjobs.config import Config, ConfigError
+from rayjobs.config import Config
 from rayjobs.data import seeds
 from rayjobs.data.counts import PackCounts, StageTimer, batch_key, report
 from rayjobs.data.mix import plan_epoch
@@ -36,6 +36,7 @@ from rayjobs.data.packer import pack_counts
 from rayjobs.data.placement import on_data_nodes
 from rayjobs.data.rows import assemble, ranges
 from rayjobs.data.samples import flat_samples
+from rayjobs.errors import ConfigError
 
 PACK_STAGE_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**30), "MALLOC_TRIM_THRESHOLD_": str(2**32)}
 """Environment of the pack-stage actors: glibc keeps freed memory for the next call. Its default

@@ -42,12 +42,12 @@ from rayjobs.data.formats import (
     HF,
     Parsed,
     Readable,
-    SourceError,
     apply_policy,
     hf_label,
     read_rows,
     table_records,
 )
+from rayjobs.errors import SourceError
 
 _BLOCK_ROWS = 1024
 

@@ -28,10 +28,7 @@ from rayjobs.data.samples import Templated
 from rayjobs.data.tasks import TASKS
 from rayjobs.data.templates import RowError, Segment
 from rayjobs.data.tokenizer import Tokenizer
-
-
-class DataError(ValueError):
-    """A bad row under ``on_bad_row: error``: names dataset, file, row and field."""
+from rayjobs.errors import DataError
 
 
 class _BadRow(Exception):

@@ -7,9 +7,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from rayjobs.config import ConfigError, TokenizerConfig
+from rayjobs.config import TokenizerConfig
 from rayjobs.data import templates
 from rayjobs.data.templates import Message, RowError
+from rayjobs.errors import ConfigError
 
 
 class Tokenizer:

@@ -28,9 +28,10 @@ import numpy as np
 import pyarrow as pa
 import ray
 
-from rayjobs.config import Config, ConfigError
+from rayjobs.config import Config
 from rayjobs.data.preference import PREFERENCE_COLUMNS
 from rayjobs.data.rows import PACKED_COLUMNS, STAT_COLUMNS
+from rayjobs.errors import ConfigError
 
 MANIFEST = "manifest.json"
 EVAL = "eval"

@@ -27,12 +27,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from rayjobs.data.counts import (
-    PackCounts,
-    TokenizeCounts,
-    _merge,
-    packing_efficiency,
-)
+from rayjobs.data.counts import PackCounts, TokenizeCounts, _merge, packing_efficiency
 from rayjobs.metrics import METRICS, _init_counter, _series, wait_for_export
 
 _TOKENIZE_COUNTERS = (

@@ -25,13 +25,14 @@ from typing import Any
 import ray
 import ray.data
 
-from rayjobs.config import Config, ConfigError, MixConfig
+from rayjobs.config import Config, MixConfig
 from rayjobs.data import placement, stream
-from rayjobs.data.counts import AccountingError, check_accounting, packing_efficiency, unpacked
+from rayjobs.data.counts import check_accounting, packing_efficiency, unpacked
 from rayjobs.data.mix import with_shares
 from rayjobs.data.planned import Epochs
 from rayjobs.data.sources import read_dataset
 from rayjobs.data.tokenizer import Tokenizer
+from rayjobs.errors import AccountingError, ConfigError
 from rayjobs.job.ledger import Ledger
 from rayjobs.train.callbacks import Callback
 from rayjobs.train.names import EVAL_DATASET, FINAL_SUMMARY

@@ -64,8 +64,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rayjobs.config import ConfigError, _apply_override, load_config, yaml_load
+from rayjobs.config import _apply_override, load_config, yaml_load
 from rayjobs.data import formats
+from rayjobs.errors import ConfigError, SubmitError
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 MAX_UPLOAD_MIB = 100.0
@@ -89,10 +90,6 @@ TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 PACKAGE_DIR = Path(__file__).resolve().parent
 OWNED_KEYS = ("working_dir", "py_modules")
 """runtime_env keys ``submit`` sets itself (``--runtime-env-json`` may set the others)."""
-
-
-class SubmitError(ValueError):
-    """A submission refused before anything reaches the cluster; the message says what to do."""
 
 
 @dataclass

@@ -10,9 +10,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rayjobs.config import Config, ConfigError, HFModelConfig, TrainConfig
+from rayjobs.config import Config, HFModelConfig, TrainConfig
 from rayjobs.data import seeds
 from rayjobs.data.tokenizer import Tokenizer
+from rayjobs.errors import ConfigError
 from rayjobs.train.hf import build_hf_model, hf_config
 from rayjobs.train.model import Decoder, DecoderConfig, PackedLM
 

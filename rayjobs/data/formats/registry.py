@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from rayjobs.errors import SourceError
+
 SKIP_REASONS = (
     "invalid_json",  # formats: a JSONL line that is not valid JSON
     "invalid_utf8",  # formats: a line, cell or binary value that is not UTF-8
@@ -25,10 +27,6 @@ SKIP_REASONS = (
 """Why a row was skipped under ``on_bad_row: skip``: the keys of ``skipped_by_reason``."""
 
 BOM = b"\xef\xbb\xbf"
-
-
-class SourceError(ValueError):
-    """A file or row that cannot be parsed; names dataset, file and (where known) row."""
 
 
 @dataclass(frozen=True)
