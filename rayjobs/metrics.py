@@ -106,7 +106,7 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
         "DPO: last step's mean beta x (policy - reference) log-prob of the rejected responses",
     ),
 }
-"""Every series the job exports (the README's metrics table and cluster/grafana are checked against
+"""Every series the job exports (docs/metrics.md's table and cluster/grafana are checked against
 it). A histogram is exported as ``_bucket`` (cumulative, by ``le``), ``_sum`` and ``_count``."""
 
 

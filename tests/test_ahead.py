@@ -1,5 +1,5 @@
-"""A consumer's read-ahead (rayjobs.train.ahead): a batch waits for the blocks it is cut from, not for
-the one after them; errors and early stops behave as in a plain loop."""
+"""A consumer's read-ahead (rayjobs.train.ahead): a batch waits for the blocks it is cut from, not
+for the one after them; errors and early stops behave as in a plain loop."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Hugging Face causal LMs on packed rows (``rayjobs.train.model.PackedLM``, ``build_hf_model``): the
-document mask reaches each attention backend, the chunked loss equals the full one at a fraction of
-its memory (a 2-worker run of configs/tiny_llama.yaml and its checkpoints: ``test_prometheus``).
+"""Hugging Face causal LMs on packed rows (``rayjobs.train.model.PackedLM``, ``build_hf_model``):
+the document mask reaches each attention backend, the chunked loss equals the full one at a fraction
+of its memory (a 2-worker run of configs/tiny_llama.yaml and its checkpoints: ``test_prometheus``).
 
 Fidelity rows are real: Alpaca samples from configs/data through the job's own template and
 tokenization, with the real GPT-2 tokenizer, assembled by ``rows.assemble`` as the packer does.

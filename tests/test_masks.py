@@ -1,5 +1,5 @@
-"""Tests for rayjobs.train.masks: the dense mask and the BlockMask, each checked against an independent
-reference (python loops, tiles of the dense mask, SDPA with the dense mask)."""
+"""Tests for rayjobs.train.masks: the dense mask and the BlockMask, each checked against an
+independent reference (python loops, tiles of the dense mask, SDPA with the dense mask)."""
 
 from __future__ import annotations
 
@@ -126,8 +126,9 @@ def test_compiled_flex_forward_matches_sdpa():
 
 
 def test_compiled_flex_forward_matches_sdpa_on_preference_rows():
-    """The same end-to-end check for the preference mask (``parent_ids``, ``rayjobs.data.preference``):
-    triples of three documents, responses seeing their prompt and not each other."""
+    """The same end-to-end check for the preference mask (``parent_ids``,
+    ``rayjobs.data.preference``): triples of three documents, responses seeing their prompt and not
+    each other."""
     import numpy as np
 
     from rayjobs.data import preference

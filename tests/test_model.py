@@ -1,5 +1,5 @@
-"""Tests for rayjobs.train.model: packing fidelity (a packed row scores like its documents run alone),
-flex vs SDPA forward, a training step on CPU, and loss_sum's counting."""
+"""Tests for rayjobs.train.model: packing fidelity (a packed row scores like its documents run
+alone), flex vs SDPA forward, a training step on CPU, and loss_sum's counting."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Tests for rayjobs.data.pack: scenario tables per strategy, packing invariants, the row contract of
-streamed packs, determinism."""
+"""Tests for rayjobs.data.pack: scenario tables per strategy, packing invariants, the row contract
+of streamed packs, determinism."""
 
 from __future__ import annotations
 

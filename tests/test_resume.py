@@ -10,6 +10,7 @@ import os
 import signal
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import ray.train
@@ -99,7 +100,7 @@ class Kill(Callback):
                 snapshot = storage.checkpoint_manager_snapshot_path
                 deadline = time.monotonic() + 60
                 while time.monotonic() < deadline:
-                    if os.path.exists(snapshot) and name in open(snapshot).read():
+                    if os.path.exists(snapshot) and name in Path(snapshot).read_text():
                         break
                     time.sleep(0.1)
             with open(fault["marker"], "w") as f:

@@ -1,4 +1,5 @@
-"""``rayjobs submit`` / ``status`` / ``logs`` / ``stop`` (rayjobs/job/submit.py) and the last line of
+"""``rayjobs submit`` / ``status`` / ``logs`` / ``stop`` (rayjobs/job/submit.py) and the last line
+of
 ``rayjobs run --json``.
 
 Without Ray running: address resolution, the runtime_env and entrypoint built for a config (the

@@ -1,5 +1,6 @@
-"""Tests for rayjobs.data.tokenize with the real GPT-2 tokenizer: literal rows, label shifting, overflow,
-the Tokenize batch class (errors, skips, ledger counts) and invariants on the bundled real data."""
+"""Tests for rayjobs.data.tokenize with the real GPT-2 tokenizer: literal rows, label shifting,
+overflow, the Tokenize batch class (errors, skips, ledger counts) and invariants on the bundled real
+data."""
 
 from __future__ import annotations
 

@@ -68,9 +68,8 @@ def packed_layout(
 
     Only full rows (``full_rows``) are drawn: BFD over one draw of lengths leaves an under-filled
     bin of the last small documents. The job makes one such row per packer window (hundreds of
-    rows); a draw here is four batches' worth, so about one batch in four had it. At 8192 (seed
-    0) it was 7% tokens and 93% padding, and that padding, one long causal segment to the mask,
-    made most of the batch's computed tiles (35%; 16% over full rows).
+    rows); a draw here is four batches' worth, so one batch in about four would have one, and its
+    padding, one long causal segment to the mask, would make most of the batch's computed tiles.
     """
     count = 4 * batch_size * seq_len // int(mean_length) + 64
     for _ in range(FULL_ROW_DRAWS):
@@ -284,7 +283,7 @@ def format_table(rows: list[AttentionRow], header: bool = True) -> str:
 def argument_error(seq_lens: list[int], mean_length: float) -> str | None:
     """What is wrong with the bench's arguments, naming the argument, or None. A seq_len must
     be a whole number of the BlockMask's 128-token tiles: the tile share is counted in whole
-    tiles (200 gave 300%, 100 a ZeroDivisionError after all the timing)."""
+    tiles, and a partial tile made it wrong (or divided by zero after all the timing)."""
     if not seq_lens:
         return "--seq-len needs at least one length"
     bad = [n for n in seq_lens if n < BLOCK_SIZE or n % BLOCK_SIZE]

@@ -60,7 +60,8 @@ BENCH_SETS = [
     ("hh_chat", "chat/hh_rlhf_harmless_chosen.messages.jsonl", "jsonl", "chat", {}, "paragraph"),
     ("glaive_sharegpt", "chat/glaive_toolcall.sharegpt.json", "json", "chat", {}, "paragraph"),
     ("hh_dpo_text", "dpo/hh_rlhf_harmless.dpo.jsonl", "jsonl", "text", {}, "paragraph"),
-    # task: dpo: each triple is one unit of P + C + R + 1 tokens (rayjobs.data.preference), never split
+    # task: dpo: each triple is one unit of P + C + R + 1 tokens (rayjobs.data.preference), never
+    # split
     ("hh_dpo_triples", "dpo/hh_rlhf_harmless.dpo.jsonl", "jsonl", "preference", {}, "paragraph"),
     ("shakespeare", "text/tinyshakespeare.txt", "text", "text", {}, "paragraph"),
     ("c4", "text/c4_demo.jsonl", "jsonl", "text", {}, "paragraph"),

@@ -4,7 +4,8 @@ For each scale the bench writes the real alpaca and hh chat sets repeated ``scal
 shards (one file per copy), streams two epochs through the job's own data path (``start_job``:
 read → mix → Tokenize pool → PackStream pool) into two consumers standing in for trainers
 (``streaming_split(2, equal=True)``; each takes its batches as ``train.rank_batches`` does,
-read ahead in a thread with Ray's prefetch off, ``rayjobs.train.ahead``), and reports from job start:
+read ahead in a thread with Ray's prefetch off, ``rayjobs.train.ahead``), and reports from job
+start:
 
 - ``first_batch_s``: seconds until the first packed batch reaches a consumer;
   ``every_first_batch_s``: until every consumer has had its first (trainers that step together
@@ -170,7 +171,7 @@ class _Memory(threading.Thread):
         """A process's CPU time at a sweep: what it used since its last sample goes to its label
         then. A task worker's title is ``IDLE`` between tasks, and its tasks are often shorter
         than a sweep: its CPU goes to the last task seen on it (a Ray worker idle for a whole
-        sweep uses about 1% of a core), to ``IDLE`` only before it has run one.
+        sweep uses next to nothing), to ``IDLE`` only before it has run one.
 
         >>> memory = _Memory()
         >>> for pid, label, cpu in [(7, "IDLE", 1.0), (7, "ReadRowFile", 1.5), (7, "IDLE", 2.5),

@@ -16,8 +16,8 @@ every process under it (Ray's GCS, raylet, workers, agents: not other sessions' 
 the largest any one process reached, which process it was, the part of it that was shared memory
 (``RssShmem`` in ``/proc/<pid>/status``: the object store's pages it had mapped, as the store lives
 in ``/dev/shm``), rows read and seconds. Not psutil's ``memory_info().shared``, which is
-``RssFile`` + ``RssShmem``: it also counted the libraries every Ray worker maps (about 85 MiB
-each). The ratio of the two modes' peaks comes from one run on one machine.
+``RssFile`` + ``RssShmem``: it also counted the libraries every Ray worker maps. The ratio of the
+two modes' peaks comes from one run on one machine.
 """
 
 from __future__ import annotations

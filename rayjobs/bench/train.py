@@ -269,10 +269,11 @@ def format_table(rows: list[TrainRow]) -> str:
 
 
 LOSS_TOLERANCE = 1e-3
-"""The largest ``max_loss_diff`` a variant may show in fp32 (measured on CPU: 1e-6; a packed row
-trained with a plain causal mask: 0.08 after 4 steps). On CUDA the timed runs use bf16 autocast,
-where each kernel rounds its own way and the runs drift apart, so the check is a short fp32 run
-of its own (``CHECK_STEPS``) before them; the table's Δloss column is then informative only."""
+"""The largest ``max_loss_diff`` a variant may show in fp32: far above fp32 rounding, far below
+what a packed row trained with a plain causal mask shows after a few steps. On CUDA the timed runs
+use bf16 autocast, where each kernel rounds its own way and the runs drift apart, so the check is a
+short fp32 run of its own (``CHECK_STEPS``) before them; the table's Δloss column is then
+informative only."""
 
 CHECK_STEPS = 4
 """Steps of the fp32 check on CUDA."""

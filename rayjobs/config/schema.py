@@ -33,8 +33,8 @@ class DatasetConfig(_Strict):
     """Local file(s), directory or glob; or a Hugging Face dataset name / saved-to-disk folder
     (``format: hf``)."""
     format: str | None = None
-    """Input format: a file format of ``rayjobs.data.formats.FORMATS`` (json, jsonl, parquet, csv, text)
-    or ``hf``; inferred from the file extension when omitted."""
+    """Input format: a file format of ``rayjobs.data.formats.FORMATS`` (json, jsonl, parquet, csv,
+    text) or ``hf``; inferred from the file extension when omitted."""
     split: str = "train"
     """Split to read for ``format: hf``."""
     template: str
@@ -50,8 +50,8 @@ class DatasetConfig(_Strict):
     """Target share of the epoch (normalised over datasets), in samples or tokens (``mix.by``).
     Set it on every dataset or on none (none: each dataset in its natural proportion)."""
     on_bad_row: Literal["error", "skip"] = "error"
-    """A bad row (``rayjobs.data.formats.SKIP_REASONS``: a JSONL line that is not JSON, bytes that are
-    not UTF-8, a ragged CSV row, a field of the wrong type, missing or empty, a template that
+    """A bad row (``rayjobs.data.formats.SKIP_REASONS``: a JSONL line that is not JSON, bytes that
+    are not UTF-8, a ragged CSV row, a field of the wrong type, missing or empty, a template that
     raises): stop with an error naming dataset, file, row and field or reason, or skip it and count
     it under ``skipped_rows`` and, by reason, ``skipped_by_reason``. Over-length samples follow
     ``packing.overflow`` instead."""
@@ -127,9 +127,9 @@ class PackingConfig(_Strict):
     seq_len: int = Field(default=2048, gt=1)
     """Length of every packed row (at least 2: a one-token row has nothing to predict)."""
     mode: Literal["stream", "planned"] = "stream"
-    """``stream``: read, tokenize and pack as the data flows, all epochs one stream (README,
-    "Design"); ``planned``: tokenize everything once, then plan every epoch's mix and packs in
-    the driver (exact shares, the same packs for the same seed)."""
+    """``stream``: read, tokenize and pack as the data flows, all epochs one stream
+    (docs/design.md); ``planned``: tokenize everything once, then plan every epoch's mix and packs
+    in the driver (exact shares, the same packs for the same seed)."""
     window_tokens: int = Field(default=4_194_304, gt=0)
     """stream: tokens packed together by one packer call (its shuffle window); each call leaves
     about half a row of padding behind, so larger windows pack tighter and use more memory."""
@@ -160,7 +160,8 @@ class PackingConfig(_Strict):
 
 
 class ModelConfig(_Strict):
-    """``train.model`` with ``kind: demo`` (the default): the small decoder of ``rayjobs.train.model``."""
+    """``train.model`` with ``kind: demo`` (the default): the small decoder of
+    ``rayjobs.train.model``."""
 
     kind: Literal["demo"] = "demo"
     dim: int = Field(default=128, gt=0)
@@ -223,7 +224,7 @@ class TrainConfig(_Strict):
     use_gpu: bool = False
     cpus_per_worker: float = Field(default=0.5, gt=0)
     """Logical CPUs each train worker reserves; keep it fractional on small CPU clusters so the
-    data operators are not starved (see README, Resources)."""
+    data operators are not starved (docs/training.md, "Resources and CPU vs GPU")."""
     resources_per_worker: dict[str, float] = Field(default_factory=dict)
     """Custom Ray resources each train worker also reserves, e.g. ``{trainer: 1}`` where only
     trainer nodes declare ``trainer`` (CPU and GPU come from ``cpus_per_worker`` / ``use_gpu``)."""
@@ -368,7 +369,8 @@ class RayConfig(_Strict):
     address: str | None = None
     """Cluster to connect to; default: $RAY_ADDRESS, else an embedded local Ray."""
     num_cpus: float | None = Field(default=None, gt=0)
-    """Logical CPUs of the embedded local Ray; default max(4, 2 × cores), see README."""
+    """Logical CPUs of the embedded local Ray; default max(4, 2 × cores) (docs/training.md,
+    "Resources and CPU vs GPU")."""
     tokenize_concurrency: int | None = Field(default=None, gt=0)
     """Maximum Tokenize actors (the pool grows to it as data waits); default half the cluster's
     CPUs, so adding CPU nodes adds tokenizers."""

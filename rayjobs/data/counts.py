@@ -1,9 +1,10 @@
 """Counts: what each data batch did, and the end-of-run check that the books balance.
 
-A Tokenize or packer call counts its batch (``TokenizeCounts``, ``PackCounts``) and reports it to the
-run's ledger (``report``) with the batch's identity (``batch_key``), synchronously, before its rows
-move on: ``rayjobs.job.ledger`` adds a batch once however often Ray runs it. ``check_accounting``
-is the check every run ends with (docs/design.md, "Exactly-once accounting").
+A Tokenize or packer call counts its batch (``TokenizeCounts``, ``PackCounts``) and reports it to
+the run's ledger (``report``) with the batch's identity (``batch_key``), synchronously, before its
+rows move on: ``rayjobs.job.ledger`` adds a batch once however often Ray runs it.
+``check_accounting`` is the check every run ends with (docs/design.md, "Exact counts, exactly
+once").
 """
 
 from __future__ import annotations

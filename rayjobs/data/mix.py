@@ -4,7 +4,7 @@ Streaming (the default) reads each dataset ``epoch_fractions`` times an epoch (w
 subsample, a ``MIX_MARGIN`` more with weights) and the packers trim each dataset to its
 ``budgets`` through the ledger, so realized shares hit the weights. The planned path
 (``plan_epoch``) draws each epoch's samples from their lengths alone, exactly, and interleaves
-them evenly (docs/design.md, "Mixing").
+them evenly (docs/data.md, "Mixing").
 """
 
 from __future__ import annotations

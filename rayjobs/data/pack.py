@@ -15,10 +15,10 @@ waits, and its samples are placed *first* in the next window (placed last, the s
 land in the tail bin again and again). A sample waits at most ``max_delay`` windows and ``flush()``
 ends the stream, so nothing is lost. The carry is safe because the stream is planned in the
 driver, which knows where it ends (``epochs.py``); inside a ``map_batches`` actor, which has no
-end-of-data hook, it would strand samples (README, "Design").
+end-of-data hook, it would strand samples (docs/design.md).
 
 Why BFD: on the real sets it matches global BFD over the whole stream, and next-fit trails it by
-several points (README, "Benchmarks"). BFD is not optimal, nor pointwise better than next-fit:
+several points (docs/benchmarks.md). BFD is not optimal, nor pointwise better than next-fit:
 next-fit on a lucky order can beat it (scenario table in ``tests/test_pack.py``); it is the best
 of these on realistic lengths.
 

@@ -4,8 +4,8 @@ samples into fixed-length rows, every sample placed in the call that received it
 A ``map_batches`` actor gets no end-of-data call, so a packer that carried under-filled packs from
 one call to the next could be left holding them when the stream ends: ``PackStream`` keeps nothing
 between calls, and the window is sized in tokens so each call's one under-filled tail is small
-(docs/design.md, "Packing without stranding"). With weights, each window is first trimmed to its
-datasets' shares of the epoch through the ledger (``Ledger.admit``).
+(docs/design.md, "Streaming, and what it guarantees"). With weights, each window is first trimmed to
+its datasets' shares of the epoch through the ledger (``Ledger.admit``).
 """
 
 from __future__ import annotations

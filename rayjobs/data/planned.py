@@ -41,7 +41,7 @@ from rayjobs.errors import ConfigError
 PACK_STAGE_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**30), "MALLOC_TRIM_THRESHOLD_": str(2**32)}
 """Environment of the pack-stage actors: glibc keeps freed memory for the next call. Its default
 returns every large array to the kernel on free, so each call page-faults its row-size arrays
-again, which made assembly several times slower per call (README, "Benchmarks"; ``rayjobs bench
+again, which made assembly several times slower per call (docs/benchmarks.md; ``rayjobs bench
 packing`` prints the stage timers). The heap stays at the largest group's working set."""
 
 

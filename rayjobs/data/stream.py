@@ -5,7 +5,7 @@ Read tasks (``reads``) feed one Tokenize actor pool that grows with the cluster,
 ``PackStream`` actors (``packer``), then the trainers through ``streaming_split``. The epochs are
 one stream, so the next epoch is read and tokenized while the current one trains; the head of the
 first epoch goes through a warm-up lane of its own so the first batch does not wait for a whole
-window (docs/design.md, "Streaming").
+window (docs/design.md, "Streaming, and what it guarantees").
 """
 
 from __future__ import annotations
@@ -170,8 +170,7 @@ def packed_rows(config: Config, pad_id: int, ledger: Any = None) -> ray.data.Dat
         packed = _packed(warm, config, pad_id, ledger, window, 0).union(packed)
     # Every task's output cut into blocks of about BLOCK_BYTES. The setting is the plan's (Ray Data
     # plans a dataset with one context): it shapes the packers' output, and caps the raw-row and
-    # tokenized blocks before them too (a zero-copy slice of a larger one; a 256-row tokenized
-    # batch is ~0.5 MiB at the demo's lengths).
+    # tokenized blocks before them too (a zero-copy slice of a larger one).
     packed.context.target_max_block_size = BLOCK_BYTES
     return packed
 

@@ -13,8 +13,8 @@ mode once); packing per epoch. Exactly once: Ray runs a batch again when the act
 the rows it holds, with their epoch and pass) and the ledger adds a batch once, counting repeats
 under ``repeated_reports``. A re-read is new work: a Ray Train restart in stream mode runs the
 stream anew, and its batches are new to the ledger (a key hashes the rows in arrival order, the mix
-interleaves the datasets differently each time), so they count again (README, "Checkpoints,
-failures and resume"); planned mode's packs, assembled again, keep their keys and count once.
+interleaves the datasets differently each time), so they count again (docs/resume.md, "Counts after
+a restart"); planned mode's packs, assembled again, keep their keys and count once.
 """
 
 from __future__ import annotations

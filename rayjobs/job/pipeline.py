@@ -10,7 +10,7 @@ shares and the same packs for the same seed, after a barrier as long as the toke
 Resources: a Tokenize actor pool (1 CPU per actor), packing actors at 0.5 CPU, trainers at
 ``train.cpus_per_worker``; an embedded local Ray declares max(4, 2 × cores) logical CPUs so read
 tasks, the actor pools and the trainers fit at once (with only as many logical CPUs as cores, the
-trainers starve the data operators and the job hangs: README, "Design").
+trainers starve the data operators and the job hangs: docs/training.md, "Resources and CPU vs GPU").
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ class Job:
         return mixes
 
     def accounting(self, complete: bool = True) -> dict[str, Any]:
-        """The data side's part of the run summary (README, "Run summary"): per-dataset
+        """The data side's part of the run summary (docs/cli.md, "Run summary"): per-dataset
         tokenization counts with each dataset's mean share, the realized mix of every epoch, and
         pack totals over all epochs. Raises ``AccountingError`` when the counts do not add up.
         ``complete``: False when training stopped before the stream ended (``max_steps``); the
@@ -301,7 +301,7 @@ def _finished(run_folder: str) -> bool:
 def run(
     config: Config, resume: str | None = None, callbacks: Sequence[Callback] = ()
 ) -> dict[str, Any]:
-    """Run the whole job and return the summary (see README, "Run summary").
+    """Run the whole job and return the summary (docs/cli.md, "Run summary").
 
     ``resume``: a run name under ``train.storage_path`` (or ``latest``): the run continues from
     its latest periodic checkpoint (``train.checkpoint_every``) under the same name.
@@ -380,7 +380,7 @@ def _train(config: Config, job: Job, callbacks: Sequence[Callback]) -> dict[str,
     ray.get(job.ledger.add_mix.remote([m["datasets"] for m in summary["mix"]]))  # final gauges
     # Final values are exported before the job exits: the ledger dies with the driver, and the
     # train workers fit() just killed may still be exiting. Waits one metrics report interval
-    # (Ray's 10 s by default) plus a margin after the last update (README, "Metrics").
+    # (``metrics.export_interval``) plus a margin after the last update (docs/metrics.md).
     ray.get(job.ledger.flush.remote())
     return summary
 

@@ -6,10 +6,9 @@ the current block to the batcher it tops that window up, waiting for the next bl
 (``prefetch_batches_locally``). A rank whose blocks so far end in a short one (``streaming_split
 (equal=True)`` cuts blocks to even the ranks out: a 2-row piece, then a 33-row one) therefore
 gets no batch, though it holds rows for several, until the stream yields one more block for it.
-At the start of a run that block is the main lane's first window (``rayjobs.data.stream``): measured
-with ``rayjobs bench pipeline`` at 30x, one consumer's first batch came after 28.4 s, the other's
-after 10.5 s, though both had their warm-up blocks (32 + 3 rows, 2 + 33) at 12.3 s; with
-``prefetch_batches=0`` both first batches came after 10.9 s.
+At the start of a run that block is the main lane's first window, so one rank's first batch waited
+for a whole window though its warm-up rows were there (docs/design.md, "Trainers read ahead in a
+thread, not with Ray's prefetch").
 
 So the consumers here iterate with ``prefetch_batches=0`` (a batch waits for exactly the blocks
 it is cut from) and take batches ``depth`` ahead in a thread of their own (``read_ahead``), which

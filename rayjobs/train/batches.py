@@ -116,8 +116,8 @@ def attention_mask(
 ) -> Any:
     """``train_batches``' ``attention_mask``: the batch's document mask in the backend's form,
     built on the batch's device; on preference rows (``task: dpo``) from ``parent_ids`` too, so
-    each response attends to its prompt (``rayjobs.data.preference``); with a ``model_config``, windowed
-    (or one mask per kind of layer) as its sliding-window layers need."""
+    each response attends to its prompt (``rayjobs.data.preference``); with a ``model_config``,
+    windowed (or one mask per kind of layer) as its sliding-window layers need."""
     if model_config is not None:
         return hf_model_mask(
             model_config.get_text_config(),

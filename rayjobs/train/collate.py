@@ -1,7 +1,7 @@
 """Collate: a batch of packed rows (numpy, from Ray Data) → torch tensors on the rank's device.
 
-Packed rows (``rayjobs.data.rows``) already hold ``position_ids`` and ``document_ids``; masks are built
-later, inside the model's forward on the rank's device (a BlockMask never travels through a
+Packed rows (``rayjobs.data.rows``) already hold ``position_ids`` and ``document_ids``; masks are
+built later, inside the model's forward on the rank's device (a BlockMask never travels through a
 DataLoader or pickle). Nothing here reads values back to the host, so a GPU step never waits on it.
 """
 

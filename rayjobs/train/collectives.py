@@ -1,4 +1,5 @@
-"""Collectives that work with or without a process group (``num_workers: 0`` runs in one process)."""
+"""Collectives that work with or without a process group (``num_workers: 0`` runs in one
+process)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
 """The DPO loss on packed preference rows (``rayjobs.data.preference`` lays the rows out).
 
 ``PackedLM`` gives the log-prob of every labelled position (``model.token_logps``: only labelled
-positions reach the lm head, a chunk at a time). ``response_logps`` sums them per response document and pairs chosen and rejected per triple, in
-pack order (row by row, left to right: the order of ``np.concatenate(bins)``). ``dpo_loss`` is the
-sigmoid DPO loss with its rewards and metrics; ``dpo_loss_sum`` returns the sum and the triple
-count, so a data-parallel caller divides by the *global* count, as the train step does for token
-loss.
+positions reach the lm head, a chunk at a time). ``response_logps`` sums them per response document
+and pairs chosen and rejected per triple, in pack order (row by row, left to right: the order of
+``np.concatenate(bins)``). ``dpo_loss`` is the sigmoid DPO loss with its rewards and metrics;
+``dpo_loss_sum`` returns the sum and the triple count, so a data-parallel caller divides by the
+*global* count, as the train step does for token loss.
 """
 
 from __future__ import annotations

@@ -74,8 +74,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     device = ray.train.torch.get_device()
     attention = resolve_attention(spec.attention, device)
     # Ray leaves OMP_NUM_THREADS unset for fractional-CPU actors, so torch would start one thread
-    # per core in every worker: on a 2-core machine two workers ran 10x slower from
-    # oversubscription.
+    # per core in every worker, and workers sharing a node slow each other down many times over.
     torch.set_num_threads(max(1, int(spec.cpus_per_worker)))
     tokenizer = Tokenizer(config.tokenizer)
     packed = build_model(config, tokenizer, device, attention)

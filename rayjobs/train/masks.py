@@ -1,15 +1,15 @@
 """Document masks from ``document_ids``: the dense mask (SDPA, CPU) and the BlockMask
 (FlexAttention).
 
-A packed row (``rayjobs.data.rows``) holds several documents, recorded as ``document_ids``. The rule:
-query q attends key kv iff both are in the same document and q >= kv. Padding is a document like
-any other, so every query row attends at least to itself (no NaN rows); its labels are -100, so it
-never reaches the loss.
+A packed row (``rayjobs.data.rows``) holds several documents, recorded as ``document_ids``. The
+rule: query q attends key kv iff both are in the same document and q >= kv. Padding is a document
+like any other, so every query row attends at least to itself (no NaN rows); its labels are -100, so
+it never reaches the loss.
 
-Preference rows (``rayjobs.data.preference``) add one thing: a response document also sees its prompt, which
-is a *different* document (chosen and rejected share one prompt, but must not see each other). So
-every function here takes an optional ``parent_ids`` [B,S], the one other document a query's
-document may attend to, and the rule becomes: q attends kv iff q >= kv and
+Preference rows (``rayjobs.data.preference``) add one thing: a response document also sees its
+prompt, which is a *different* document (chosen and rejected share one prompt, but must not see each
+other). So every function here takes an optional ``parent_ids`` [B,S], the one other document a
+query's document may attend to, and the rule becomes: q attends kv iff q >= kv and
 (``document_ids[q] == document_ids[kv]`` or ``parent_ids[q] == document_ids[kv]``). With
 ``parent_ids=None`` (or ``parent_ids == document_ids``) that is exactly the rule above, so SFT and
 DPO rows share one definition.

@@ -1,15 +1,16 @@
 """A small decoder that trains on packed rows without leaking across documents.
 
 Two things make a packed row behave like its documents run one by one: attention follows the
-document-causal mask from ``rayjobs.train.masks`` (built once per forward, shared by all layers), and RoPE
-angles come from ``position_ids``, which restart at 0 in every document. ``attention="sdpa"`` uses
-PyTorch SDPA with the dense mask and works everywhere (FlexAttention has no backward on CPU in
-torch 2.13); ``attention="flex"`` uses FlexAttention with a BlockMask, compiled on CUDA.
+document-causal mask from ``rayjobs.train.masks`` (built once per forward, shared by all layers),
+and RoPE angles come from ``position_ids``, which restart at 0 in every document.
+``attention="sdpa"`` uses PyTorch SDPA with the dense mask and works everywhere (FlexAttention has
+no backward on CPU in torch 2.13); ``attention="flex"`` uses FlexAttention with a BlockMask,
+compiled on CUDA.
 ``attention="causal"`` is plain causal SDPA (``is_causal``, no mask built, flash kernels on GPU):
 exact only for unpacked rows, one document per row with its padding at the end, the baseline that
 ``rayjobs bench train`` measures packing against.
-Preference (DPO) rows (``rayjobs.data.preference``) also pass ``parent_ids``, so a response sees its prompt
-document besides its own (``masks``' note); every forward takes it as an optional argument,
+Preference (DPO) rows (``rayjobs.data.preference``) also pass ``parent_ids``, so a response sees its
+prompt document besides its own (``masks``' note); every forward takes it as an optional argument,
 ``None`` for SFT rows.
 
 Pre-norm blocks: RMSNorm → attention → residual, RMSNorm → SwiGLU MLP → residual; the lm head is

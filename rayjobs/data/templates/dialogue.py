@@ -4,7 +4,7 @@ tokenizer's chat template (ChatML when it has none); only what each assistant tu
 Each assistant turn is found by rendering the conversation prefix by prefix, which works for any
 prefix-stable template without ``{% generation %}`` markers; an unstable one is a bad row. Tool
 calls, tool schemas and reasoning reach the template as ``apply_chat_template`` takes them, and a
-template that drops them makes the row a ``template_error`` (docs/data.md, "Tool calls").
+template that drops them makes the row a ``template_error`` (docs/data.md, "Templates").
 """
 
 from __future__ import annotations
