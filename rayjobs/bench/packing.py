@@ -43,7 +43,7 @@ DEFAULT_WINDOW = 4096
 DEFAULT_WINDOW_TOKENS = PackingConfig().window_tokens
 """The job's default streaming window (``packing.window_tokens``)."""
 
-DEFAULT_DATA_DIR = Path(__file__).resolve().parents[1] / "configs" / "data"
+DEFAULT_DATA_DIR = Path(__file__).resolve().parents[2] / "configs" / "data"
 """The real subsets bundled with the repository (configs/data/SOURCES.md)."""
 
 # name, file under the data folder, format, template, column_map, text_split

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 DEFAULT_DATA = (
-    Path(__file__).resolve().parents[1] / "configs" / "data" / "sft" / "alpaca_en_demo.json"
+    Path(__file__).resolve().parents[2] / "configs" / "data" / "sft" / "alpaca_en_demo.json"
 )
 MiB = 1 << 20
 
@@ -127,7 +127,7 @@ def measure(path: Path, mode: str, chunk_bytes: int) -> ReadRow:
     from rayjobs.config import DatasetConfig
     from rayjobs.data.sources import read_dataset
 
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[2])
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a throwaway local Ray, as in tests
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(

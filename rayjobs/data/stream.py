@@ -188,5 +188,6 @@ def _packed(
         "seed": config.seed,
         "ledger": ledger,
         "budget": config.mix.by if sized(config) else None,
+        "task": config.task,
     }
     return _stage(samples, PackStream, kwargs, window, config, num_cpus=0.5, actors=actors)

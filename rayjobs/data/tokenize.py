@@ -19,13 +19,14 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from rayjobs.config import DatasetConfig, TokenizerConfig
 from rayjobs.data import templates
 from rayjobs.data.counts import StageTimer, TokenizeCounts, batch_key, report, report_actor
 from rayjobs.data.formats import HF, HF_PLACE, bad_row_error, bad_row_place, hf_label
 from rayjobs.data.samples import Templated
-from rayjobs.data.tasks import TASKS
+from rayjobs.data.tasks import TASKS, Task
 from rayjobs.data.templates import RowError, Segment
 from rayjobs.data.tokenizer import Tokenizer
 from rayjobs.errors import DataError
@@ -73,10 +74,7 @@ class Tokenize:
             else {f: str(i) for i, f in enumerate(s.files)}
             for s in datasets
         }
-        tasks = {templates.TEMPLATES[spec.template].task for spec in datasets}
-        if len(tasks) > 1:
-            raise ValueError(f"datasets of several tasks ({sorted(tasks)}) in one Tokenize stage")
-        self.task = TASKS[tasks.pop() if tasks else "sft"]
+        self.tasks = {s.name: TASKS[templates.TEMPLATES[s.template].task] for s in datasets}
         self.tokenizer = Tokenizer(tokenizer)
         report_actor(ledger, "Tokenize")
         self.seq_len = seq_len
@@ -96,6 +94,15 @@ class Tokenize:
             tally.cpu_seconds = timer.cpu_seconds / len(counts)
         report(self.ledger, "add_tokenize", dict(counts), input_key(batch), sample_lengths(table))
         return table
+
+    def _task(self, batch: pa.Table) -> Task:
+        """The task of the batch's datasets (a job's datasets share one, as the config checks; a
+        batch whose rows were all bad still gets its task's columns, so every block of a run has
+        one schema)."""
+        tasks = {self.tasks[name] for name in pc.unique(batch.column("_dataset")).to_pylist()}
+        if len(tasks) != 1:
+            raise ValueError(f"a Tokenize batch holds samples of {len(tasks)} tasks")
+        return tasks.pop()
 
     def _bad_row(
         self,
@@ -163,7 +170,8 @@ class Tokenize:
             # the same data elsewhere (another machine, a fresh clone) gets the same uids.
             origin = f"{name}\0{self.file_index[name].get(path, path)}\0{row}"
             rows.append(Templated(index, spec, origin, segments))
-        columns, kept = self.task.encode(self.tokenizer, rows, counts, self.seq_len, self.overflow)
+        task = self._task(batch)
+        columns, kept = task.encode(self.tokenizer, rows, counts, self.seq_len, self.overflow)
         for tag in STREAM_TAGS:  # the streaming path's epoch and pass follow the sample
             if tag in batch.column_names:
                 columns[tag] = batch.column(tag).take(pa.array(kept, type=pa.int64()))

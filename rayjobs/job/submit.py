@@ -87,7 +87,7 @@ EXCLUDES = (
 )
 """Left out of every upload, on top of ``.gitignore`` / ``.rayignore`` (gitignore syntax)."""
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
 OWNED_KEYS = ("working_dir", "py_modules")
 """runtime_env keys ``submit`` sets itself (``--runtime-env-json`` may set the others)."""
 
