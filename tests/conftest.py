@@ -1,5 +1,6 @@
-"""Shared fixtures: the bundled real data (configs/data, see its SOURCES.md) and one small local
-Ray per test module."""
+"""Shared fixtures: the bundled real data (configs/data, see its SOURCES.md), one small local Ray
+shared by the tests that need it, and the tiers: every test is marked by the folder it lies in
+(tests/unit, tests/ray, tests/e2e, tests/gpu; pyproject.toml registers the markers)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,26 @@ GPTEACHER = DATA / "sft" / "gpteacher_roleplay.json"
 HH_CHAT = DATA / "chat" / "hh_rlhf_harmless_chosen.messages.jsonl"
 SHAREGPT = DATA / "chat" / "glaive_toolcall.sharegpt.json"
 SHAKESPEARE = DATA / "text" / "tinyshakespeare.txt"
+
+TIERS = {"ray": "ray", "e2e": "e2e", "gpu": "gpu"}
+"""Test folder → the marker each of its tests gets (tests/unit's get none)."""
+RAY_FIXTURES = ("ray_local", "ray_head")
+
+WORKER_PATH = [ROOT, ROOT / "tests", *(ROOT / "tests" / tier for tier in ("unit", *TIERS))]
+"""What Ray's workers import from: this checkout's rayjobs, and the test modules whose functions
+and classes (train loops, callbacks, stage subclasses) they run."""
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark each test with its folder's tier; a test in tests/unit that asks for a Ray fixture is
+    an error (the unit tier runs without Ray)."""
+    for item in items:
+        tier = item.path.parent.name
+        if tier in TIERS:
+            item.add_marker(getattr(pytest.mark, TIERS[tier]))
+        elif tier == "unit" and set(RAY_FIXTURES) & set(getattr(item, "fixturenames", ())):
+            raise pytest.UsageError(f"{item.nodeid} uses Ray: move it to tests/ray or tests/e2e")
+
 
 # Tests talk to their own throwaway local Ray; no token auth, no usage stats.
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -90,7 +111,7 @@ def ray_local():
             num_cpus=4,
             include_dashboard=False,
             log_to_driver=False,
-            runtime_env={"env_vars": {"PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}},
+            runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(map(str, WORKER_PATH))}},
         )
     return ray
 
@@ -114,7 +135,7 @@ def _stop_ray_at_exit():
 def ray_head():
     """A real Ray head in a subprocess (``ray_head.start_head``: loopback, token auth, its own
     ports and temp dir), shared by the modules that talk to a cluster as users do."""
-    from ray_head import start_head
+    from support.ray_head import start_head
 
     with start_head() as head:
         yield head

@@ -90,6 +90,7 @@ CASES = {
 }
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("world_size", sorted(CASES))
 def test_equal_batches_per_rank_and_the_guard(ray_local, world_size):
     """Uneven rows and blocks, fractional CPUs: every rank gets the same number of batches.

@@ -132,6 +132,7 @@ def test_ledger_matches_the_rows(packed_run):
     assert lower_bound <= len(rows) <= lower_bound + 1.5 * pack["calls"]
 
 
+@pytest.mark.e2e
 def test_overflow_drop_counts_and_split_keeps_every_token(ray_local):
     counts = {}
     for policy in ("drop", "split"):

@@ -109,6 +109,7 @@ def exported(ray_local, setup):
     return export(config, folder / "export"), folder / "export"
 
 
+@pytest.mark.e2e
 def test_inspect_json_equals_export(inspected, exported):
     stdout, report = inspected
     manifest, _ = exported
@@ -135,6 +136,7 @@ def test_inspect_json_equals_export(inspected, exported):
     assert packed["fill"]["mean"] == pytest.approx(packed["efficiency"])
 
 
+@pytest.mark.e2e
 def test_eval_sets_are_packed_apart_reported_and_exported_whole(inspected, exported, setup):
     """``eval.datasets``: inspect reports them apart from the training datasets (their own
     counts and packs, never in the training figures) and export writes their packed rows to
@@ -204,6 +206,7 @@ def _reference_lengths(config, good_bad_rows: dict[int, str]) -> dict[str, np.nd
     return lengths
 
 
+@pytest.mark.e2e
 def test_length_percentiles_equal_a_numpy_reference(inspected, exported, setup):
     _, report = inspected
     _, out = exported
@@ -238,6 +241,7 @@ def _panels(png: Path, least: int = 20) -> int:
     return sum(len(runs(mask[top:bottom].any(axis=0))) for top, bottom in runs(mask.any(axis=1)))
 
 
+@pytest.mark.e2e
 def test_png_has_one_panel_per_dataset_plus_the_fill_panel(inspected, setup):
     from PIL import Image
 
@@ -283,6 +287,7 @@ def test_preview_marks_the_trained_tokens():
     assert shown["trained_tokens"] == 4 == (row["labels"] != -100).sum()
 
 
+@pytest.mark.e2e
 def test_preview_of_a_real_packed_row(inspected):
     _, report = inspected
     shown = report["preview"]
@@ -302,6 +307,7 @@ def test_preview_of_a_real_packed_row(inspected):
     assert checked, "guard: the preview held a document whose trained span was checked"
 
 
+@pytest.mark.e2e
 def test_limit_reads_exactly_the_first_rows_of_each_dataset(ray_local, setup):
     _, config, _ = setup
     report = inspection.inspect(config, limit=LIMIT)

@@ -265,6 +265,7 @@ def _sources_of_documents(config) -> dict[tuple[int, ...], str]:
     }
 
 
+@pytest.mark.e2e
 def test_weighted_stream_realizes_its_shares(ray_local, monkeypatch):
     """0.5/0.3/0.2 by tokens on real data (#9, acceptance 7): each epoch's realized token shares
     within 1 point of the weights, and every tenth of an epoch's packed rows within 5 points,

@@ -11,6 +11,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from rayjobs.data.rows import layout_rows
 from rayjobs.train import masks
+from support.tiles import tiles_from_block_mask, tiles_from_dense
 
 
 def _random_rows(rng: np.random.Generator, batch_size: int, seq_len: int) -> list[list[int]]:
@@ -55,31 +56,6 @@ def test_dense_mask_matches_python_loops():
 # ---------------------------------------------------------------- BlockMask vs the dense mask
 
 
-def _tiles_from_dense(mask: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reduce a dense [B,S,S] mask to [B,S/bs,S/bs] tiles: (full = all True, partial = some but not
-    all)."""
-    batch_size, seq_len, _ = mask.shape
-    num_blocks = seq_len // block_size
-    tiles = mask.reshape(batch_size, num_blocks, block_size, num_blocks, block_size).transpose(2, 3)
-    full = tiles.all(dim=(-1, -2))
-    return full, tiles.any(dim=(-1, -2)) & ~full
-
-
-def _tiles_from_block_mask(block_mask: BlockMask) -> tuple[torch.Tensor, torch.Tensor]:
-    """The BlockMask's (full, partial) tiles as [B,num_q_blocks,num_kv_blocks] bools (head 0)."""
-
-    def tiles(num_blocks: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        batch_size, _, num_q_blocks, num_kv_blocks = indices.shape
-        out = torch.zeros(batch_size, num_q_blocks, num_kv_blocks, dtype=torch.bool)
-        for b in range(batch_size):
-            for q in range(num_q_blocks):
-                out[b, q, indices[b, 0, q, : num_blocks[b, 0, q]].long()] = True
-        return out
-
-    full = tiles(block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
-    return full, tiles(block_mask.kv_num_blocks, block_mask.kv_indices)
-
-
 def test_block_mask_structure_matches_dense_tiles():
     seq_len, block_size = 640, 128
     rows = [
@@ -88,14 +64,14 @@ def test_block_mask_structure_matches_dense_tiles():
         [40, 40, 40, 520],  # small documents in one tile, then a long one filling the row exactly
     ]
     document_ids = _document_ids(rows, seq_len)
-    full, partial = _tiles_from_dense(masks.document_causal_mask(document_ids), block_size)
+    full, partial = tiles_from_dense(masks.document_causal_mask(document_ids), block_size)
     # guards: full and partial tiles both occur, and rows differ (B=None would broadcast row 0)
     assert full.any() and partial.any()
     assert not torch.equal(full[0], full[1]) and not torch.equal(partial[0], partial[2])
 
     block_mask = masks.block_mask(document_ids, block_size=block_size)
     assert block_mask.shape == (len(rows), 1, seq_len, seq_len)
-    got_full, got_partial = _tiles_from_block_mask(block_mask)
+    got_full, got_partial = tiles_from_block_mask(block_mask)
     assert torch.equal(got_full, full)
     assert torch.equal(got_partial, partial)
 
@@ -112,7 +88,7 @@ def test_compiled_flex_forward_matches_sdpa():
     )  # guard: multi-document + padding
     # guard: row 0 skips a tile that row 1 needs, so broadcasting row 0's blocks (B=None) would be
     # wrong
-    full, partial = _tiles_from_dense(masks.document_causal_mask(document_ids), block_size=128)
+    full, partial = tiles_from_dense(masks.document_causal_mask(document_ids), block_size=128)
     visited = full | partial
     assert (visited[1] & ~visited[0]).any()
     q, k, v = (torch.randn(batch_size, num_heads, seq_len, head_dim) for _ in range(3))
@@ -202,9 +178,9 @@ def test_a_sliding_window_keeps_the_last_positions_of_the_document():
     additive = masks.hf_attention_mask(document_ids, "eager", position_ids=position_ids, window=3)
     assert torch.equal(additive == 0, dense[:, None])
     block = masks.block_mask(document_ids, block_size=2, position_ids=position_ids, window=3)
-    full, partial = _tiles_from_dense(dense, 2)
-    assert torch.equal(_tiles_from_block_mask(block)[0], full)
-    assert torch.equal(_tiles_from_block_mask(block)[1], partial)
+    full, partial = tiles_from_dense(dense, 2)
+    assert torch.equal(tiles_from_block_mask(block)[0], full)
+    assert torch.equal(tiles_from_block_mask(block)[1], partial)
     assert not torch.equal(dense, masks.document_causal_mask(document_ids))  # guard: it cut
     with pytest.raises(ValueError, match="a sliding window needs position_ids"):
         masks.document_causal_mask(document_ids, window=3)

@@ -3,7 +3,7 @@
 CPU machines (CI) skip this module: FlexAttention has no CPU backward, and CUDA is where the job
 trains with it. On a GPU machine, from the repository root (no Ray or pydantic needed):
 
-    python -m pytest tests/test_cuda.py
+    python -m pytest tests/gpu/test_cuda.py
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch.nn.attention.flex_attention import flex_attention
 from rayjobs.bench.attention import packed_layout
 from rayjobs.train import masks
 from rayjobs.train.model import Decoder, DecoderConfig, loss_sum
-from test_masks import _tiles_from_dense
+from support.tiles import tiles_from_dense
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -70,7 +70,7 @@ def _model() -> Decoder:
 
 def test_block_mask_built_on_cuda_matches_dense_tiles():
     document_ids = packed_layout(np.random.default_rng(0), 8, 2048, 300.0)[0].to(CUDA)
-    full, partial = _tiles_from_dense(masks.document_causal_mask(document_ids), 128)
+    full, partial = tiles_from_dense(masks.document_causal_mask(document_ids), 128)
     assert full.any() and partial.any(), "guard: full and partial tiles"
     assert not torch.equal(partial[0], partial[1]), (
         "guard: rows differ (B=None would broadcast row 0)"
@@ -131,7 +131,7 @@ def test_sliding_window_block_mask_and_flex_equal_dense_sdpa_on_cuda(window):
     dense = masks.document_causal_mask(document_ids, position_ids=position_ids, window=window)
     assert not torch.equal(dense, masks.document_causal_mask(document_ids)), "guard: it cuts"
     block = masks.block_mask(document_ids, position_ids=position_ids, window=window)
-    for got, expected in zip(_block_mask_tiles(block), _tiles_from_dense(dense, 128)):
+    for got, expected in zip(_block_mask_tiles(block), tiles_from_dense(dense, 128)):
         assert torch.equal(got, expected)
     flex, sdpa, _ = _flex_and_sdpa(document_ids, torch.float32, position_ids, window)
     for name, got, expected in zip(("out", "dq", "dk", "dv"), flex, sdpa):

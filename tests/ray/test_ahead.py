@@ -122,6 +122,7 @@ def _first_batch_before_the_slow_block(batches, gate) -> bool:
     return not made
 
 
+@pytest.mark.e2e
 def test_a_rank_gets_its_first_batch_from_the_blocks_it_holds(gate):
     # Guard: Ray's own prefetch (the default) holds this first batch back for the third block.
     stalled = _stalling_dataset(gate).iterator().iter_torch_batches(batch_size=4, drop_last=True)

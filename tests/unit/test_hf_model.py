@@ -269,6 +269,7 @@ print(before, peak, float(total.detach() / count))
 """
 
 
+@pytest.mark.e2e
 def test_chunked_loss_halves_peak_memory():
     """Acceptance 5: one forward + backward of the demo decoder at the GPT-2 vocabulary (50257),
     seq_len 2048 × batch 4, every position but each document's last labelled: the peak RSS of a

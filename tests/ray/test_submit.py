@@ -27,10 +27,10 @@ import pytest
 import yaml
 
 from conftest import ROOT
-from ray_head import Head
 from rayjobs.cli import _parser, main
 from rayjobs.config import load_config
 from rayjobs.job import submit
+from support.ray_head import Head
 
 DEMO = ROOT / "configs" / "demo"
 
@@ -413,6 +413,7 @@ def _rayjobs(head: Head, *argv: str, env: dict | None = None, timeout: float = 1
     )
 
 
+@pytest.mark.e2e
 def test_a_job_that_fails_on_the_cluster_exits_1_with_its_error(ray_head, tmp_path):
     head = ray_head
     # Valid here (the tokenizer file exists), broken there: loading it fails inside the job.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks: tests/test_cuda.py, `rayjobs bench attention` and `rayjobs bench train`, on one
+# The GPU checks: tests/gpu/test_cuda.py, `rayjobs bench attention` and `rayjobs bench train`, on one
 # CUDA GPU. Needs only torch, numpy, pyarrow and pytest (no Ray or pydantic; the Hugging Face flex
 # check also needs transformers and is skipped without it), so it runs from a bare checkout
 # on a GPU machine. Logs and the benches' JSON go to $1 (default: gpu-checks/).
@@ -10,7 +10,7 @@
 # step cannot use up the machine's call and leave the later ones unrun; every step runs whatever
 # the one before it did, and its log is written as it goes.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." && cd ..  # the repository root (the script lies in tests/gpu)
 out=${1:-gpu-checks}
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -19,8 +19,8 @@ import torch
 print(torch.cuda.get_device_name(), "torch", torch.__version__, "cuda", torch.version.cuda)
 PY
 limit() { timeout -k 10 "$@"; }  # limit SECONDS command...: exit 124 when it ran out
-# -s: the tests print their measured differences (the README's figures)
-limit 220 python3 -m pytest -q -s -p no:cacheprovider -rs tests/test_cuda.py 2>&1 \
+# -s: the tests print their measured differences (docs/benchmarks.md)
+limit 220 python3 -m pytest -q -s -p no:cacheprovider -rs tests/gpu/test_cuda.py 2>&1 \
   | tee "$out/test_cuda.log"
 tests=$?
 limit 180 python3 -m rayjobs.bench.attention --json "$out/attention.json" 2>&1 \

@@ -160,6 +160,7 @@ def planned(ray_local):
     return start_job(config_from_dict(_mix_config("tokens"), base_dir=ROOT), prefix="test")
 
 
+@pytest.mark.e2e
 def test_real_mix_shares_within_one_point(planned, ray_local):
     """The realized mix the run summary reports (``Job.mixes``: what the pack stage packed) is
     within one point of the weights, and counts every packed document."""
@@ -172,6 +173,7 @@ def test_real_mix_shares_within_one_point(planned, ray_local):
     )
 
 
+@pytest.mark.e2e
 def test_an_epoch_consumed_twice_is_counted_once(planned, ray_local):
     """Planned mode's pack counts are exactly once, as stream mode's are (``test_faults``): each
     ``AssemblePacks`` call (one emission group) and ``ExpandPlan`` batch reports under its batch
@@ -193,6 +195,7 @@ def test_an_epoch_consumed_twice_is_counted_once(planned, ray_local):
     assert counts[1]["repeated_reports"] - counts[0]["repeated_reports"] >= groups
 
 
+@pytest.mark.e2e
 def test_real_mix_is_interleaved_per_window(planned):
     """Real lengths, an epoch of 4x the data (tenths of ~600 samples, so one long sample does not
     swing a tenth's token shares): every tenth of the epoch is near the weights."""
@@ -210,6 +213,7 @@ def test_real_mix_is_interleaved_per_window(planned):
         assert np.abs(shares - WEIGHTS).max() <= 0.05
 
 
+@pytest.mark.e2e
 def test_same_seed_same_packs_and_each_epoch_differs(planned, ray_local):
     """Planned mode's promise: the same seed gives the same packs, from a fresh tokenization
     too. Compared on the pack plans (which sample, by uid, goes to which pack and slot): rows are

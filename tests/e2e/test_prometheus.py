@@ -42,8 +42,8 @@ import pytest
 import yaml
 
 from conftest import ROOT
-from ray_head import Head, free_ports
 from rayjobs.metrics import METRICS
+from support.ray_head import Head, free_ports
 
 INSTALL = ROOT / "cluster" / "install-prometheus.sh"
 SHIPPED_CONFIG = ROOT / "cluster" / "prometheus.yml"

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from rayjobs.data import rows
 from rayjobs.data.pack import pack_lengths
 from rayjobs.data.rows import IGNORE_INDEX, assemble, layout_rows, ranges
-from test_pack import PAD_ID, _random_window, assemble_bins
+from support.packed import PAD_ID, assemble_bins, random_window
 
 
 def _layout(lengths: list[int], seq_len: int) -> tuple[np.ndarray, np.ndarray]:
@@ -128,7 +128,7 @@ def test_assemble_from_shuffled_chunks_equals_a_row_by_row_reference() -> None:
     the same rows as concatenating each bin's samples by hand."""
     rng = np.random.default_rng(5)
     seq_len = 48
-    input_ids, labels = _random_window(rng, num_samples=120, seq_len=seq_len)
+    input_ids, labels = random_window(rng, num_samples=120, seq_len=seq_len)
     bins = pack_lengths(np.array([len(ids) for ids in input_ids]), seq_len, "first_fit")
     stored = rng.permutation(len(input_ids))  # storage order differs from pack order
     chunks = np.array_split(stored, 7)

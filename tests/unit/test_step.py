@@ -275,6 +275,7 @@ def _fsdp_worker(rank: int, port: int, kind: str, rows: dict, out: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("kind", ["demo", "llama", "llama+ac"])
 def test_fsdp_over_two_processes_takes_the_single_process_step(kind, tmp_path):
     rows = _rows(8, seed=4)
@@ -469,6 +470,7 @@ def _dpo_models() -> tuple[PackedLM, PackedLM]:
     return policy, reference
 
 
+@pytest.mark.e2e
 def test_fsdp_dpo_shards_the_reference_and_takes_the_single_process_step(tmp_path):
     """Under FSDP the frozen reference is sharded like the policy (each rank held a whole copy:
     twice a 2-rank policy's parameters) and stays so after its forwards (its root group, the

@@ -24,7 +24,7 @@ from rayjobs.data.rows import IGNORE_INDEX, STAT_COLUMNS
 from rayjobs.train import dpo, masks
 from rayjobs.train.hf import build_hf_model
 from rayjobs.train.model import Decoder, DecoderConfig, PackedLM, token_logps
-from test_masks import _tiles_from_block_mask, _tiles_from_dense
+from support.tiles import tiles_from_block_mask, tiles_from_dense
 
 HH_DPO = DATA / "dpo" / "hh_rlhf_harmless.dpo.jsonl"
 EOS_ID = 50256  # GPT-2's <|endoftext|>, also the pad token here
@@ -273,19 +273,19 @@ def test_block_mask_tiles_match_the_dense_mask(packed, block_size):
     triples, bins, rows = packed
     rows = _tensors(rows)
     dense = masks.document_causal_mask(rows["document_ids"], rows["parent_ids"])
-    full, partial = _tiles_from_dense(dense, block_size)
+    full, partial = tiles_from_dense(dense, block_size)
     assert full.any() and partial.any()  # guard
     if block_size == 32:
         # guard: some tile is skipped only because rejected tokens do not see the chosen ones
         # (one causal document per triple would visit it), so block sparsity is tested too
         per_triple = masks.document_causal_mask(rows["document_ids"] // 3)
-        triple_full, triple_partial = _tiles_from_dense(per_triple, block_size)
+        triple_full, triple_partial = tiles_from_dense(per_triple, block_size)
         assert ((triple_full | triple_partial) & ~(full | partial)).any()
     block_mask = masks.block_mask(
         rows["document_ids"], block_size=block_size, parent_ids=rows["parent_ids"]
     )
     assert block_mask.shape == (len(bins), 1, SEQ_LEN, SEQ_LEN)
-    got_full, got_partial = _tiles_from_block_mask(block_mask)
+    got_full, got_partial = tiles_from_block_mask(block_mask)
     assert torch.equal(got_full, full)
     assert torch.equal(got_partial, partial)
 

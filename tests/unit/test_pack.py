@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from rayjobs.data import pack
 from rayjobs.data.pack import STRATEGIES, StreamPacker, pack_lengths
-from rayjobs.data.rows import IGNORE_INDEX, assemble
+from rayjobs.data.rows import IGNORE_INDEX
+from support.packed import PAD_ID, assemble_bins, random_window
 
 SEQ_LEN = 10
 
@@ -202,45 +203,6 @@ def test_bfd_matches_linear_scan_reference(window: tuple[int, np.ndarray]) -> No
 # --- Rows: rows.assemble over StreamPacker packs
 # ----------------------------------------------------------
 
-PAD_ID = 0
-
-
-def assemble_bins(
-    input_ids: list[np.ndarray],
-    labels: list[np.ndarray],
-    bins: list[np.ndarray],
-    seq_len: int,
-    pad_id: int = PAD_ID,
-) -> dict[str, np.ndarray]:
-    """Rows of ``bins`` (indices into the samples) through ``rayjobs.data.rows.assemble``."""
-    lengths = np.array([len(ids) for ids in input_ids], dtype=np.int64)
-    starts = np.cumsum(lengths) - lengths
-    order = np.concatenate(bins) if bins else np.empty(0, dtype=np.int64)
-    return assemble(
-        input_ids,
-        labels,
-        starts[order],
-        lengths[order],
-        np.array([len(b) for b in bins], dtype=np.int64),
-        seq_len,
-        pad_id,
-    )
-
-
-def _random_window(
-    rng: np.random.Generator, num_samples: int, seq_len: int
-) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Samples with token ids >= 1 (so PAD_ID is recognizable), labels shifted within the sample and
-    a masked prompt of random length."""
-    lengths = np.minimum(rng.geometric(4 / seq_len, num_samples), seq_len)
-    input_ids = [rng.integers(1, 1000, length, dtype=np.int32) for length in lengths]
-    labels = []
-    for ids in input_ids:
-        sample_labels = np.append(ids[1:], IGNORE_INDEX).astype(np.int32)
-        sample_labels[: rng.integers(0, len(ids))] = IGNORE_INDEX
-        labels.append(sample_labels)
-    return input_ids, labels
-
 
 def _documents(rows: dict[str, np.ndarray]) -> list[tuple[bytes, bytes]]:
     """Every (input_ids, labels) document of every row, padding excluded."""
@@ -322,7 +284,7 @@ def _stream_rows(input_ids, labels, seq_len, seed=0, strategy="bfd", window=64):
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_stream_rows_keep_the_data_contract(strategy: str) -> None:
     seq_len = 64
-    input_ids, labels = _random_window(np.random.default_rng(7), num_samples=300, seq_len=seq_len)
+    input_ids, labels = random_window(np.random.default_rng(7), num_samples=300, seq_len=seq_len)
     rows = _stream_rows(input_ids, labels, seq_len, 1, strategy)
     assert (rows["num_documents"] >= 2).any(), "guard: no row packs several documents"
     assert (rows["num_tokens"] < seq_len).any(), "guard: no row is padded"
@@ -331,7 +293,7 @@ def test_stream_rows_keep_the_data_contract(strategy: str) -> None:
 
 
 def test_stream_is_deterministic_per_seed() -> None:
-    input_ids, labels = _random_window(np.random.default_rng(3), num_samples=100, seq_len=32)
+    input_ids, labels = random_window(np.random.default_rng(3), num_samples=100, seq_len=32)
     first, again, other = (_stream_rows(input_ids, labels, 32, seed) for seed in (0, 0, 1))
     assert all(np.array_equal(first[name], again[name]) for name in first)
     assert not np.array_equal(first["input_ids"], other["input_ids"])
@@ -340,7 +302,7 @@ def test_stream_is_deterministic_per_seed() -> None:
 def test_stream_shuffles_packs_and_documents() -> None:
     # BFD alone opens rows longest sample first and places each row's longest document first.
     seq_len = 64
-    input_ids, labels = _random_window(np.random.default_rng(5), num_samples=300, seq_len=seq_len)
+    input_ids, labels = random_window(np.random.default_rng(5), num_samples=300, seq_len=seq_len)
     rows = _stream_rows(input_ids, labels, seq_len, window=300)
     first_lengths = (rows["document_ids"] == 0).sum(axis=1)
     rows_and_sizes = zip(rows["document_ids"], rows["num_tokens"])

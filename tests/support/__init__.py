@@ -1,0 +1,1 @@
+"""Helpers the tests of several folders share (no tests here)."""

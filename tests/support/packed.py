@@ -1,0 +1,46 @@
+"""Packed rows made by hand for the row and pack tests: random windows of samples and their rows."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rayjobs.data.rows import IGNORE_INDEX, assemble
+
+PAD_ID = 0
+
+
+def assemble_bins(
+    input_ids: list[np.ndarray],
+    labels: list[np.ndarray],
+    bins: list[np.ndarray],
+    seq_len: int,
+    pad_id: int = PAD_ID,
+) -> dict[str, np.ndarray]:
+    """Rows of ``bins`` (indices into the samples) through ``rayjobs.data.rows.assemble``."""
+    lengths = np.array([len(ids) for ids in input_ids], dtype=np.int64)
+    starts = np.cumsum(lengths) - lengths
+    order = np.concatenate(bins) if bins else np.empty(0, dtype=np.int64)
+    return assemble(
+        input_ids,
+        labels,
+        starts[order],
+        lengths[order],
+        np.array([len(b) for b in bins], dtype=np.int64),
+        seq_len,
+        pad_id,
+    )
+
+
+def random_window(
+    rng: np.random.Generator, num_samples: int, seq_len: int
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Samples with token ids >= 1 (so PAD_ID is recognizable), labels shifted within the sample and
+    a masked prompt of random length."""
+    lengths = np.minimum(rng.geometric(4 / seq_len, num_samples), seq_len)
+    input_ids = [rng.integers(1, 1000, length, dtype=np.int32) for length in lengths]
+    labels = []
+    for ids in input_ids:
+        sample_labels = np.append(ids[1:], IGNORE_INDEX).astype(np.int32)
+        sample_labels[: rng.integers(0, len(ids))] = IGNORE_INDEX
+        labels.append(sample_labels)
+    return input_ids, labels
