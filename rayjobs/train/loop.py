@@ -247,4 +247,5 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             with open(os.path.join(directory, FINAL_SUMMARY), "w") as f:
                 json.dump(summary, f)
             checkpoint = ray.train.Checkpoint.from_directory(directory)
+        series.flush()  # before Ray Train ends this worker
         ray.train.report(summary, checkpoint=checkpoint)

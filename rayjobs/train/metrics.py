@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from rayjobs.metrics import _init_counter, _series
+from rayjobs.metrics import _init_counter, _series, wait_for_export
 
 DPO_GAUGES = ("reward_accuracy", "reward_margin", "chosen_reward", "rejected_reward")
 """``StepResult.dpo`` keys exported as ``rayjobs_dpo_<key>``."""
@@ -31,6 +31,7 @@ class TrainMetrics:
         self._dpo = _series([f"rayjobs_dpo_{name}" for name in DPO_GAUGES])
         self._eval_loss = _series(["rayjobs_eval_loss"])["rayjobs_eval_loss"]
         self._last = time.monotonic()
+        self._recorded: float | None = None
         _init_counter(self._tokens, self.tags)  # every rank adds its own tokens
         if rank == 0:
             _init_counter(self._steps, self.tags)
@@ -41,7 +42,7 @@ class TrainMetrics:
         never exports them)."""
         now = time.monotonic()
         self._speed.set(local_tokens / max(now - self._last, 1e-9), tags=self._rank_tags)
-        self._last = now
+        self._last = self._recorded = now
         if local_tokens:
             self._tokens.inc(local_tokens, tags=self.tags)
         if self.rank == 0:
@@ -57,9 +58,17 @@ class TrainMetrics:
         self.paused()
         if self.rank == 0:
             self._eval_loss.set(loss, tags=self.tags)
+            self._recorded = self._last  # set by paused()
 
     def paused(self) -> None:
         """Work between two steps has ended (a checkpoint's save, a report to Ray Train): the
         next step's tokens per second count from now, not over it (the gauge dipped after every
         checkpoint)."""
         self._last = time.monotonic()
+
+    def flush(self) -> float:
+        """Wait until this process has exported what it recorded (``wait_for_export``; usually
+        already so by the end of a run's final save): Ray Train ends the workers once the final
+        report is in, and a worker's last steps were lost with it under load. Returns the
+        seconds waited."""
+        return wait_for_export(self._recorded)
