@@ -100,18 +100,25 @@ def ray_local():
     anew. 4 logical CPUs on this 2-core machine: the job's resource plan (read tasks + a 1-CPU
     Tokenize actor + 0.5-CPU packing actors + two 0.5-CPU trainers) does not fit in 2 and would
     hang (README, "Design: CPU resources"); logical CPUs only schedule."""
+    return start_shared_ray()
+
+
+def start_shared_ray(env: dict[str, str] | None = None):
+    """The shared local Ray, started if it is not running; its workers also get ``env`` (as a
+    job's ``runtime_env`` gives them environment variables)."""
     import ray
 
     if not ray.is_initialized():
         # Workers import this checkout's rayjobs (whatever is pip-installed) and functions
         # defined in test modules (train loops). address "local": a new Ray even where a
         # `ray start` cluster runs on the machine (joining one refuses num_cpus).
+        path = os.pathsep.join(map(str, WORKER_PATH))
         ray.init(
             address="local",
             num_cpus=4,
             include_dashboard=False,
             log_to_driver=False,
-            runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(map(str, WORKER_PATH))}},
+            runtime_env={"env_vars": {"PYTHONPATH": path, **(env or {})}},
         )
     return ray
 

@@ -7,6 +7,7 @@ bucket, key, credential or scheme is refused before Ray starts, naming the datas
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import os
 from pathlib import Path
@@ -15,10 +16,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import ALPACA, GPT2, HH_CHAT, ROOT, shutdown_shared_ray
+from conftest import ALPACA, GPT2, HH_CHAT, ROOT, shutdown_shared_ray, start_shared_ray
 from rayjobs.cli import main
 from rayjobs.config import config_from_dict, load_config
-from rayjobs.data import estimate
+from rayjobs.data import estimate, files
 from rayjobs.data.formats import registry
 from rayjobs.errors import ConfigError
 from support.s3 import s3_server
@@ -43,9 +44,8 @@ def _layout(folder) -> dict[str, bytes]:
 
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory):
-    """(the S3 server, the local folder holding the same files). The environment points S3
-    clients at the server; Ray is restarted so that its workers have that environment too (on a
-    cluster each node has its own), and restarted again afterwards."""
+    """(the S3 server, the local folder holding the same files). The environment points this
+    process's S3 clients at the server."""
     local = tmp_path_factory.mktemp("local")
     with s3_server() as s3:
         for relative, data in _layout(local).items():
@@ -54,7 +54,6 @@ def stores(tmp_path_factory):
             s3.put(f"{BUCKET}/{relative}", data)
         saved = {key: os.environ.get(key) for key in s3.env}
         os.environ.update(s3.env)
-        shutdown_shared_ray()
         try:
             yield s3, local
         finally:
@@ -63,7 +62,15 @@ def stores(tmp_path_factory):
                     os.environ.pop(key, None)
                 else:
                     os.environ[key] = value
-            shutdown_shared_ray()
+
+
+@pytest.fixture
+def ray_with_store(stores):
+    """The shared Ray, restarted so that its workers get the store's environment as a job's
+    runtime_env gives it (on a cluster: each node's own, or ``env_vars``), and again after."""
+    shutdown_shared_ray()
+    yield start_shared_ray(stores[0].env)
+    shutdown_shared_ray()
 
 
 def _config(root: str, **packing):
@@ -145,39 +152,87 @@ def test_a_source_that_cannot_be_read_is_refused_before_ray_starts(
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.e2e
-def test_the_bucket_gives_the_disks_counts_and_packs_and_exports_into_a_bucket(
-    stores, ray_local, tmp_path, monkeypatch
-):
-    """The same files, one side read from the bucket and exported into it, the other from the
-    disk to a folder: the same per-dataset counts and the same packed rows for the same seed
-    (planned mode packs deterministically). The driver opens only each dataset's first file,
-    for the head parse, and reads a bounded part of it: read tasks fetch the data."""
-    from rayjobs.job.export import export
+class _Tap(io.RawIOBase):
+    """A file as read, that notes on closing how many bytes were fetched under it."""
 
-    s3, local = stores
-    opened = []
+    def __init__(self, file, raw, note):
+        super().__init__()
+        self.file, self.raw, self.note = file, raw, note
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        data = self.file.read(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.note(self.raw.tell())
+            self.file.close()
+        super().close()
+
+
+def _recording(monkeypatch) -> dict:
+    """Every file the driver opens (the estimates' head parse): its URI → bytes fetched."""
+    opened = {}
     real_open = estimate.open_file
 
     def recording(uri, random_access, options=None, size=None):
         file, raw = real_open(uri, random_access, options, size)
-        opened.append((uri, raw))
-        return file, raw
+        if random_access and raw is file:  # Parquet: opened for ranged reads, noted as opened
+            opened[uri] = 0
+            return file, raw
+        tap = _Tap(file, raw, lambda fetched: opened.__setitem__(uri, fetched))
+        return pa.PythonFile(tap, mode="r"), raw
 
-    monkeypatch.setattr(estimate, "open_file", recording)  # the driver's own reads
+    monkeypatch.setattr(estimate, "open_file", recording)
+    return opened
+
+
+def test_the_driver_parses_only_the_head_of_each_datasets_first_file(stores, monkeypatch):
+    """Streaming starts from estimates: the driver parses a bounded head of each dataset's
+    first file, a part at a time; every other byte is a read task's."""
+    s3, local = stores
+    opened = _recording(monkeypatch)
     monkeypatch.setattr(estimate, "SAMPLE_ROWS", 40)
-    monkeypatch.setattr(registry, "CHUNK_BYTES", 4096)  # the head parse reads a part at a time
-    bucket_out = f"s3://{BUCKET}/exports/run-1"
-    remote = export(_config(f"s3://{BUCKET}"), bucket_out)
-    heads = {uri: raw.tell() for uri, raw in opened}
+    monkeypatch.setattr(registry, "CHUNK_BYTES", 4096)  # a part of the head at a time
+    monkeypatch.setattr(files, "STREAM_BUFFER_BYTES", 4096)  # and fetched (1 MiB: a big file's)
+    config = _config(f"s3://{BUCKET}", mode="stream")
+    found = estimate.estimate(config, count_rows=False)
+    assert found["chat"].mean_tokens > 0 and found["alpaca"].mean_tokens > 0
+    heads = dict(opened)
+    assert set(heads) == {f"s3://{BUCKET}/chat/part-0.jsonl", f"s3://{BUCKET}/sft/alpaca.parquet"}
+    chat_size = len((local / "chat" / "part-0.jsonl").read_bytes())
+    assert heads[f"s3://{BUCKET}/chat/part-0.jsonl"] < chat_size / 2  # a head, not the file
+
+
+@pytest.mark.e2e
+def test_the_bucket_gives_the_disks_counts_and_packs_and_exports_into_a_bucket(
+    stores, ray_with_store, tmp_path, monkeypatch
+):
+    """The same files, one side read from the bucket and exported into it, the other from the
+    disk to a folder: the same per-dataset counts and the same packed rows for the same seed
+    (planned mode packs deterministically), every row read by read tasks: the driver opens no
+    data file."""
+    from rayjobs.job.export import export
+
+    s3, local = stores
+    opened = _recording(monkeypatch)
+    remote = export(_config(f"s3://{BUCKET}"), f"s3://{BUCKET}/exports/run-1")
+    assert opened == {}  # planned mode: no estimates; read tasks read every file
     disk = export(_config(str(local)), tmp_path / "local")
 
-    timers = ("seconds", "cpu_seconds")
+    timers = ("seconds", "cpu_seconds", "plan_seconds")
     for name, counts in disk["datasets"].items():
         assert {k: v for k, v in remote["datasets"][name].items() if k not in timers} == {
             k: v for k, v in counts.items() if k not in timers
         }, name
-    assert remote["packed"] == disk["packed"]
+    assert {k: v for k, v in remote["packed"].items() if k not in timers} == {
+        k: v for k, v in disk["packed"].items() if k not in timers
+    }
+    assert remote["datasets"]["chat"]["rows"] == 400 and remote["datasets"]["alpaca"]["rows"] > 0
 
     fs = s3.filesystem()
     manifest = json.loads(fs.open_input_file(f"{BUCKET}/exports/run-1/manifest.json").read())
@@ -188,11 +243,6 @@ def test_the_bucket_gives_the_disks_counts_and_packs_and_exports_into_a_bucket(
     assert sorted(map(tuple, from_bucket.column("input_ids").to_pylist())) == sorted(
         map(tuple, from_disk.column("input_ids").to_pylist())
     )
-
-    first = {f"s3://{BUCKET}/chat/part-0.jsonl", f"s3://{BUCKET}/sft/alpaca.parquet"}
-    assert set(heads) <= first and f"s3://{BUCKET}/chat/part-0.jsonl" in heads
-    chat_size = len((local / "chat" / "part-0.jsonl").read_bytes())
-    assert heads[f"s3://{BUCKET}/chat/part-0.jsonl"] < chat_size / 2  # a head, not the file
 
 
 def test_a_read_that_loses_its_server_fails_naming_dataset_uri_and_row(tmp_path, monkeypatch):
