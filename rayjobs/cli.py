@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -400,8 +401,28 @@ def _inspect(args: argparse.Namespace, config: Any) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def _warnings_on_stderr() -> Iterator[None]:
+    """rayjobs' warnings (``logging.getLogger("rayjobs")``: columns no template reads, samples
+    lost to seq_len, ...) as ``rayjobs: warning: ...`` lines on stderr while a command runs."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("rayjobs: warning: %(message)s"))
+    logger = logging.getLogger("rayjobs")
+    logger.addHandler(handler)
+    propagate, logger.propagate = logger.propagate, False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    with _warnings_on_stderr():
+        return _main(sys.argv[1:] if argv is None else argv)
+
+
+def _main(argv: list[str]) -> int:
     if argv[:2] == ["bench", "train"]:  # its own options (model shape, steps): bench_train.py
         from rayjobs.bench import train as bench_train
 

@@ -34,6 +34,11 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
         ("run", "dataset"),
         "Bad rows skipped under on_bad_row: skip (all reasons; by reason in the run summary)",
     ),
+    "rayjobs_samples_without_trained_tokens": (
+        "counter",
+        ("run", "dataset"),
+        "Samples with no token left to train (a prompt that fills seq_len, a response cut away)",
+    ),
     "rayjobs_packs": ("counter", ("run",), "Packed rows emitted"),
     "rayjobs_pack_slots": ("counter", ("run",), "Token slots in packs"),
     "rayjobs_pack_tokens": ("counter", ("run",), "Non-pad tokens in packs"),

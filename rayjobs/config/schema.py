@@ -62,6 +62,10 @@ class DatasetConfig(_Strict):
     """``format: hf``: a Hub dataset's branch, tag or commit."""
     storage: StorageConfig = Field(default_factory=StorageConfig)
     """Object-store settings of the dataset's URIs (endpoint, region, anonymous)."""
+    ignore_columns: list[str] = Field(default_factory=list)
+    """Columns the template does not read, named as known and not trained on: silences the
+    unused-column warning, and lets through a column that would otherwise be refused because it
+    changes what a row means (a KTO-style ``label``)."""
     template: str
     """How a row becomes training text, a name in ``rayjobs.data.templates.TEMPLATES``: ``alpaca``
     (instruction/input/output), ``chat`` (``messages`` or ShareGPT ``conversations``), ``text``
@@ -177,6 +181,10 @@ class PackingConfig(_Strict):
     """Samples longer than seq_len: cut to seq_len, drop, or split into seq_len chunks."""
     strategy: str = "bfd"
     """Bin-choice rule of the packer, a name in ``rayjobs.data.pack.STRATEGIES``."""
+    warn_lost_share: float = Field(default=0.01, ge=0, le=1)
+    """Warn about a dataset when more than this share of its samples has nothing left to train
+    (its whole response cut, or a prompt as long as ``seq_len``) or lost most of its tokens to
+    truncation; the warning names the setting to change."""
 
     @model_validator(mode="after")
     def _window_holds_a_row(self) -> PackingConfig:
@@ -419,6 +427,10 @@ class RayConfig(_Strict):
 
 
 class DPOConfig(_Strict):
+    min_prompt_tokens: int = Field(default=64, ge=1)
+    """A triple longer than ``seq_len`` keeps at least this many tokens of its prompt (its end,
+    where the turn the responses answer is): its responses are cut first, and a triple that
+    cannot fit even so is dropped, counted (``dropped_by_reason``)."""
     beta: float = Field(default=0.1, gt=0)
     """The DPO temperature: the implicit reward is ``beta`` × the policy's log-ratio to the
     reference."""

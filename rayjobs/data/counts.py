@@ -66,7 +66,17 @@ class TokenizeCounts:
     trained_tokens: int = 0
     truncated_tokens: int = 0
     dropped_samples: int = 0
+    dropped_by_reason: dict[str, int] = field(default_factory=dict)
+    """The same samples by reason: ``overflow_drop`` (``packing.overflow: drop``), ``no_room``
+    (a triple that cannot fit even at its floors), ``empty_prompt``; sums to ``dropped_samples``."""
     split_samples: int = 0
+    samples_without_trained_tokens: int = 0
+    """Samples with no token left to train: a prompt that fills ``seq_len``, a response cut away,
+    a template that marks nothing trainable."""
+    samples_mostly_truncated: int = 0
+    """Samples that lost more than half their tokens to truncation."""
+    truncated_by_part: dict[str, int] = field(default_factory=dict)
+    """Preference triples: the truncated tokens by part (``prompt``, ``chosen``, ``rejected``)."""
     responses_tokenized_alone: int = 0
     """Preference data: responses tokenized on their own, not after their prompt, because a
     token of prompt + response straddled the prompt's end (TRL's fallback)."""
@@ -81,6 +91,11 @@ class TokenizeCounts:
     """Wall time spent in Tokenize calls (a stage timer for the bench)."""
     cpu_seconds: float = 0.0
     """CPU time of the actor process during those calls (all threads: the Rust tokenizer's too)."""
+
+    def dropped(self, reason: str) -> None:
+        """One sample dropped, for ``reason`` (a key of ``dropped_by_reason``)."""
+        self.dropped_samples += 1
+        self.dropped_by_reason[reason] = self.dropped_by_reason.get(reason, 0) + 1
 
 
 @dataclass

@@ -3,7 +3,7 @@ rows per byte, file sizes, and (only where weights need it) a row count."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -11,12 +11,13 @@ import pyarrow as pa
 import ray
 
 from rayjobs.config import Config, DatasetConfig
-from rayjobs.data import files
+from rayjobs.data import checks, files
 from rayjobs.data.files import open_file
 from rayjobs.data.formats import HF, read_rows
 from rayjobs.data.placement import on_data_nodes
 from rayjobs.data.sources import read_dataset, record_table
 from rayjobs.data.tokenize import Tokenize
+from rayjobs.errors import DataError
 
 SAMPLE_ROWS = 2048
 """Rows of each dataset tokenized in the driver to estimate its mean sample length."""
@@ -64,26 +65,30 @@ class Estimate:
 
 
 def estimate(config: Config, count_rows: bool) -> dict[str, Estimate]:
-    """Each dataset's mean sample length (and, if asked, its row count)."""
+    """Each dataset's mean sample length (and, if asked, its row count), from its head; a head
+    that trains nothing in every dataset is refused, and one that loses samples warned of
+    (``checks``)."""
+    packing = config.packing
     tokenize = Tokenize(
-        config.datasets, config.tokenizer, config.packing.seq_len, config.packing.overflow
-    )
-    estimates = {}
+        config.datasets, config.tokenizer, packing.seq_len, packing.overflow,
+        min_prompt_tokens=config.dpo.min_prompt_tokens,
+    )  # fmt: skip
+    estimates, heads = {}, {}
     where = on_data_nodes(config)
     for spec in config.datasets:
         limit = SAMPLE_ROWS
         while True:  # a head the template or the overflow policy left nothing of: a longer one
             sample, density, raw_rows = _head(spec, where, limit)
-            lengths = tokenize(sample).column("num_tokens").to_numpy() if sample else np.empty(0)
+            table, counts = tokenize.counted(sample) if sample else (None, {})
+            lengths = table.column("num_tokens").to_numpy() if table else np.empty(0)
             taken = sample.num_rows if sample is not None else 0
             if len(lengths) or taken < limit:  # samples, or every row of the dataset read
                 break
             limit *= 8
+        head = asdict(counts[spec.name]) if spec.name in counts else {}
         if not len(lengths):
-            raise ValueError(
-                f"dataset {spec.name!r}: no samples in any of its {taken} good rows after "
-                "templating (see on_bad_row and the overflow policy); it cannot be streamed"
-            )
+            raise DataError(_nothing_left(spec, taken, head))
+        heads[spec.name] = head
         sizes = files.sizes(spec.files, spec.storage) if spec.files else None
         count = None
         # A Hugging Face dataset has no bytes to size it by: counted always (it knows its
@@ -94,7 +99,41 @@ def estimate(config: Config, count_rows: bool) -> dict[str, Estimate]:
         estimates[spec.name] = Estimate(
             float(lengths.mean()), count, density, sizes, len(lengths) / raw_rows
         )
+    checks.require_training(heads, "the head of every dataset")
+    for warning in checks.lost_warnings(config, heads):
+        checks.logger.warning("in the first rows: %s", warning)
     return estimates
+
+
+COLUMN_ROWS = 256
+"""Rows of each dataset's head whose columns are held against its template (``columns``)."""
+
+
+def columns(config: Config) -> dict[str, list[str]]:
+    """Each dataset's columns that most of its head's rows have and its template does not read
+    (each warned of once, here), from the head of its first file.
+
+    Raises:
+        DataError: a column that changes what a row means (``checks.REFUSED``).
+    """
+    where = on_data_nodes(config)
+    unused = {}
+    for spec in config.datasets:
+        sample, _, _ = _head(spec, where, COLUMN_ROWS)
+        records = sample.column("_record").to_pylist() if sample is not None else []
+        unused[spec.name] = checks.column_findings(spec, records)
+        checks.warn_unused(spec, unused[spec.name])
+    return unused
+
+
+def _nothing_left(spec: DatasetConfig, taken: int, head: dict[str, Any]) -> str:
+    """Why a dataset has no sample: its rows' skip reasons and its samples' drop reasons."""
+    reasons = {**head.get("skipped_by_reason", {}), **head.get("dropped_by_reason", {})}
+    said = ", ".join(f"{reason} {n}" for reason, n in sorted(reasons.items())) or "none counted"
+    return (
+        f"dataset {spec.name!r}: no sample in any of its {taken} good rows after templating and "
+        f"packing.overflow ({said}); see on_bad_row and packing.overflow"
+    )
 
 
 def _head(

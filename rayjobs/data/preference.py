@@ -58,7 +58,7 @@ import pyarrow as pa
 
 from rayjobs.data.counts import TokenizeCounts
 from rayjobs.data.rows import DTYPE, IGNORE_INDEX, PACKED_COLUMNS, ranges, row_segments
-from rayjobs.data.samples import TOKEN_LIST, Templated, sample_uid
+from rayjobs.data.samples import TOKEN_LIST, Fit, Templated, sample_uid
 
 ROLE_PROMPT, ROLE_CHOSEN, ROLE_REJECTED = 0, 1, 2
 """``response_role`` values: prompt document or padding, chosen response, rejected response."""
@@ -73,9 +73,6 @@ DPO_COLUMNS = (*PACKED_COLUMNS, *PREFERENCE_COLUMNS)
 OVERFLOW_POLICIES = ("truncate", "drop")
 """The ``packing.overflow`` policies a triple accepts (``split`` would separate a response from its
 prompt)."""
-
-MIN_UNIT_LENGTH = 4
-"""The shortest unit: one prompt token, one token per response, the duplicated prompt token."""
 
 
 class Triple(NamedTuple):
@@ -103,6 +100,9 @@ class TripleOverflow:
     """Tokens cut from the rejected response's end."""
     dropped: bool = False
     """The triple was dropped (then the cut counts are 0: it is counted once, as dropped)."""
+    no_room: bool = False
+    """Dropped because it cannot fit even with its prompt at the floor and one token a response
+    (else: ``overflow: drop``)."""
 
     @property
     def truncated_tokens(self) -> int:
@@ -135,13 +135,15 @@ def fit_triple(
     rejected: Sequence[int],
     seq_len: int,
     policy: str,
+    min_prompt_tokens: int = 1,
 ) -> tuple[Triple | None, TripleOverflow]:
     """Fit one triple into ``seq_len`` tokens of a row (its unit length, P + C + R + 1).
 
-    ``truncate`` cuts the prompt's start (down to one token), then the responses' ends, each token
-    from the longer response (the rejected one on a tie), down to one token each; ``drop`` drops a
-    triple that does not fit. A triple that cannot fit even at one token a part is dropped under
-    either policy. See the module note.
+    ``truncate`` cuts the prompt's start down to ``min_prompt_tokens`` (its end is kept: the turn
+    the responses answer), then the responses' ends, each token from the longer response (the
+    rejected one on a tie), down to one token each. A prompt is never cut below its floor: a
+    triple that cannot fit with its prompt at the floor and a token a response is dropped
+    (``TripleOverflow.no_room``), as under ``drop`` every triple that does not fit is.
 
     Returns:
         (the kept triple, or None when dropped; what was cut).
@@ -152,6 +154,9 @@ def fit_triple(
     >>> triple, cut = fit_triple([1, 2, 3, 4], [5, 6, 7], [8], seq_len=5, policy="truncate")
     >>> [part.tolist() for part in triple], cut.prompt, cut.chosen, cut.rejected
     ([[4], [5, 6], [8]], 3, 1, 0)
+    >>> triple, cut = fit_triple([1, 2, 3, 4], [5, 6, 7], [8], 4, "truncate", min_prompt_tokens=2)
+    >>> triple, cut.dropped, cut.no_room
+    (None, True, True)
     """
     if policy not in OVERFLOW_POLICIES:
         raise ValueError(
@@ -164,9 +169,12 @@ def fit_triple(
     excess = triple.unit_length - seq_len
     if excess <= 0:
         return triple, TripleOverflow()
-    if policy == "drop" or seq_len < MIN_UNIT_LENGTH:
+    if policy == "drop":
         return None, TripleOverflow(dropped=True)
-    prompt_cut = min(excess, len(triple.prompt) - 1)
+    floor = max(1, min(min_prompt_tokens, len(triple.prompt)))
+    if seq_len < floor + 3:  # the prompt's floor, a token each response, the duplicated one
+        return None, TripleOverflow(dropped=True, no_room=True)
+    prompt_cut = min(excess, len(triple.prompt) - floor)
     budget = seq_len - 1 - (len(triple.prompt) - prompt_cut)  # tokens left for the responses
     chosen_len, rejected_len = len(triple.chosen), len(triple.rejected)
     excess = max(0, chosen_len + rejected_len - budget)
@@ -297,14 +305,10 @@ TRIPLE_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 
 
 def encode_triples(
-    tokenizer: Any,
-    rows: Sequence[Templated],
-    counts: dict[str, TokenizeCounts],
-    seq_len: int,
-    overflow: str,
+    tokenizer: Any, rows: Sequence[Templated], counts: dict[str, TokenizeCounts], fit: Fit
 ) -> tuple[dict[str, pa.Array], list[int]]:
     """Preference rows → one sample per triple: ``prompt_ids``, ``chosen_ids`` and
-    ``rejected_ids`` (each response ends with EOS), fitted to ``seq_len`` by :func:`fit_triple`
+    ``rejected_ids`` (each response ends with EOS), fitted to ``fit.seq_len`` by :func:`fit_triple`
     (``num_tokens``: the unit length, P + C + R + 1); and, per triple, the index of its row.
     Counted like samples: ``tokens`` are the unit's, ``trained_tokens`` its labelled ones
     (C + R), cuts and drops by the policy."""
@@ -345,13 +349,23 @@ def encode_triples(
         rejected, rejected_alone = response(own, at, texts_of.rejected)
         prompt, _ = tokenizer.with_bos(own, starts)
         if not prompt:  # a prompt that renders to no token (an empty chat template output)
-            tally.dropped_samples += 1
+            tally.dropped("empty_prompt")
             continue
-        triple, cut = fit_triple(prompt, chosen, rejected, seq_len, overflow)
-        tally.truncated_tokens += cut.truncated_tokens
+        triple, cut = fit_triple(
+            prompt, chosen, rejected, fit.seq_len, fit.overflow, fit.min_prompt_tokens
+        )
         if triple is None:
-            tally.dropped_samples += 1
+            tally.dropped("no_room" if cut.no_room else "overflow_drop")
             continue
+        tally.truncated_tokens += cut.truncated_tokens
+        for part in ("prompt", "chosen", "rejected"):
+            if getattr(cut, part):
+                tally.truncated_by_part[part] = tally.truncated_by_part.get(part, 0) + getattr(
+                    cut, part
+                )
+        tally.samples_mostly_truncated += 2 * cut.truncated_tokens > (
+            cut.truncated_tokens + triple.unit_length
+        )
         for name, part in zip(TRIPLE_COLUMNS, triple, strict=True):
             columns[name].append(part)
         sources.append(row.spec.name)

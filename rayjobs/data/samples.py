@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -24,6 +25,16 @@ from rayjobs.data.rows import IGNORE_INDEX, assemble
 from rayjobs.data.templates import Segment
 
 TOKEN_LIST = pa.list_(pa.int32())
+
+
+@dataclass(frozen=True)
+class Fit:
+    """How a sample is fitted into a row: ``packing.seq_len``, ``packing.overflow`` and, for a
+    preference triple, the prompt tokens it keeps at least (``dpo.min_prompt_tokens``)."""
+
+    seq_len: int
+    overflow: str
+    min_prompt_tokens: int = 64
 
 
 class Templated(NamedTuple):
@@ -132,15 +143,12 @@ def _flat_values(column: pa.ChunkedArray) -> tuple[list[np.ndarray], np.ndarray]
 
 
 def encode_samples(
-    tokenizer: Any,
-    rows: Sequence[Templated],
-    counts: dict[str, TokenizeCounts],
-    seq_len: int,
-    overflow: str,
+    tokenizer: Any, rows: Sequence[Templated], counts: dict[str, TokenizeCounts], fit: Fit
 ) -> tuple[dict[str, pa.Array], list[int]]:
     """Templated rows → samples (``input_ids``, ``labels``, ``source``, ``uid``, ``num_tokens``),
-    each fitted to ``seq_len`` by the overflow policy and counted; and, per sample, the index of
-    the row it came from (a split row makes several)."""
+    each fitted to ``fit.seq_len`` by the overflow policy and counted (what overflow drops, cuts
+    or leaves with nothing to train too); and, per sample, the index of the row it came from (a
+    split row makes several)."""
     texts = ["".join(s.text for s in row.content) for row in rows]
     encoded = tokenizer.encode_with_starts(texts)
     input_ids, labels, sources, uids, kept = [], [], [], [], []
@@ -150,10 +158,12 @@ def encode_samples(
         ids, sample_labels = encode_segments(
             row.content, ids, starts, tokenizer.eos_id, row.spec.train_on_input, has_eos
         )
-        pieces, truncated = apply_overflow(ids, sample_labels, seq_len, overflow)
+        pieces, truncated = apply_overflow(ids, sample_labels, fit.seq_len, fit.overflow)
         tally = counts[row.spec.name]
         tally.truncated_tokens += truncated
-        tally.dropped_samples += not pieces
+        tally.samples_mostly_truncated += 2 * truncated > len(ids)
+        if not pieces:
+            tally.dropped("overflow_drop")
         tally.split_samples += max(0, len(pieces) - 1)
         for piece, (piece_ids, piece_labels) in enumerate(pieces):
             uids.append(sample_uid(f"{row.origin}\0{piece}"))
@@ -161,9 +171,11 @@ def encode_samples(
             input_ids.append(piece_ids)
             labels.append(piece_labels)
             sources.append(row.spec.name)
+            trained = int((piece_labels != IGNORE_INDEX).sum())
             tally.samples += 1
             tally.tokens += len(piece_ids)
-            tally.trained_tokens += int((piece_labels != IGNORE_INDEX).sum())
+            tally.trained_tokens += trained
+            tally.samples_without_trained_tokens += trained == 0
     columns = {
         "input_ids": pa.array(input_ids, type=TOKEN_LIST),
         "labels": pa.array(labels, type=TOKEN_LIST),

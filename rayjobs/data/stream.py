@@ -63,6 +63,7 @@ def tokenized(
         "overflow": config.packing.overflow,
         "ledger": ledger,
         "threads": TOKENIZE_CPUS,
+        "min_prompt_tokens": config.dpo.min_prompt_tokens,
     }
     ceiling = config.ray.tokenize_concurrency or max(1, int(cluster_cpus(config)) // 2)
     actors = 0 if tasks else ceiling

@@ -31,7 +31,7 @@ class Task:
     documents_per_sample: int
     """Documents a sample becomes in a packed row (a preference triple: 3)."""
     encode: Callable
-    """(tokenizer, templated rows, counts, seq_len, overflow) → (sample columns, row of each)."""
+    """(tokenizer, templated rows, counts, ``samples.Fit``) → (sample columns, row of each)."""
     assemble: Callable
     """(samples, packs, seq_len, pad_id) → packed rows."""
     overflow: tuple[str, ...]

@@ -25,7 +25,7 @@ from rayjobs.config import DatasetConfig, TokenizerConfig
 from rayjobs.data import templates
 from rayjobs.data.counts import StageTimer, TokenizeCounts, batch_key, report, report_actor
 from rayjobs.data.formats import HF, HF_PLACE, bad_row_error, bad_row_place, hf_label
-from rayjobs.data.samples import Templated
+from rayjobs.data.samples import Fit, Templated
 from rayjobs.data.tasks import TASKS, Task
 from rayjobs.data.templates import RowError, Segment
 from rayjobs.data.tokenizer import Tokenizer
@@ -64,7 +64,10 @@ class Tokenize:
         overflow: str,
         ledger: Any = None,
         threads: int | None = None,
+        min_prompt_tokens: int = 64,
     ):
+        """``seq_len``, ``overflow`` and (preference triples) ``min_prompt_tokens``: how a sample
+        is fitted into a row (``samples.Fit``)."""
         if threads:  # before the tokenizer's first batch builds its thread pool
             os.environ.setdefault(THREADS_ENV, str(threads))
         self.datasets = {spec.name: spec for spec in datasets}
@@ -77,8 +80,7 @@ class Tokenize:
         self.tasks = {s.name: TASKS[templates.TEMPLATES[s.template].task] for s in datasets}
         self.tokenizer = Tokenizer(tokenizer)
         report_actor(ledger, "Tokenize")
-        self.seq_len = seq_len
-        self.overflow = overflow
+        self.fit = Fit(seq_len, overflow, min_prompt_tokens)
         self.ledger = ledger
 
     def _segments(self, spec: DatasetConfig, record: dict[str, Any]) -> list[Segment]:
@@ -86,14 +88,20 @@ class Tokenize:
         return template.render(record, spec.column_map, self.tokenizer.render_chat)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
+        table, counts = self.counted(batch)
+        report(self.ledger, "add_tokenize", counts, input_key(batch), sample_lengths(table))
+        return table
+
+    def counted(self, batch: pa.Table) -> tuple[pa.Table, dict[str, TokenizeCounts]]:
+        """The batch's samples and what tokenizing it did, per dataset (reported to no one:
+        ``__call__`` reports them to the run's ledger)."""
         counts: dict[str, TokenizeCounts] = defaultdict(TokenizeCounts)
         with StageTimer() as timer:
             table = self._tokenize(batch, counts)
         for tally in counts.values():  # the batch's time, shared by the datasets in it
             tally.seconds = timer.seconds / len(counts)
             tally.cpu_seconds = timer.cpu_seconds / len(counts)
-        report(self.ledger, "add_tokenize", dict(counts), input_key(batch), sample_lengths(table))
-        return table
+        return table, dict(counts)
 
     def _task(self, batch: pa.Table) -> Task:
         """The task of the batch's datasets (a job's datasets share one, as the config checks; a
@@ -171,7 +179,7 @@ class Tokenize:
             origin = f"{name}\0{self.file_index[name].get(path, path)}\0{row}"
             rows.append(Templated(index, spec, origin, segments))
         task = self._task(batch)
-        columns, kept = task.encode(self.tokenizer, rows, counts, self.seq_len, self.overflow)
+        columns, kept = task.encode(self.tokenizer, rows, counts, self.fit)
         for tag in STREAM_TAGS:  # the streaming path's epoch and pass follow the sample
             if tag in batch.column_names:
                 columns[tag] = batch.column(tag).take(pa.array(kept, type=pa.int64()))

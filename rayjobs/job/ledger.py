@@ -39,6 +39,7 @@ _TOKENIZE_COUNTERS = (
     "dropped_samples",
     "split_samples",
     "skipped_rows",
+    "samples_without_trained_tokens",
 )
 
 

@@ -19,14 +19,14 @@ import math
 import os
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 import ray.data
 
 from rayjobs.config import Config, MixConfig
-from rayjobs.data import placement, stream
+from rayjobs.data import checks, estimate, placement, stream
 from rayjobs.data.counts import check_accounting, packing_efficiency, unpacked
 from rayjobs.data.mix import with_shares
 from rayjobs.data.planned import Epochs
@@ -89,6 +89,8 @@ class Job:
 
     held_out: HeldOut | None = None
     """The packed ``eval.datasets`` (``held_out``), once set up."""
+    unused_columns: dict[str, list[str]] = field(default_factory=dict)
+    """Each dataset's columns its template does not read (``estimate.columns``)."""
 
     def snapshot(self) -> dict[str, Any]:
         return ray.get(self.ledger.snapshot.remote())
@@ -147,6 +149,18 @@ class Job:
         if self.epochs is not None:
             summary["packed"]["max_delay_windows"] = self.epochs.max_delay_windows
             summary["packed"]["plan_seconds"] = self.epochs.plan_seconds
+        checks.require_training(summary["datasets"])
+        for name, unused in self.unused_columns.items():
+            if name in summary["datasets"]:
+                summary["datasets"][name]["unused_columns"] = unused
+        summary["warnings"] = [
+            checks.unused_message(spec, self.unused_columns[spec.name])
+            for spec in self.config.datasets
+            if self.unused_columns.get(spec.name)
+        ]
+        for warning in checks.lost_warnings(self.config, summary["datasets"]):
+            checks.logger.warning(warning)
+            summary["warnings"].append(warning)
         return summary
 
 
@@ -251,13 +265,20 @@ def start_job(
     ``name``: the run's name (default ``<prefix>-<8 hex digits>``; a resumed run keeps its own)."""
     tokenizer = tokenizer or load_tokenizer(config)
     init_ray(config)
+    unused = estimate.columns(config)  # a column that changes what a row means: refused here
     name = name or f"{prefix}-{uuid.uuid4().hex[:8]}"
     ledger = Ledger.remote(name, [spec.name for spec in config.datasets])
-    if config.packing.mode == "planned":
-        epochs = Epochs(config, tokenize(config, ledger), tokenizer.pad_id, ledger)
-        return Job(config, name, tokenizer, ledger, epochs=epochs)
-    rows = stream.packed_rows(config, tokenizer.pad_id, ledger)
-    return Job(config, name, tokenizer, ledger, rows=rows)
+    try:
+        if config.packing.mode == "planned":
+            epochs = Epochs(config, tokenize(config, ledger), tokenizer.pad_id, ledger)
+            job = Job(config, name, tokenizer, ledger, epochs=epochs, unused_columns=unused)
+            checks.require_training(job.snapshot()["tokenize"])  # every sample is tokenized
+            return job
+        rows = stream.packed_rows(config, tokenizer.pad_id, ledger)
+    except BaseException:
+        ray.kill(ledger)  # nothing will read or close it
+        raise
+    return Job(config, name, tokenizer, ledger, rows=rows, unused_columns=unused)
 
 
 RUN_SNAPSHOT = "checkpoint_manager_snapshot.json"

@@ -80,7 +80,11 @@ BAD_CONFIGS = {
     "column_map_key_naming_no_template_field": (  # a typo once dropped the input block
         _dataset(column_map={"instruction": "question", "inputs": "context"}),
         [],
-        ["datasets.0", "column_map key(s) ['inputs']", "['input', 'instruction', 'output']"],
+        [
+            "datasets.0",
+            "column_map key(s) ['inputs']",
+            "['history', 'input', 'instruction', 'output']",
+        ],
     ),
     "files_set_in_the_config": (
         _dataset(files=["data/alpaca.json"]),

@@ -141,6 +141,40 @@ OVERFLOW_SCENARIOS = {
     "drop keeps what fits": ([1, 2, 3], [4], [5], 6, "drop", ([1, 2, 3], [4], [5]), (0, 0, 0, 0)),
 }  # fmt: skip
 
+FLOOR_SCENARIOS = {
+    # name: (prompt, chosen, rejected, seq_len, min_prompt_tokens, kept or None, (P, C, R cut,
+    # dropped, no room))
+    "the prompt kept at its floor, the responses cut instead": (
+        [1, 2, 3, 4, 5, 6], [7, 8, 9, 10], [11, 12, 13], 9, 3,
+        ([4, 5, 6], [7, 8, 9], [11, 12]), (3, 1, 1, 0, 0),
+    ),
+    "a prompt under its floor is not cut at all": (
+        [1, 2], [3, 4, 5, 6], [7, 8, 9, 10], 6, 64, ([1, 2], [3, 4], [7]), (0, 2, 3, 0, 0),
+    ),
+    "no room for the floor and a token a response: dropped": (
+        [1, 2, 3, 4], [5], [6], 6, 4, None, (0, 0, 0, 1, 1),
+    ),
+    "a floor of one cuts the prompt first, as before": (
+        [1, 2, 3, 4, 5, 6], [7, 8, 9, 10], [11, 12, 13], 9, 1,
+        ([6], [7, 8, 9, 10], [11, 12, 13]), (5, 0, 0, 0, 0),
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", FLOOR_SCENARIOS)
+def test_a_prompt_keeps_its_floor_and_the_responses_give_way(name):
+    """``dpo.min_prompt_tokens``: no triple keeps fewer prompt tokens than the floor (or all it
+    had); the responses are cut instead, and a triple that cannot fit so is dropped, its reason
+    said (``no_room``)."""
+    prompt, chosen, rejected, seq_len, floor, kept, counts = FLOOR_SCENARIOS[name]
+    triple, cut = preference.fit_triple(prompt, chosen, rejected, seq_len, "truncate", floor)
+    assert (cut.prompt, cut.chosen, cut.rejected, int(cut.dropped), int(cut.no_room)) == counts
+    if kept is None:
+        assert triple is None
+        return
+    assert [part.tolist() for part in triple] == [list(part) for part in kept]
+    assert len(triple.prompt) >= min(floor, len(prompt)) and triple.unit_length <= seq_len
+
 
 @pytest.mark.parametrize("name", OVERFLOW_SCENARIOS)
 def test_overflow_is_exactly(name):

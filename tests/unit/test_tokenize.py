@@ -414,9 +414,21 @@ OVERFLOW_COUNTS = {
     "split": (
         "split",
         [([15496, 995, 0], [995, 0, X]), ([EOS], [X])],
-        TokenizeCounts(rows=1, samples=2, tokens=4, trained_tokens=2, split_samples=1),
+        # the second piece, EOS alone, has nothing to train
+        TokenizeCounts(
+            rows=1,
+            samples=2,
+            tokens=4,
+            trained_tokens=2,
+            split_samples=1,
+            samples_without_trained_tokens=1,
+        ),
     ),
-    "drop": ("drop", [], TokenizeCounts(rows=1, dropped_samples=1)),
+    "drop": (
+        "drop",
+        [],
+        TokenizeCounts(rows=1, dropped_samples=1, dropped_by_reason={"overflow_drop": 1}),
+    ),
 }
 
 

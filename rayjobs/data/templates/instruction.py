@@ -6,7 +6,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from rayjobs.data.templates.registry import RenderChat, Segment, register_template, text_field
+from rayjobs.data.templates.registry import (
+    RenderChat,
+    RowError,
+    Segment,
+    field_value,
+    register_template,
+    text_field,
+)
 
 ALPACA_PROMPT = (
     "Below is an instruction that describes a task. Write a response that appropriately "
@@ -21,17 +28,47 @@ ALPACA_PROMPT_WITH_INPUT = (
 )
 
 
-@register_template("alpaca", fields=("instruction", "input", "output"))
+TURN = "### Instruction:\n{instruction}\n\n### Response:\n"
+TURN_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+"""A turn after the first (``history``): the prompt's turn layout, without its preamble."""
+
+
+@register_template("alpaca", fields=("instruction", "input", "output", "history"))
 def alpaca(
     row: Mapping[str, Any], column_map: Mapping[str, str], render_chat: RenderChat | None = None
 ) -> list[Segment]:
-    """Alpaca instruction / input / output → [prompt (untrained), output (trained)]."""
+    """Alpaca instruction / input / output → [prompt (untrained), output (trained)]. Earlier
+    turns (``history``: ``[[instruction, response], ...]``, the LLaMA-Factory layout) come first,
+    each in the same layout, their responses trained as every assistant turn of a chat is."""
     instruction = text_field(row, "instruction", column_map)
     context = text_field(row, "input", column_map, required=False)
     output = text_field(row, "output", column_map)
-    template = ALPACA_PROMPT_WITH_INPUT if context.strip() else ALPACA_PROMPT
-    prompt = template.format(instruction=instruction, input=context)
-    return [Segment(prompt, False), Segment(output, True)]
+    turns = _history(field_value(row, "history", column_map, required=False), column_map)
+    preamble = (ALPACA_PROMPT_WITH_INPUT if context.strip() else ALPACA_PROMPT).split("###")[0]
+    segments: list[Segment] = []
+    for index, (asked, answered) in enumerate(turns):
+        head = preamble if index == 0 else ""
+        segments += [Segment(head + TURN.format(instruction=asked), False),
+                     Segment(answered, True), Segment("\n\n", False)]  # fmt: skip
+    head = "" if turns else preamble
+    last = TURN_WITH_INPUT if context.strip() else TURN
+    return [*segments, Segment(head + last.format(instruction=instruction, input=context), False),
+            Segment(output, True)]  # fmt: skip
+
+
+def _history(value: Any, column_map: Mapping[str, str]) -> list[tuple[str, str]]:
+    """Earlier turns as (instruction, response) pairs of text; none for a null or empty list."""
+    if value in (None, []):
+        return []
+    shown = column_map.get("history", "history")
+    if not isinstance(value, list) or not all(
+        isinstance(turn, list | tuple) and len(turn) == 2 and all(isinstance(x, str) for x in turn)
+        for turn in value
+    ):
+        raise RowError(
+            shown, f"expected a list of [instruction, response] pairs, got {value!r:.80}"
+        )
+    return [(asked, answered) for asked, answered in value]
 
 
 @register_template("text", fields=("text",))
