@@ -105,8 +105,11 @@ def ray_local():
 
 def start_shared_ray(env: dict[str, str] | None = None):
     """The shared local Ray, started if it is not running; its workers also get ``env`` (as a
-    job's ``runtime_env`` gives them environment variables)."""
+    job's ``runtime_env`` gives them environment variables). Ray Data is imported here, outside
+    any test's ``capsys``: its logging handlers keep the stderr they were set up with, and one
+    set up inside a test writes to a closed stream in the next (``--- Logging error ---``)."""
     import ray
+    import ray.data  # noqa: F401
 
     if not ray.is_initialized():
         # Workers import this checkout's rayjobs (whatever is pip-installed) and functions

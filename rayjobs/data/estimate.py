@@ -3,8 +3,9 @@ rows per byte, file sizes, and (only where weights need it) a row count."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -78,7 +79,7 @@ def estimate(config: Config, count_rows: bool) -> dict[str, Estimate]:
     for spec in config.datasets:
         limit = SAMPLE_ROWS
         while True:  # a head the template or the overflow policy left nothing of: a longer one
-            sample, density, raw_rows = _head(spec, where, limit)
+            sample, density, raw_rows, skipped = _head(spec, where, limit)
             table, counts = tokenize.counted(sample) if sample else (None, {})
             lengths = table.column("num_tokens").to_numpy() if table else np.empty(0)
             taken = sample.num_rows if sample is not None else 0
@@ -87,7 +88,7 @@ def estimate(config: Config, count_rows: bool) -> dict[str, Estimate]:
             limit *= 8
         head = asdict(counts[spec.name]) if spec.name in counts else {}
         if not len(lengths):
-            raise DataError(_nothing_left(spec, taken, head))
+            raise DataError(_nothing_left(spec, taken, head, skipped))
         heads[spec.name] = head
         sizes = files.sizes(spec.files, spec.storage) if spec.files else None
         count = None
@@ -119,26 +120,54 @@ def columns(config: Config) -> dict[str, list[str]]:
     where = on_data_nodes(config)
     unused = {}
     for spec in config.datasets:
-        sample, _, _ = _head(spec, where, COLUMN_ROWS)
-        records = sample.column("_record").to_pylist() if sample is not None else []
+        if spec.format == HF:
+            sample = _head(spec, where, COLUMN_ROWS).table
+            records = sample.column("_record").to_pylist() if sample is not None else []
+        else:  # one file's head, however many files and however few rows the first holds
+            records = _parse_head(spec, spec.files[0], COLUMN_ROWS)[1][:COLUMN_ROWS]
         unused[spec.name] = checks.column_findings(spec, records)
         checks.warn_unused(spec, unused[spec.name])
     return unused
 
 
-def _nothing_left(spec: DatasetConfig, taken: int, head: dict[str, Any]) -> str:
-    """Why a dataset has no sample: its rows' skip reasons and its samples' drop reasons."""
-    reasons = {**head.get("skipped_by_reason", {}), **head.get("dropped_by_reason", {})}
+def _nothing_left(
+    spec: DatasetConfig, taken: int, head: dict[str, Any], skipped: Counter[str]
+) -> str:
+    """Why a dataset has no sample, in one line: its bad rows' skip reasons and its samples'
+    drop reasons, counted."""
+    reasons = sum(
+        (Counter(head.get(key, {})) for key in ("skipped_by_reason", "dropped_by_reason")),
+        Counter(skipped),
+    )
     said = ", ".join(f"{reason} {n}" for reason, n in sorted(reasons.items())) or "none counted"
+    if not taken:
+        return (
+            f"dataset {spec.name!r}: every row read was bad and skipped under on_bad_row: skip "
+            f"({said}); no row is left to train on. Fix the data, or set on_bad_row: error to "
+            "stop at the first bad row with its file and row"
+        )
     return (
         f"dataset {spec.name!r}: no sample in any of its {taken} good rows after templating and "
-        f"packing.overflow ({said}); see on_bad_row and packing.overflow"
+        f"packing.overflow ({said}); see packing.overflow"
     )
+
+
+class Head(NamedTuple):
+    """The head of a dataset as the driver parsed it (``_head``)."""
+
+    table: pa.Table | None
+    """Its good rows (``sources.record_table``), None when it has none."""
+    density: float | None
+    """Raw rows per byte of the files parsed."""
+    raw_rows: float
+    """Raw rows, bad ones included, that the good rows kept stand for."""
+    skipped: Counter[str]
+    """Bad rows parsed, by skip reason (``formats.SKIP_REASONS``)."""
 
 
 def _head(
     spec: DatasetConfig, where: dict[str, Any] | None = None, limit: int = SAMPLE_ROWS
-) -> tuple[pa.Table | None, float | None, float]:
+) -> Head:
     """Up to ``limit`` good rows from the first files of a dataset, parsed in the driver (a
     cost that does not grow with the number of files; a Hugging Face dataset goes through Ray);
     the raw rows per byte of the files parsed; and the raw rows, bad ones included, that the good
@@ -147,35 +176,37 @@ def _head(
     if spec.format == HF:
         refs = read_dataset(spec, **(where or {})).limit(limit).to_arrow_refs()
         table = pa.concat_tables(ray.get(refs)) if refs else None
-        return table, None, float(table.num_rows if table is not None else 1)
-    tables, count, good_rows, bad_rows, parsed_bytes = [], 0, 0, 0, 0
+        return Head(table, None, float(table.num_rows if table is not None else 1), Counter())
+    tables, count, good_rows, parsed_bytes = [], 0, 0, 0
+    skipped: Counter[str] = Counter()
     for path in spec.files:
         rows, records, consumed, bad = _parse_head(spec, path, limit - count)
         keep = min(len(rows), limit - count)
         tables.append(record_table(spec.name, [path] * keep, rows[:keep], records[:keep]))
         count += keep
         good_rows += len(rows)
-        bad_rows += bad
+        skipped += bad
         parsed_bytes += consumed
         if count >= limit:
             break
-    density = (good_rows + bad_rows) / parsed_bytes if parsed_bytes else None
-    raw_rows = count * (good_rows + bad_rows) / good_rows if good_rows else 1.0
-    return (pa.concat_tables(tables) if tables else None), density, raw_rows
+    raw = good_rows + skipped.total()
+    density = raw / parsed_bytes if parsed_bytes else None
+    raw_rows = count * raw / good_rows if good_rows else 1.0
+    return Head(pa.concat_tables(tables) if tables else None, density, raw_rows, skipped)
 
 
 def _parse_head(
     spec: DatasetConfig, path: str, limit: int
-) -> tuple[list[int], list[str], int, int]:
+) -> tuple[list[int], list[str], int, Counter[str]]:
     """The first good rows of one file, parsed in the driver a bounded part at a time
     (``formats.read_rows``, as a read task does) until more than ``limit`` are in, or the file
-    ends: (row numbers, records, bytes read for them, bad rows among them). Start-up reads the
-    head of a large first file, never the whole of it."""
+    ends: (row numbers, records, bytes read for them, bad rows among them by skip reason). Start-up
+    reads the head of a large first file, never the whole of it."""
     rows: list[int] = []
     records: list[str] = []
-    bad = 0
-    # the raw file's ``tell()``: the bytes fetched from the disk or the store, compressed or not
-    file, raw = open_file(path, spec.format == "parquet", spec.storage)
+    bad: Counter[str] = Counter()
+    # no read-ahead: the raw file's ``tell()`` is the bytes read, compressed or not
+    file, raw = open_file(path, spec.format == "parquet", spec.storage, read_ahead=False)
     with file:
         parts = read_rows(
             file, path, format=spec.format, dataset=spec.name, text_split=spec.text_split,
@@ -184,7 +215,7 @@ def _parse_head(
         for part in parts:
             rows += part.rows
             records += part.records
-            bad += len(part.bad)
+            bad.update(row.reason for row in part.bad)
             if len(rows) > limit:
                 break
         consumed = raw.tell()

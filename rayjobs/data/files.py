@@ -340,14 +340,19 @@ class _Whole(io.RawIOBase):
 
 
 def open_file(
-    uri: str, random_access: bool, options: StorageOptions | None = None, size: int | None = None
+    uri: str,
+    random_access: bool,
+    options: StorageOptions | None = None,
+    size: int | None = None,
+    read_ahead: bool = True,
 ) -> tuple[pa.NativeFile, pa.NativeFile]:
     """``uri`` opened as a read task reads it: (the file as read, the raw file under it). The raw
     file is opened for random access (ranged reads on an object store); with ``random_access``
     (an uncompressed Parquet file: its footer is at its end) it is the file read, else it is read
-    as a buffered stream, decompressed by its extension (``.gz``, ``.bz2``, ``.zst``); with its
-    listed ``size``, a stream that ends before it is an error. The raw file's ``tell()`` counts
-    the bytes fetched, compressed or not.
+    as a stream, decompressed by its extension (``.gz``, ``.bz2``, ``.zst``), through a read-ahead
+    buffer unless ``read_ahead`` is off; with its listed ``size``, a stream that ends before it is
+    an error. The raw file's ``tell()`` counts the bytes fetched, compressed or not: without read-
+    ahead, the bytes read (what the driver's head parse sizes a dataset by).
 
     Raises:
         StorageError: the file cannot be opened (said as ``explain`` says it).
@@ -361,7 +366,7 @@ def open_file(
     if random_access and codec is None:
         return raw, raw
     source = raw if size is None else pa.PythonFile(_Whole(raw, size, uri), mode="r")
-    stream = pa.BufferedInputStream(source, STREAM_BUFFER_BYTES)
+    stream = pa.BufferedInputStream(source, STREAM_BUFFER_BYTES) if read_ahead else source
     return (pa.CompressedInputStream(stream, codec) if codec else stream), raw
 
 

@@ -159,7 +159,7 @@ class Job:
             if self.unused_columns.get(spec.name)
         ]
         for warning in checks.lost_warnings(self.config, summary["datasets"]):
-            checks.logger.warning(warning)
+            checks.logger.warning("in all rows read: %s", warning)
             summary["warnings"].append(warning)
         return summary
 

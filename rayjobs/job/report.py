@@ -284,6 +284,20 @@ def format_report(report: dict[str, Any]) -> str:
         if stats["skipped_by_reason"]:
             reasons = ", ".join(f"{k} {v}" for k, v in sorted(stats["skipped_by_reason"].items()))
             lines.append(f"  {name}: skipped rows by reason: {reasons}")
+        if stats.get("dropped_by_reason"):
+            reasons = ", ".join(f"{k} {v}" for k, v in sorted(stats["dropped_by_reason"].items()))
+            lines.append(f"  {name}: dropped samples by reason: {reasons}")
+        lost = (
+            stats.get("samples_without_trained_tokens", 0),
+            stats.get("samples_mostly_truncated", 0),
+        )
+        if any(lost):
+            lines.append(
+                f"  {name}: {lost[0]} samples with no token left to train, {lost[1]} that lost "
+                "most of their tokens to truncation"
+            )
+        if stats.get("unused_columns"):
+            lines.append(f"  {name}: columns its template does not read: {stats['unused_columns']}")
         if stats.get("trimmed_samples"):
             lines.append(
                 f"  {name}: {stats['trimmed_samples']} samples ({stats['trimmed_tokens']} tokens) "

@@ -179,8 +179,8 @@ def _recording(monkeypatch) -> dict:
     opened = {}
     real_open = estimate.open_file
 
-    def recording(uri, random_access, options=None, size=None):
-        file, raw = real_open(uri, random_access, options, size)
+    def recording(uri, random_access, options=None, size=None, **how):
+        file, raw = real_open(uri, random_access, options, size, **how)
         if random_access and raw is file:  # Parquet: opened for ranged reads, noted as opened
             opened[uri] = 0
             return file, raw
@@ -214,14 +214,22 @@ def test_the_bucket_gives_the_disks_counts_and_packs_and_exports_into_a_bucket(
 ):
     """The same files, one side read from the bucket and exported into it, the other from the
     disk to a folder: the same per-dataset counts and the same packed rows for the same seed
-    (planned mode packs deterministically), every row read by read tasks: the driver opens no
-    data file."""
+    (planned mode packs deterministically), every row read by read tasks: the driver opens only
+    the head of each dataset's first file, whose columns it holds against the template."""
     from rayjobs.job.export import export
 
     s3, local = stores
     opened = _recording(monkeypatch)
+    monkeypatch.setattr(estimate, "COLUMN_ROWS", 40)
+    monkeypatch.setattr(registry, "CHUNK_BYTES", 4096)
+    monkeypatch.setattr(files, "STREAM_BUFFER_BYTES", 4096)
     remote = export(_config(f"s3://{BUCKET}"), f"s3://{BUCKET}/exports/run-1")
-    assert opened == {}  # planned mode: no estimates; read tasks read every file
+    heads = dict(opened)  # planned mode: no estimates; read tasks read every file
+    assert set(heads) == {f"s3://{BUCKET}/chat/part-0.jsonl", f"s3://{BUCKET}/sft/alpaca.parquet"}
+    assert (
+        heads[f"s3://{BUCKET}/chat/part-0.jsonl"]
+        < (local / "chat" / "part-0.jsonl").stat().st_size / 2
+    )
     disk = export(_config(str(local)), tmp_path / "local")
 
     timers = ("seconds", "cpu_seconds", "plan_seconds")

@@ -245,7 +245,9 @@ def test_a_dataset_whose_head_the_template_skips_whole_is_sized_from_a_longer_on
     assert found.samples_per_row == pytest.approx(0.5) and found.mean_tokens > 0
     (folder / "b.jsonl").unlink()
     config = config_from_dict({"datasets": [spec], "tokenizer": {"path": str(GPT2)}})
-    with pytest.raises(ValueError, match="dataset 'd': no samples in any of its 40 good rows"):
+    with pytest.raises(
+        ValueError, match="dataset 'd': no sample in any of its 40 good rows .*missing_field 40"
+    ):
         estimate.estimate(config, count_rows=False)
 
 
@@ -398,7 +400,7 @@ def test_start_up_parses_the_head_of_a_large_first_file_not_all_of_it(tmp_path, 
     [spec] = config.datasets
     with pytest.raises(SourceError, match="big.jsonl"):
         parse_file(path.read_bytes(), str(path), format="jsonl", dataset="big")
-    table, density, _ = estimate._head(spec)
+    table, density, _, _ = estimate._head(spec)
     assert table.num_rows == estimate.SAMPLE_ROWS
     assert table.column("_row").to_pylist() == list(range(1, estimate.SAMPLE_ROWS + 1))
     per_row = len(json.dumps(rows[0])) + 1
@@ -424,7 +426,7 @@ def test_a_compressed_first_file_is_parsed_decompressed(tmp_path):
             "tokenizer": {"path": str(GPT2)},
         }
     )
-    table, density, _ = estimate._head(config.datasets[0])
+    table, density, _, _ = estimate._head(config.datasets[0])
     assert table.num_rows == estimate.SAMPLE_ROWS
     assert json.loads(table.column("_record")[5].as_py()) == rows[5]
     assert density * path.stat().st_size == pytest.approx(len(rows), rel=0.1)
@@ -497,15 +499,16 @@ def test_a_datasets_whole_run_is_one_read_operator(ray_local, capsys, monkeypatc
     read operator in the job's plan (plus one for its warm-up head), not one per pass joined by
     unions: Ray Data's scheduling loop costs driver CPU in proportion to its operators. Planning
     it stats each file once (the estimate's sizes serve every read)."""
-    import os
     from collections import Counter
 
-    stats = Counter()
-    getsize = os.path.getsize
+    from rayjobs.data import files as data_files
 
-    def counted(path):
-        stats[str(path)] += 1
-        return getsize(path)
+    stats = Counter()
+    sizes = data_files.sizes
+
+    def counted(paths, storage=None):
+        stats.update(map(str, paths))
+        return sizes(paths, storage)
 
     config = _config(
         weights=[0.5, 0.3, 0.2],
@@ -513,7 +516,7 @@ def test_a_datasets_whole_run_is_one_read_operator(ray_local, capsys, monkeypatc
         packing={"seq_len": 1024, "window_tokens": 50_000, "warmup_tokens": 16_000},
         train={"epochs": 3},
     )
-    monkeypatch.setattr(os.path, "getsize", counted)  # (the config stat'ed its files to load)
+    monkeypatch.setattr(data_files, "sizes", counted)  # (the config listed its files to load)
     rows = stream.packed_rows(config, pad_id=0)
     files = {f for spec in config.datasets for f in spec.files}
     assert {f: stats[f] for f in files} == dict.fromkeys(files, 1)

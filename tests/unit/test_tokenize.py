@@ -1034,3 +1034,42 @@ def test_a_dropped_triple_counts_no_response_tokenized_alone(gpt2_config, fake_l
     [(by_dataset, _key, _lengths)] = fake_ledger.calls
     assert by_dataset["d"].dropped_samples == 1
     assert by_dataset["d"].responses_tokenized_alone == 2  # the short triple's two, alone
+
+
+# Issue #34 row 4: the DPO prompt floor on the 300 bundled hh-rlhf triples (one has an empty
+# response: skipped). (seq_len, dpo.min_prompt_tokens) → (samples, dropped by reason, prompts
+# cut to exactly the floor).
+FLOOR_ON_REAL_TRIPLES = {
+    "the floor keeps 64 prompt tokens; responses give way": (128, 64, (299, {}, 125)),
+    "a floor with no room for it drops the triple, counted": (66, 64, (110, {"no_room": 189}, 0)),
+}
+
+
+@pytest.mark.parametrize("name", FLOOR_ON_REAL_TRIPLES)
+def test_no_real_triple_keeps_fewer_prompt_tokens_than_the_floor(name, gpt2_config, gpt2):
+    """Every kept triple has at least min(floor, its prompt's length) prompt tokens; triples
+    that cannot keep it are dropped and counted by reason; tokens cut are counted by part."""
+    seq_len, floor, expected = FLOOR_ON_REAL_TRIPLES[name]
+    records = _head_records("dpo/hh_rlhf_harmless.dpo.jsonl", 300)
+    batch = record_table("d", ["dpo.jsonl"] * 300, list(range(300)), records)
+    spec = _spec("preference", on_bad_row="skip")
+    stage = Tokenize([spec], gpt2_config, seq_len, "truncate", min_prompt_tokens=floor)
+    table, counts = stage.counted(batch)
+    prompts = gpt2.encode_batch([json.loads(r)["prompt"] for r in records])
+    prompt_tokens = {  # each row's uid → its whole prompt's token count
+        sample_uid(f"d\x00dpo.jsonl\x00{row}\x000"): len(ids) for row, ids in enumerate(prompts)
+    }
+    at_floor = 0
+    for row in table.to_pylist():
+        kept, whole = len(row["prompt_ids"]), prompt_tokens[row["uid"]]
+        assert kept >= min(floor, whole)
+        at_floor += kept == floor < whole
+    tally = counts["d"]
+    assert (tally.samples, tally.dropped_by_reason, at_floor) == expected
+    assert tally.skipped_by_reason == {"empty_field": 1}
+    assert sum(tally.truncated_by_part.values()) == tally.truncated_tokens
+    if at_floor:  # guard: without the floor, the same prompts are cut further
+        _, loose = Tokenize([spec], gpt2_config, seq_len, "truncate", min_prompt_tokens=1).counted(
+            batch
+        )
+        assert loose["d"].truncated_by_part["prompt"] > tally.truncated_by_part["prompt"]
