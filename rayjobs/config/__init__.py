@@ -11,6 +11,7 @@ from rayjobs.config.schema import (
     ModelConfig,
     PackingConfig,
     RayConfig,
+    StorageConfig,
     TokenizerConfig,
     TrainConfig,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "ModelConfig",
     "PackingConfig",
     "RayConfig",
+    "StorageConfig",
     "TokenizerConfig",
     "TrainConfig",
     "_apply_override",

@@ -27,7 +27,7 @@ import yaml
 from pydantic import ValidationError
 
 from rayjobs.config.schema import Config, DatasetConfig, HFModelConfig, ModelConfig
-from rayjobs.data import formats
+from rayjobs.data import files, formats
 from rayjobs.errors import ConfigError
 
 
@@ -180,60 +180,124 @@ def _resolve_dataset(
         if len(sources) != 1:
             raise ConfigError(
                 f"{key} (dataset {spec.name!r}): format hf reads one dataset (a Hub name or a "
-                f"save_to_disk folder), got {len(sources)}; list each as a dataset of its own"
+                f"folder), got {len(sources)}; list each as a dataset of its own"
             )
-        local = Path(os.path.expanduser(sources[0]))
-        local = local if local.is_absolute() else base_dir / local
-        resolved = str(local) if local.exists() else sources[0]
-        return spec.model_copy(update={"source": resolved})
+        return _resolve_hf(spec, key, base_dir)
     if not sources:
         raise ConfigError(f"{key} (dataset {spec.name!r}): an empty list names no file")
-    files: list[str] = []
-    seen: set[str] = set()  # real paths of the files kept
+    found: list[files.Found] = []
+    seen: set[str] = set()  # real paths (URIs) of the files kept
     for source in sources:
-        full = Path(os.path.expanduser(source))
-        full = full if full.is_absolute() else base_dir / full
-        if full.is_dir():
-            matches = sorted(
-                str(p)
-                for p in full.rglob("*")
-                if p.is_file()
-                and formats.format_of(p.name) is not None
-                and spec.format in (None, formats.format_of(p.name))
-            )
-        else:
-            matches = sorted(glob.glob(str(full), recursive=True))
+        try:
+            matches = _matches(spec, source, base_dir)
+        except files.StorageError as error:
+            raise ConfigError(f"{key} (dataset {spec.name!r}): {error}") from None
         if not matches:
-            raise ConfigError(f"{key} (dataset {spec.name!r}): no file matches {full}")
+            where = source if files.is_remote(source) else _local(source, base_dir)
+            raise ConfigError(f"{key} (dataset {spec.name!r}): no file matches {where}")
         for match in matches:  # a file reached twice is read once, under its first spelling
-            real = os.path.realpath(match)
+            real = match.uri if files.is_remote(match.uri) else os.path.realpath(match.uri)
             if real not in seen:
                 seen.add(real)
-                files.append(match)
-    if all(_is_empty(f) for f in files):
+                found.append(match)
+    if all(_is_empty(f) for f in found):
         raise ConfigError(
-            f"{key} (dataset {spec.name!r}): every file is empty ({files[:3]}); "
-            f"a dataset in the mix needs at least one row"
+            f"{key} (dataset {spec.name!r}): every file is empty "
+            f"({[files.shown(f.uri) for f in found[:3]]}); a dataset in the mix needs at least "
+            "one row"
         )
+    paths = [f.uri for f in found]
     fmt = spec.format
     if fmt is None:
-        found = {formats.format_of(f) for f in files}
-        if len(found) != 1 or None in found:
+        inferred = {formats.format_of(f) for f in paths}
+        if len(inferred) != 1 or None in inferred:
             raise ConfigError(
                 f"{section}.{index}.format (dataset {spec.name!r}): cannot infer the "
-                f"format from the extensions of {files[:3]}; set format to one of "
-                f"{', '.join(formats.FORMATS)}"
+                f"format from the extensions of {[files.shown(p) for p in paths[:3]]}; set "
+                f"format to one of {', '.join(formats.FORMATS)}"
             )
-        fmt = found.pop()
-    return spec.model_copy(update={"format": fmt, "files": tuple(files)})
+        fmt = inferred.pop()
+    return spec.model_copy(update={"format": fmt, "files": tuple(paths)})
 
 
-def _is_empty(path: str) -> bool:
-    """No rows for sure: zero bytes, or (small files only) just whitespace or an empty JSON list."""
-    size = os.path.getsize(path)
-    if size > 1 << 16:
+def _local(source: str, base_dir: Path) -> Path:
+    full = Path(os.path.expanduser(files.local_path(source)))
+    return full if full.is_absolute() else base_dir / full
+
+
+def _matches(spec: DatasetConfig, source: str, base_dir: Path) -> list[files.Found]:
+    """The files one source names, sorted: on its object store (``files.resolve``), or on the
+    local disk: a folder's files of the dataset's format, or a glob's matches."""
+
+    def accept(name: str) -> bool:
+        found = formats.format_of(name)
+        return found is not None and spec.format in (None, found)
+
+    if files.is_remote(source):
+        return files.resolve(source, accept, spec.storage)
+    full = _local(source, base_dir)
+    if full.is_dir():
+        paths = sorted(str(p) for p in full.rglob("*") if p.is_file() and accept(p.name))
+    else:
+        paths = sorted(glob.glob(str(full), recursive=True))
+    return [files.Found(p, os.path.getsize(p) if os.path.isfile(p) else 0) for p in paths]
+
+
+def _is_empty(found: files.Found) -> bool:
+    """No rows for sure: zero bytes, or (small local files only: a remote one is not read here)
+    just whitespace or an empty JSON list."""
+    if found.size == 0:
+        return True
+    if files.is_remote(found.uri) or found.size > 1 << 16:
         return False
-    return Path(path).read_bytes().strip() in (b"", b"[]")
+    return Path(found.uri).read_bytes().strip() in (b"", b"[]")
+
+
+HF_FILE_FORMATS = ("parquet", "jsonl", "csv")
+"""Formats of a Hugging Face dataset's data files that read tasks read in parallel, as any file
+dataset; the rest (``.json``, which the Hub also uses for JSON lines, scripts, arrow files) is
+loaded by ``datasets`` in the driver."""
+
+
+def _resolve_hf(spec: DatasetConfig, key: str, base_dir: Path) -> DatasetConfig:
+    """A Hugging Face dataset: a ``save_to_disk`` folder as is (loaded in the driver); else its
+    data files for ``split``, as ``load_dataset`` finds them (``subset``, ``data_files``,
+    ``revision``; a local Hub-layout folder or a Hub name): Parquet, JSONL or CSV files become
+    the dataset's ``files``, read by read tasks in parallel with row numbers of their own."""
+    source = str(spec.source)
+    local = _local(source, base_dir)
+    where = f"{key} (dataset {spec.name!r})"
+    if local.exists():
+        if spec.revision is not None:
+            raise ConfigError(
+                f"{where}: revision applies to a dataset on the Hub; the folder {local} is read "
+                "as it is"
+            )
+        source = str(local)
+        if (local / "dataset_dict.json").exists() or (local / "state.json").exists():
+            return spec.model_copy(update={"source": source})  # save_to_disk: read as it was
+    import datasets
+
+    try:
+        builder = datasets.load_dataset_builder(
+            source, name=spec.subset, data_files=spec.data_files, revision=spec.revision
+        )
+    except Exception as error:  # noqa: BLE001 - datasets raises many kinds for a bad source
+        raise ConfigError(
+            f"{where}: cannot load the Hugging Face dataset {source!r} "
+            f"({type(error).__name__}: {str(error).strip().splitlines()[0] if str(error) else ''})"
+        ) from None
+    split_files = (builder.config.data_files or {}).get(spec.split)
+    if split_files is None:
+        known = sorted(builder.config.data_files or {})
+        raise ConfigError(f"{where}: {source!r} has no split {spec.split!r} (it has {known})")
+    found = [str(f) for f in split_files]
+    fmts = {formats.format_of(f) for f in found}
+    if len(fmts) == 1 and fmts <= set(HF_FILE_FORMATS):
+        return spec.model_copy(
+            update={"source": source, "format": fmts.pop(), "files": tuple(sorted(found))}
+        )
+    return spec.model_copy(update={"source": source})
 
 
 def _resolve_storage(path: str, base_dir: Path) -> str:

@@ -26,17 +26,42 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
+class StorageConfig(_Strict):
+    """A dataset's object-store settings (``rayjobs.data.files``); credentials never go here:
+    they come from each node's environment."""
+
+    endpoint_url: str | None = None
+    """An S3-compatible store's endpoint (``http://minio:9000``) or a GCS emulator's; default:
+    ``AWS_ENDPOINT_URL`` for ``s3://`` sources."""
+    region: str | None = None
+    """S3 region; default: ``AWS_REGION`` / ``AWS_DEFAULT_REGION``."""
+    anonymous: bool = False
+    """Read a public bucket without credentials."""
+
+
 class DatasetConfig(_Strict):
     name: str = Field(min_length=1)
     """Unique name; used in metrics, the run summary and error messages."""
     source: str | list[str]
-    """Local file(s), directory or glob; or a Hugging Face dataset name / saved-to-disk folder
+    """Local file(s), folder or glob, or URIs of them on object storage (``s3://``, ``gs://``,
+    ``abfs://``, ``az://``, ``hf://``: a folder is a prefix, ``**`` matches across folders); or a
+    Hugging Face dataset: a Hub name, a local Hub-layout folder or a ``save_to_disk`` folder
     (``format: hf``)."""
     format: str | None = None
     """Input format: a file format of ``rayjobs.data.formats.FORMATS`` (json, jsonl, parquet, csv,
     text) or ``hf``; inferred from the file extension when omitted."""
     split: str = "train"
     """Split to read for ``format: hf``."""
+    subset: str | None = None
+    """``format: hf``: the dataset's configuration, ``load_dataset``'s ``name`` (c4's ``en``,
+    gsm8k's ``main``)."""
+    data_files: str | list[str] | dict[str, str | list[str]] | None = None
+    """``format: hf``: the data files that make the dataset, as ``load_dataset``'s
+    ``data_files``."""
+    revision: str | None = None
+    """``format: hf``: a Hub dataset's branch, tag or commit."""
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+    """Object-store settings of the dataset's URIs (endpoint, region, anonymous)."""
     template: str
     """How a row becomes training text, a name in ``rayjobs.data.templates.TEMPLATES``: ``alpaca``
     (instruction/input/output), ``chat`` (``messages`` or ShareGPT ``conversations``), ``text``
@@ -76,6 +101,15 @@ class DatasetConfig(_Strict):
     @classmethod
     def _known_template(cls, value: str) -> str:
         return _registered(value, templates.TEMPLATES, "template")
+
+    @model_validator(mode="after")
+    def _hub_options_need_hf(self) -> DatasetConfig:
+        """``subset``, ``data_files`` and ``revision`` say which Hugging Face dataset to read
+        (a resolved one has become its ``files``)."""
+        given = [k for k in ("subset", "data_files", "revision") if getattr(self, k) is not None]
+        if given and self.format != "hf" and not self.files:
+            raise ValueError(f"{', '.join(given)} apply to format: hf only")
+        return self
 
     @model_validator(mode="after")
     def _column_map_names_template_fields(self) -> DatasetConfig:

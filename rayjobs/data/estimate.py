@@ -3,7 +3,6 @@ rows per byte, file sizes, and (only where weights need it) a row count."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,9 +11,11 @@ import pyarrow as pa
 import ray
 
 from rayjobs.config import Config, DatasetConfig
+from rayjobs.data import files
+from rayjobs.data.files import open_file
 from rayjobs.data.formats import HF, read_rows
 from rayjobs.data.placement import on_data_nodes
-from rayjobs.data.sources import compression_of, read_dataset, record_table
+from rayjobs.data.sources import read_dataset, record_table
 from rayjobs.data.tokenize import Tokenize
 
 SAMPLE_ROWS = 2048
@@ -83,7 +84,7 @@ def estimate(config: Config, count_rows: bool) -> dict[str, Estimate]:
                 f"dataset {spec.name!r}: no samples in any of its {taken} good rows after "
                 "templating (see on_bad_row and the overflow policy); it cannot be streamed"
             )
-        sizes = {f: os.path.getsize(f) for f in spec.files} if spec.files else None
+        sizes = files.sizes(spec.files, spec.storage) if spec.files else None
         count = None
         # A Hugging Face dataset has no bytes to size it by: counted always (it knows its
         # length), else it weighed 1 row in the mix of unweighted streams and its rows came
@@ -134,9 +135,9 @@ def _parse_head(
     rows: list[int] = []
     records: list[str] = []
     bad = 0
-    codec = compression_of(path)
-    with pa.OSFile(path) as raw:  # bytes read from disk: ``raw.tell()``, compressed or not
-        file = pa.CompressedInputStream(raw, codec) if codec else raw
+    # the raw file's ``tell()``: the bytes fetched from the disk or the store, compressed or not
+    file, raw = open_file(path, spec.format == "parquet", spec.storage)
+    with file:
         parts = read_rows(
             file, path, format=spec.format, dataset=spec.name, text_split=spec.text_split,
             binary=spec.binary, on_bad_row=spec.on_bad_row,

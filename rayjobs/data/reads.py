@@ -5,7 +5,6 @@ rows (``PassRead``), and the warm-up lane's head of each dataset's first file.""
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +16,8 @@ import ray.data
 from rayjobs.config import Config, DatasetConfig
 from rayjobs.data import seeds
 from rayjobs.data.estimate import Estimate, _parse_head
+from rayjobs.data.files import common_root
+from rayjobs.data.files import place as files_place
 from rayjobs.data.formats import HF, HF_PLACE
 from rayjobs.data.sources import FileRead, read_dataset, read_file_list
 
@@ -155,11 +156,9 @@ def _read_hf(spec: DatasetConfig, read: Pass, where: dict[str, Any]) -> ray.data
 
 
 def files_root(files: tuple[str, ...] | list[str]) -> str | None:
-    """The folder a dataset's files lie under (their deepest common folder); None without
-    files (a Hugging Face dataset)."""
-    if not files:
-        return None
-    return os.path.commonpath([os.path.dirname(os.path.abspath(f)) for f in files])
+    """The folder (or prefix) a dataset's files lie under (``files.common_root``); None without
+    files (a Hugging Face dataset read in the driver)."""
+    return common_root(files) if files else None
 
 
 def _subsample(
@@ -173,7 +172,7 @@ def _subsample(
     rows = batch.column("_row").to_numpy().astype(np.uint64)
     keys = np.empty(len(rows), dtype=np.uint64)
     for path in np.unique(paths):
-        name = place or (os.path.relpath(os.path.abspath(path), root) if root else path)
+        name = place or files_place(path, root)
         digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
         mine = paths == path
         keys[mine] = rows[mine] + np.uint64(int.from_bytes(digest, "little"))

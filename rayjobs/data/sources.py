@@ -25,7 +25,7 @@ read with ``datasets`` and handed over with ``ray.data.from_huggingface``.
 from __future__ import annotations
 
 import functools
-import os
+import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,11 +33,14 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import ray.data
 from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
 from rayjobs.config import DatasetConfig
+from rayjobs.data import files
+from rayjobs.data.files import StorageOptions, explain, open_file
 from rayjobs.data.formats import (
     HF,
     Parsed,
@@ -138,27 +141,22 @@ def read_tables(
     yield from _tables(dataset, path, parts)
 
 
-STREAM_BUFFER_BYTES = 1 << 20
-"""Read-ahead buffer of a file opened as a stream."""
+READ_ATTEMPTS = 4
+"""Times a read task tries a file whose store fails it with a transient error (a dropped
+connection, a throttled request) before the run fails; each retry skips the rows already
+emitted, so none is emitted twice."""
+
+RETRY_SECONDS = 0.5
+"""The first retry's wait; it doubles at each one."""
 
 
-def compression_of(path: str) -> str | None:
-    """The codec a file's extension names (``gzip`` for ``.gz``, …), as Ray Data infers it."""
-    try:
-        return pa.Codec.detect(path).name
-    except (TypeError, ValueError):  # no codec's extension
-        return None
-
-
-def open_row_file(path: str, file_format: str) -> pa.NativeFile:
-    """A local file opened as a read task reads it: an uncompressed Parquet file for random
-    access (its footer is at the end; it is read by record batch), anything else as a buffered
-    stream, decompressed by its extension (``.gz``, ``.bz2``, ``.zst``, as Ray Data's readers
-    infer it) and then read whole if it is Parquet."""
-    compression = compression_of(path)
-    if file_format == "parquet" and compression is None:
-        return pa.OSFile(path)
-    return pa.input_stream(path, compression=compression, buffer_size=STREAM_BUFFER_BYTES)
+def open_row_file(
+    path: str, file_format: str, storage: StorageOptions | None = None
+) -> pa.NativeFile:
+    """A file opened as a read task reads it (``files.open_file``): an uncompressed Parquet file
+    for random access (its footer is at its end; it is read by record batch), anything else as a
+    buffered stream decompressed by its extension (and then read whole if it is Parquet)."""
+    return open_file(path, random_access=file_format == "parquet", options=storage)[0]
 
 
 @dataclass(frozen=True)
@@ -183,7 +181,8 @@ class RowFileDatasource(Datasource):
     ``_skip`` (see module note), in the list's order: a read task per read (fewer where Ray asks
     for fewer, each then reading consecutive ones). ``chunk_bytes``: how much of a file a read
     task parses at a time (default ``formats.CHUNK_BYTES``). ``sizes``: each file's bytes, where
-    the caller has them already (else each file is stat'ed here)."""
+    the caller has them already (else asked of its filesystem here); a read task checks that it
+    read them all. ``storage``: the dataset's filesystem options (``files.StorageOptions``)."""
 
     def __init__(
         self,
@@ -196,6 +195,7 @@ class RowFileDatasource(Datasource):
         on_bad_row: str = "error",
         chunk_bytes: int | None = None,
         sizes: Mapping[str, int] | None = None,
+        storage: StorageOptions | None = None,
     ):
         super().__init__()
         self.reads = list(reads)
@@ -206,11 +206,10 @@ class RowFileDatasource(Datasource):
             "binary": binary,
             "on_bad_row": on_bad_row,
             "chunk_bytes": chunk_bytes,
+            "storage": storage,
         }
-        paths = {r.path for r in self.reads}
-        self.sizes = (
-            {p: sizes[p] for p in paths} if sizes else {p: os.path.getsize(p) for p in paths}
-        )
+        paths = list(dict.fromkeys(r.path for r in self.reads))
+        self.sizes = {p: sizes[p] for p in paths} if sizes else files.sizes(paths, storage)
 
     def get_name(self) -> str:
         return "RowFile"
@@ -238,20 +237,57 @@ class RowFileDatasource(Datasource):
                 exec_stats=None,
                 input_files=tuple(dict.fromkeys(r.path for r in reads)),
             )
-            read = functools.partial(read_files, reads, self.options)
+            sizes = {r.path: self.sizes[r.path] for r in reads}
+            read = functools.partial(read_files, reads, self.options, sizes)
             tasks.append(ReadTask(read, metadata, per_task_row_limit=per_task_row_limit))
         return tasks
 
 
-def read_files(reads: Sequence[FileRead], options: dict[str, Any]) -> Iterator[pa.Table]:
-    """What one read task runs (in-process, without Ray): each read's file opened
-    (``open_row_file``) and streamed (``read_tables``), the rows it keeps emitted as they come."""
+def read_files(
+    reads: Sequence[FileRead], options: dict[str, Any], sizes: Mapping[str, int] | None = None
+) -> Iterator[pa.Table]:
+    """What one read task runs (in-process, without Ray): each read's file opened on its
+    filesystem (``files.open_file``) and streamed (``read_tables``), the rows it keeps emitted as
+    they come. A transient error of the store (a dropped connection) reopens the file, up to
+    ``READ_ATTEMPTS`` times with back-off, and passes over the rows already emitted; a stream that
+    ends before the file's listed size (``sizes``) is such an error, never a short read."""
+    storage = options.get("storage")
+    parse = {k: v for k, v in options.items() if k != "storage"}
     for read in reads:
-        with open_row_file(read.path, options["format"]) as file:
-            for table in read_tables(file, read.path, **options):
-                kept = read.rows(table)
-                if kept.num_rows:
-                    yield kept
+        emitted: int | None = None  # the last row number emitted (rows come in row order)
+        for attempt in range(READ_ATTEMPTS):
+            try:
+                size = (sizes or {}).get(read.path)
+                file, _ = open_file(read.path, parse["format"] == "parquet", storage, size)
+                with file:
+                    for table in read_tables(file, read.path, **parse):
+                        if emitted is not None:
+                            table = table.filter(pc.greater(table.column("_row"), emitted))
+                        if not table.num_rows:
+                            continue
+                        last = table.column("_row")[-1].as_py()
+                        kept = read.rows(table)
+                        if kept.num_rows:
+                            yield kept
+                        emitted = last
+                break
+            except OSError as error:
+                if attempt == READ_ATTEMPTS - 1 or not _transient(error):
+                    after = "" if emitted is None else f" after row {emitted}"
+                    raise SourceError(
+                        f"dataset {options['dataset']!r}: reading{after} failed: "
+                        f"{explain(error, read.path)}"
+                    ) from None
+                time.sleep(RETRY_SECONDS * 2**attempt)
+
+
+PERMANENT = (*files.DENIED, *files.NO_BUCKET, "nosuchkey", "no_such_key", "not found",
+             "no such file")  # fmt: skip
+"""What stores say (lowercased) of errors a retry cannot mend."""
+
+
+def _transient(error: OSError) -> bool:
+    return not any(word in str(error).lower() for word in PERMANENT)
 
 
 def read_dataset(
@@ -303,6 +339,7 @@ def read_file_list(
         on_bad_row=spec.on_bad_row,
         chunk_bytes=chunk_bytes,
         sizes=sizes,
+        storage=spec.storage,
     )
     return ray.data.read_datasource(datasource, label_selector=label_selector or None)
 
@@ -318,7 +355,10 @@ def load_huggingface(spec: DatasetConfig) -> Any:
         if isinstance(loaded, datasets.DatasetDict):
             loaded = loaded[spec.split]
         return loaded
-    return datasets.load_dataset(source, split=spec.split)
+    return datasets.load_dataset(
+        source, name=spec.subset, data_files=spec.data_files, revision=spec.revision,
+        split=spec.split,
+    )  # fmt: skip
 
 
 def _read_huggingface(spec: DatasetConfig) -> ray.data.Dataset:

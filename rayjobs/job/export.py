@@ -9,7 +9,8 @@ counts of each epoch, and the eval sets' own counts (``eval``: datasets and pack
 summary's ``eval.datasets`` and ``eval.packed``), so exported data can be audited and reused by
 any trainer.
 
-``OUT`` must be empty (or new), so that two exports never mix. ``overwrite`` (``--overwrite``)
+``OUT`` is a folder or a URI of one on object storage (``s3://bucket/prefix``); it must be empty
+(or new), so that two exports never mix. ``overwrite`` (``--overwrite``)
 empties it first, but only when it holds nothing but an earlier export (``manifest.json``,
 ``epoch=<e>`` and ``eval`` folders): design note, a mistyped ``--out`` (a home folder, the
 repository) must not be wiped by a flag meant for re-running an export.
@@ -20,15 +21,15 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.fs as pafs
 import ray
 
 from rayjobs.config import Config
+from rayjobs.data import files
 from rayjobs.data.preference import PREFERENCE_COLUMNS
 from rayjobs.data.rows import PACKED_COLUMNS, STAT_COLUMNS
 from rayjobs.errors import ConfigError
@@ -53,83 +54,92 @@ def to_arrow(batch: dict[str, np.ndarray], epoch: bool = True) -> pa.Table:
     return pa.table(columns)
 
 
-def prepare_out(out: Path, overwrite: bool = False) -> None:
-    """Check that ``out`` is new or empty; with ``overwrite``, empty an earlier export there.
+def prepare_out(out: str | os.PathLike, overwrite: bool = False) -> tuple[pafs.FileSystem, str]:
+    """Check that ``out`` (a folder, or a URI of one: ``s3://bucket/prefix``) is new or empty;
+    with ``overwrite``, empty an earlier export there. Returns its filesystem and path.
 
     Raises:
         ConfigError: ``out`` is not empty (and ``overwrite`` is off), or holds something that is
-            not part of an export.
+            not part of an export, or cannot be listed.
     """
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} is a file, not a folder")
-    entries = sorted(out.iterdir()) if out.exists() else []
+    out = str(out)
+    try:
+        fs, path = files.filesystem(out)
+        if fs.get_file_info(path).type == pafs.FileType.File:
+            raise ConfigError(f"--out {files.shown(out)} is a file, not a folder")
+        entries = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+    except files.StorageError as error:
+        raise ConfigError(f"--out {error}") from None
+    except OSError as error:
+        raise ConfigError(f"--out {files.explain(error, out)}") from None
     if not entries:
-        return
+        return fs, path
     if not overwrite:
         raise ConfigError(
-            f"--out {out} is not empty; export into a new folder, or pass --overwrite to "
-            f"replace the earlier export there"
+            f"--out {files.shown(out)} is not empty; export into a new folder, or pass "
+            "--overwrite to replace the earlier export there"
         )
-    foreign = [e.name for e in entries if not _export_entry(e)]
+    foreign = [e.base_name for e in sorted(entries, key=lambda e: e.path)
+               if not _export_entry(fs, e)]  # fmt: skip
     if foreign:
         raise ConfigError(
-            f"--out {out} holds {foreign[:3]}, which no export writes; --overwrite only replaces "
-            f"an earlier export (manifest.json, epoch=<e>/, eval/), so remove them yourself"
+            f"--out {files.shown(out)} holds {foreign[:3]}, which no export writes; --overwrite "
+            f"only replaces an earlier export (manifest.json, epoch=<e>/, eval/), so remove them "
+            "yourself"
         )
     for entry in entries:
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry)
+        if entry.type == pafs.FileType.Directory:
+            fs.delete_dir(entry.path)
         else:
-            entry.unlink()
+            fs.delete_file(entry.path)
+    return fs, path
 
 
-def _export_entry(entry: Path) -> bool:
+def _export_entry(fs: pafs.FileSystem, entry: pafs.FileInfo) -> bool:
     """Whether ``entry`` (in an export folder) is something an export writes: the manifest, or
     an ``epoch=<number>`` or ``eval`` folder of Parquet files only (a Hive-partitioned folder of
     the user's own, ``epoch=2024/notes.csv``, is not)."""
-    if entry.name == MANIFEST:
-        return entry.is_file()
-    named = re.fullmatch(r"epoch=\d+", entry.name) or entry.name == EVAL
-    if not named or not entry.is_dir() or entry.is_symlink():
+    if entry.base_name == MANIFEST:
+        return entry.type == pafs.FileType.File
+    named = re.fullmatch(r"epoch=\d+", entry.base_name) or entry.base_name == EVAL
+    if not named or entry.type != pafs.FileType.Directory:
         return False
-    return all(
-        f.is_file() and not f.is_symlink() and f.suffix == ".parquet" for f in entry.iterdir()
-    )
+    inside = fs.get_file_info(pafs.FileSelector(entry.path, recursive=True))
+    return all(f.type == pafs.FileType.File and f.extension == "parquet" for f in inside)
 
 
 def export(
     config: Config, out: str | os.PathLike, epochs: int | None = None, overwrite: bool = False
 ) -> dict[str, Any]:
-    """Write every epoch's packed rows under ``out`` (``epoch=<e>/*.parquet``) and return the
-    manifest (also written). ``out`` must be new or empty; ``overwrite`` first empties an earlier
-    export there (see module note)."""
+    """Write every epoch's packed rows under ``out`` (``epoch=<e>/*.parquet``; a folder or a URI
+    of one on object storage) and return the manifest (also written). ``out`` must be new or
+    empty; ``overwrite`` first empties an earlier export there (see module note)."""
     from rayjobs.job.pipeline import start_job
 
     if epochs is not None and epochs < 1:  # before anything is emptied
         raise ConfigError(f"--epochs must be at least 1, got {epochs}")
-    out = Path(out)
-    prepare_out(out, overwrite)
+    fs, path = prepare_out(out, overwrite)
     if epochs is not None:
         config = config.model_copy(
             update={"train": config.train.model_copy(update={"epochs": epochs})}
         )
     job = start_job(config, prefix="export")
     try:
-        return _write(config, job, out)
+        return _write(config, job, fs, path)
     finally:
         job.close()
 
 
-def _write(config: Config, job: Any, out: Path) -> dict[str, Any]:
-    """``export`` once its job is set up: the Parquet files, then the manifest."""
+def _write(config: Config, job: Any, fs: pafs.FileSystem, out: str) -> dict[str, Any]:
+    """``export`` once its job is set up: the Parquet files, then the manifest, written last."""
     if job.rows is not None:  # stream: one pass over every epoch, partitioned by epoch
         job.rows.map_batches(to_arrow, batch_format="numpy").write_parquet(
-            str(out), partition_cols=["epoch"]
+            out, filesystem=fs, partition_cols=["epoch"]
         )
     else:
         for epoch in range(config.train.epochs):
             rows = job.epochs.packed(epoch).map_batches(to_arrow, batch_format="numpy")
-            rows.write_parquet(str(out / f"epoch={epoch}"))
+            rows.write_parquet(f"{out}/epoch={epoch}", filesystem=fs)
     summary = job.accounting()
     packs = job.snapshot()["pack"]
     manifest = {
@@ -152,12 +162,13 @@ def _write(config: Config, job: Any, out: Path) -> dict[str, Any]:
         **summary,
     }
     if config.eval.datasets:
-        manifest["eval"] = _write_eval(config, job, out / EVAL)
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=1, default=str))
+        manifest["eval"] = _write_eval(config, job, fs, f"{out}/{EVAL}")
+    with fs.open_output_stream(f"{out}/{MANIFEST}", compression=None) as stream:
+        stream.write(json.dumps(manifest, indent=1, default=str).encode())
     return manifest
 
 
-def _write_eval(config: Config, job: Any, folder: Path) -> dict[str, Any]:
+def _write_eval(config: Config, job: Any, fs: pafs.FileSystem, folder: str) -> dict[str, Any]:
     """The packed ``eval.datasets`` under ``folder`` (made even when no row is packed, so the
     manifest's path exists) and their counts."""
     from rayjobs.job.pipeline import eval_accounting, eval_rows
@@ -165,8 +176,8 @@ def _write_eval(config: Config, job: Any, folder: Path) -> dict[str, Any]:
     rows, ledger = eval_rows(config, job)
     try:
         rows = rows.map_batches(to_arrow, batch_format="numpy", fn_kwargs={"epoch": False})
-        rows.write_parquet(str(folder))
-        folder.mkdir(exist_ok=True)
+        rows.write_parquet(folder, filesystem=fs)
+        fs.create_dir(folder)
         counts = eval_accounting(ledger)
     finally:
         ray.kill(ledger)

@@ -15,7 +15,7 @@ import json
 import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import pyarrow as pa
 
@@ -66,7 +66,7 @@ def _limit_dataset(spec: DatasetConfig, limit: int, folder: Path) -> DatasetConf
             # written decompressed: its name keeps its format's extension, not the codec's
             copy = folder / f"{len(files)}-{formats.without_compression(Path(path).name)}"
             with open(copy, "wb") as out:
-                _cut(spec.format, path, rows[keep], keep, out)
+                _cut(spec.format, path, rows[keep], keep, out, spec.storage)
             got = len(_first_rows(spec, str(copy), keep + 1))
             if got != keep:
                 raise ConfigError(
@@ -91,7 +91,7 @@ def _first_rows(spec: DatasetConfig, path: str, count: int) -> list[int]:
         "on_bad_row": "skip",
     }
     rows: list[int] = []
-    with open_row_file(path, spec.format) as file:  # as a read task reads it
+    with open_row_file(path, spec.format, spec.storage) as file:  # as a read task reads it
         for part in formats.read_rows(file, path, **options):
             rows += sorted([*part.rows, *(bad.row for bad in part.bad)])
             if len(rows) >= count:
@@ -103,22 +103,24 @@ _LONE_SURROGATE = re.compile("[\ud800-\udc7f\udd00-\udfff]")
 """Surrogates other than surrogateescape's (U+DC80-U+DCFF, the bytes that were not UTF-8)."""
 
 
-def _open_lines(path: str, fmt: str) -> BinaryIO:
+def _open_lines(path: str, fmt: str, storage: Any = None) -> BinaryIO:
     """``path`` as a read task reads it (``sources.open_row_file``: decompressed by its
     extension), buffered so that its lines iterate."""
-    return io.BufferedReader(open_row_file(path, fmt))
+    return io.BufferedReader(open_row_file(path, fmt, storage))
 
 
-def _cut(fmt: str, path: str, first_left_out: int, keep: int, out: BinaryIO) -> None:
+def _cut(
+    fmt: str, path: str, first_left_out: int, keep: int, out: BinaryIO, storage: Any = None
+) -> None:
     """Write to ``out`` a file of format ``fmt`` holding the first ``keep`` rows of ``path``
     (``first_left_out``: the row number of the next one), decompressed. Streams, but for a JSON
     list and a compressed Parquet file."""
     if fmt in ("jsonl", "text"):  # row numbers are 1-based line numbers (split at \n only)
-        with _open_lines(path, fmt) as file:
+        with _open_lines(path, fmt, storage) as file:
             out.writelines(itertools.islice(file, first_left_out - 1))
         return
     if fmt == "json":  # a list of records, numbered from 0
-        with open_row_file(path, fmt) as file:
+        with open_row_file(path, fmt, storage) as file:
             data = file.read()
         text = data.removeprefix(BOM).decode("utf-8", "surrogateescape")
         records = json.dumps(json.loads(text)[:keep], ensure_ascii=False)
@@ -130,7 +132,8 @@ def _cut(fmt: str, path: str, first_left_out: int, keep: int, out: BinaryIO) -> 
     if fmt == "parquet":
         import pyarrow.parquet as pq
 
-        with open_row_file(path, fmt) as file:  # compressed: read whole, as formats' reader
+        # compressed: read whole, as formats' reader
+        with open_row_file(path, fmt, storage) as file:
             source = pq.ParquetFile(file if file.seekable() else pa.BufferReader(file.read()))
             with pq.ParquetWriter(out, source.schema_arrow) as writer:
                 for batch in source.iter_batches(batch_size=min(keep, 65536)):
@@ -147,8 +150,9 @@ def _cut(fmt: str, path: str, first_left_out: int, keep: int, out: BinaryIO) -> 
                 consumed.append(line)
                 yield line
 
+        lines_of = _open_lines(path, fmt, storage)
         with io.TextIOWrapper(
-            _open_lines(path, fmt), encoding="utf-8-sig", errors="surrogateescape", newline=""
+            lines_of, encoding="utf-8-sig", errors="surrogateescape", newline=""
         ) as file:
             reader = csv.reader(lines(file))
             next((header for header in reader if header), None)  # blank lines before it: none

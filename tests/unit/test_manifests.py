@@ -21,6 +21,7 @@ import sys
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import yaml
@@ -284,6 +285,13 @@ def test_rayjob_is_a_ray_io_v1_rayjob_that_cleans_up():
     assert job["spec"]["ttlSecondsAfterFinished"] >= 0
 
 
+def _listed(source: str, accept, options=None) -> list:
+    """``files.resolve`` without a store: the source as its one file."""
+    from rayjobs.data.files import Found
+
+    return [Found(source.rstrip("/") + ("/part-0.json" if source.endswith("/") else ""), 1)]
+
+
 def entrypoint_problems(entrypoint: str, spec: dict) -> list[str]:
     """Runs a RayJob entrypoint's arguments through the real CLI parser and config loader, and
     checks that the run fits the cluster: GPUs for every trainer, checkpoints on the shared claim.
@@ -302,8 +310,9 @@ def entrypoint_problems(entrypoint: str, spec: dict) -> list[str]:
     path = Path(args.config)
     if path.is_absolute() or ".." in path.parts or not (ROOT / path).is_file():
         return [f"config {args.config} is not a file of the repository"]
-    try:
-        config = load_config(ROOT / path, args.overrides)
+    try:  # object-store sources are listed as named (no store here); the rest as the job would
+        with mock.patch("rayjobs.data.files.resolve", _listed):
+            config = load_config(ROOT / path, args.overrides)
     except ConfigError as error:
         return [f"config does not validate: {error}"]
     problems = []
@@ -339,8 +348,37 @@ def entrypoint_problems(entrypoint: str, spec: dict) -> list[str]:
 def test_rayjob_entrypoint_is_a_real_command_on_a_config_that_validates():
     job = _rayjob()
     entrypoint = job["spec"]["entrypoint"]
-    assert shlex.split(entrypoint)[1:3] == ["run", "configs/alpaca_chat_gpt2.yaml"], "guard"
+    assert shlex.split(entrypoint)[1:3] == ["run", "configs/alpaca_chat_s3.yaml"], "guard"
     assert entrypoint_problems(entrypoint, job["spec"]["rayClusterSpec"]) == []
+
+
+def test_the_rayjob_reads_object_storage_with_credentials_from_a_secret():
+    """The RayJob's data is on object storage, not in the job's upload, and every pod gets the
+    store's credentials from a Kubernetes Secret that cluster/README.md makes (no secret in the
+    manifest or in the job's runtime environment)."""
+    job = _rayjob()
+    words = shlex.split(job["spec"]["entrypoint"])
+    args = _parser().parse_args(words[1:])
+    with mock.patch("rayjobs.data.files.resolve", _listed):
+        config = load_config(ROOT / args.config, args.overrides)
+    assert config.datasets and all(
+        f.startswith(("s3://", "gs://", "abfs://", "az://"))
+        for d in config.datasets
+        for f in d.files
+    )
+    spec = job["spec"]["rayClusterSpec"]
+    secrets = set()
+    for group in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]:
+        refs = [
+            e["secretRef"]["name"] for e in _container(group).get("envFrom", []) if "secretRef" in e
+        ]
+        assert refs, group.get("groupName", "head")
+        secrets |= set(refs)
+    readme = (CLUSTER / "README.md").read_text()
+    assert len(secrets) == 1 and f"kubectl create secret generic {secrets.pop()}" in readme
+    manifest = RAYJOB.read_text()
+    assert "AWS_SECRET_ACCESS_KEY" not in job["spec"]["runtimeEnvYAML"]
+    assert not re.search(r"AWS_SECRET_ACCESS_KEY\s*[:=]\s*\S", manifest)
 
 
 GOOD = (

@@ -1,0 +1,254 @@
+"""Data on object storage: the bundled sets in a real S3-protocol server on loopback (moto, IAM
+enforced), named by ``s3://`` URIs with credentials and endpoint from the standard environment.
+Read tasks open their own files (the driver parses heads only), the same files give the same
+counts and packs from the bucket as from the disk, exports write to the bucket, and a wrong
+bucket, key, credential or scheme is refused before Ray starts, naming the dataset and URI."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import ALPACA, GPT2, HH_CHAT, ROOT, shutdown_shared_ray
+from rayjobs.cli import main
+from rayjobs.config import config_from_dict, load_config
+from rayjobs.data import estimate
+from rayjobs.data.formats import registry
+from rayjobs.errors import ConfigError
+from support.s3 import s3_server
+
+BUCKET = "corpora"
+
+
+def _layout(folder) -> dict[str, bytes]:
+    """The files both sides hold, by relative path: a JSONL shard set (two plain, one gzipped),
+    and Alpaca as Parquet."""
+    chat = HH_CHAT.read_bytes().splitlines(keepends=True)
+    alpaca = json.loads(ALPACA.read_text())
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.Table.from_pylist(alpaca), sink, row_group_size=100)
+    return {
+        "chat/part-0.jsonl": b"".join(chat[:150]),
+        "chat/part-1.jsonl": b"".join(chat[150:300]),
+        "chat/part-2.jsonl.gz": gzip.compress(b"".join(chat[300:]), mtime=0),
+        "sft/alpaca.parquet": sink.getvalue().to_pybytes(),
+    }
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory):
+    """(the S3 server, the local folder holding the same files). The environment points S3
+    clients at the server; Ray is restarted so that its workers have that environment too (on a
+    cluster each node has its own), and restarted again afterwards."""
+    local = tmp_path_factory.mktemp("local")
+    with s3_server() as s3:
+        for relative, data in _layout(local).items():
+            (local / relative).parent.mkdir(parents=True, exist_ok=True)
+            (local / relative).write_bytes(data)
+            s3.put(f"{BUCKET}/{relative}", data)
+        saved = {key: os.environ.get(key) for key in s3.env}
+        os.environ.update(s3.env)
+        shutdown_shared_ray()
+        try:
+            yield s3, local
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+            shutdown_shared_ray()
+
+
+def _config(root: str, **packing):
+    return config_from_dict(
+        {
+            "datasets": [
+                {"name": "chat", "source": f"{root}/chat/", "template": "chat"},
+                {"name": "alpaca", "source": f"{root}/sft/*.parquet", "template": "alpaca"},
+            ],
+            "tokenizer": {"path": str(GPT2)},
+            "packing": {"seq_len": 512, "mode": "planned", "window": 512, **packing},
+            "train": {"epochs": 1},
+            "ray": {"min_actors": 1, "tokenize_concurrency": 1},
+        }
+    )
+
+
+def test_uris_resolve_on_the_store_as_paths_do_on_disk(stores):
+    s3, local = stores
+    remote, disk = _config(f"s3://{BUCKET}"), _config(str(local))
+    for got, expected in zip(remote.datasets, disk.datasets, strict=True):
+        assert [f.removeprefix(f"s3://{BUCKET}/") for f in got.files] == [
+            os.path.relpath(f, local) for f in expected.files
+        ]
+        assert got.format == expected.format
+    assert remote.datasets[0].files[-1] == f"s3://{BUCKET}/chat/part-2.jsonl.gz"
+    globbed = config_from_dict(
+        {
+            "datasets": [
+                {"name": "d", "source": f"s3://{BUCKET}/**/part-?.jsonl", "template": "chat"}
+            ],
+            "tokenizer": {"path": str(GPT2)},
+        }
+    ).datasets[0]
+    assert globbed.files == (f"s3://{BUCKET}/chat/part-0.jsonl", f"s3://{BUCKET}/chat/part-1.jsonl")
+
+
+def _written(config, tmp_path, name: str) -> str:
+    path = tmp_path / f"{name}.yaml"
+    import yaml
+
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def _raw(source: str) -> dict:
+    return {
+        "datasets": [{"name": "chat", "source": source, "template": "chat"}],
+        "tokenizer": {"path": str(GPT2)},
+    }
+
+
+REFUSED = {
+    # name: (source, environment changes, what the one line says besides dataset and URI)
+    "missing_bucket": ("s3://no-such-bucket/chat/part-0.jsonl", {}, "no such bucket"),
+    "missing_key": (f"s3://{BUCKET}/chat/part-9.jsonl", {}, "no file matches"),
+    "wrong_credentials": (
+        f"s3://{BUCKET}/chat/",
+        {"AWS_SECRET_ACCESS_KEY": "not-the-secret"},
+        "access denied",
+    ),
+    "unknown_scheme": ("ftp://example.com/chat.jsonl", {}, "unknown scheme 'ftp'"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_a_source_that_cannot_be_read_is_refused_before_ray_starts(
+    stores, case, tmp_path, monkeypatch, capsys
+):
+    source, env, said = REFUSED[case]
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    config = _written(_raw(source), tmp_path, case)
+    assert main(["export", config, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("rayjobs: datasets.0.source (dataset 'chat'): ") and "\n" not in err
+    assert source in err and said in err
+    assert "not-the-secret" not in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.e2e
+def test_the_bucket_gives_the_disks_counts_and_packs_and_exports_into_a_bucket(
+    stores, ray_local, tmp_path, monkeypatch
+):
+    """The same files, one side read from the bucket and exported into it, the other from the
+    disk to a folder: the same per-dataset counts and the same packed rows for the same seed
+    (planned mode packs deterministically). The driver opens only each dataset's first file,
+    for the head parse, and reads a bounded part of it: read tasks fetch the data."""
+    from rayjobs.job.export import export
+
+    s3, local = stores
+    opened = []
+    real_open = estimate.open_file
+
+    def recording(uri, random_access, options=None, size=None):
+        file, raw = real_open(uri, random_access, options, size)
+        opened.append((uri, raw))
+        return file, raw
+
+    monkeypatch.setattr(estimate, "open_file", recording)  # the driver's own reads
+    monkeypatch.setattr(estimate, "SAMPLE_ROWS", 40)
+    monkeypatch.setattr(registry, "CHUNK_BYTES", 4096)  # the head parse reads a part at a time
+    bucket_out = f"s3://{BUCKET}/exports/run-1"
+    remote = export(_config(f"s3://{BUCKET}"), bucket_out)
+    heads = {uri: raw.tell() for uri, raw in opened}
+    disk = export(_config(str(local)), tmp_path / "local")
+
+    timers = ("seconds", "cpu_seconds")
+    for name, counts in disk["datasets"].items():
+        assert {k: v for k, v in remote["datasets"][name].items() if k not in timers} == {
+            k: v for k, v in counts.items() if k not in timers
+        }, name
+    assert remote["packed"] == disk["packed"]
+
+    fs = s3.filesystem()
+    manifest = json.loads(fs.open_input_file(f"{BUCKET}/exports/run-1/manifest.json").read())
+    assert manifest["datasets"] == json.loads(json.dumps(remote["datasets"]))
+    from_bucket = pq.read_table(f"{BUCKET}/exports/run-1/epoch=0", filesystem=fs)
+    from_disk = pq.read_table(tmp_path / "local" / "epoch=0")
+    assert from_bucket.num_rows == from_disk.num_rows > 0  # row order follows the write
+    assert sorted(map(tuple, from_bucket.column("input_ids").to_pylist())) == sorted(
+        map(tuple, from_disk.column("input_ids").to_pylist())
+    )
+
+    first = {f"s3://{BUCKET}/chat/part-0.jsonl", f"s3://{BUCKET}/sft/alpaca.parquet"}
+    assert set(heads) <= first and f"s3://{BUCKET}/chat/part-0.jsonl" in heads
+    chat_size = len((local / "chat" / "part-0.jsonl").read_bytes())
+    assert heads[f"s3://{BUCKET}/chat/part-0.jsonl"] < chat_size / 2  # a head, not the file
+
+
+def test_a_read_that_loses_its_server_fails_naming_dataset_uri_and_row(tmp_path, monkeypatch):
+    """A server stopped mid-read: the read task retries, then fails with the dataset, the URI
+    and the last row it emitted; it never ends quietly with the rows read so far."""
+    from rayjobs.data import sources
+    from rayjobs.data.sources import FileRead, read_files
+    from rayjobs.errors import SourceError
+
+    monkeypatch.setattr(sources, "RETRY_SECONDS", 0.01)
+    rows = [{"text": f"line {i} " + "y" * 200} for i in range(20_000)]
+    data = "".join(json.dumps(r) + "\n" for r in rows).encode()
+    with s3_server() as s3:
+        s3.put("flaky/big.jsonl", data)
+        for key, value in s3.env.items():
+            monkeypatch.setenv(key, value)
+        uri = "s3://flaky/big.jsonl"
+        options = {"format": "jsonl", "dataset": "big", "text_split": "paragraph",
+                   "chunk_bytes": 64 * 1024}  # fmt: skip
+        tables = read_files([FileRead(uri)], options, {uri: len(data)})
+        first = next(tables)  # the read has begun
+    # the server is gone
+    with pytest.raises(SourceError) as caught:
+        for _ in tables:
+            pass
+    message = str(caught.value)
+    assert message.startswith("dataset 'big': reading after row ") and uri in message
+    assert first.num_rows > 0
+
+
+def test_the_shipped_object_storage_config_loads_from_a_bucket_of_the_bundled_files(stores):
+    """configs/alpaca_chat_s3.yaml, its data uploaded as its header says, to a bucket named as
+    it names it."""
+    s3, _ = stores
+    s3.put("your-bucket/rayjobs/alpaca/alpaca_en_demo.json", ALPACA.read_bytes())
+    s3.put("your-bucket/rayjobs/chat/hh.jsonl", HH_CHAT.read_bytes())
+    config = load_config(ROOT / "configs" / "alpaca_chat_s3.yaml")
+    assert [d.files for d in config.datasets] == [
+        ("s3://your-bucket/rayjobs/alpaca/alpaca_en_demo.json",),
+        ("s3://your-bucket/rayjobs/chat/hh.jsonl",),
+    ]
+
+
+def test_a_remote_source_that_matches_nothing_is_refused_naming_it(stores):
+    with pytest.raises(ConfigError, match=rf"no file matches s3://{BUCKET}/nothing/\*\.jsonl"):
+        config_from_dict(_raw(f"s3://{BUCKET}/nothing/*.jsonl"))
+
+
+def test_inspect_limit_cuts_a_file_in_the_bucket_into_a_local_copy(stores, tmp_path):
+    """``inspect --limit``: the first rows of each dataset, the file holding the limit cut into a
+    local copy read from the bucket as a read task reads it (the gzipped shard, decompressed)."""
+    from rayjobs.job.limit import limit_config
+
+    config = _config(f"s3://{BUCKET}")
+    limited = limit_config(config, 310, tmp_path).datasets[0]
+    assert limited.files[:2] == config.datasets[0].files[:2]  # whole: 150 + 150 rows
+    copy = limited.files[2]
+    assert not copy.startswith("s3://") and copy.endswith("part-2.jsonl")
+    assert len(Path(copy).read_bytes().splitlines()) == 10
