@@ -488,6 +488,9 @@ class Config(_Strict):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
     seed: int = Field(default=0, ge=0)  # numpy's SeedSequence takes no negative entropy
+    allow_duplicate_sources: bool = False
+    """Let one file be read by two datasets (two training datasets, or an eval dataset and
+    another); by default that is refused, naming both (``rayjobs.config.load``)."""
 
     @model_validator(mode="after")
     def _task_fits(self) -> Config:
