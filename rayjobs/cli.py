@@ -14,8 +14,9 @@ rayjobs bench attention [--seq-len N ...] [--mean-length L] [--json OUT]        
 rayjobs bench train --export DIR [--rows N] [--variants V ...] [--steps N] [--warmup N]
                     [--dim D --layers L --heads H] [--json OUT]    (packed vs padded train steps)
 rayjobs submit CONFIG [dotted.key=value ...] [--address URL] [--working-dir DIR] [--no-wait]
-               [--json] [--allow-absolute] [--max-upload-mib N] [--submission-id ID]
-               [--runtime-env-json JSON]            (a Ray job on a cluster: "Run on a cluster")
+               [--json] [--allow-absolute] [--max-upload-mib N] [--max-file-mib N]
+               [--submission-id ID] [--runtime-env-json JSON] [--dry-run]
+                                                    (a Ray job on a cluster: "Run on a cluster")
 rayjobs status JOB [--address URL] [--json]
 rayjobs logs JOB [--address URL] [--follow]
 rayjobs stop JOB [--address URL]
@@ -170,6 +171,14 @@ def _parser() -> argparse.ArgumentParser:
         help="let inputs named by absolute paths through: every cluster node has them there",
     )
     submit.add_argument("--max-upload-mib", type=float, help="limit on the upload (default 100)")
+    submit.add_argument(
+        "--max-file-mib", type=float, help="limit on one file of the upload (default 10)"
+    )
+    submit.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="list what would be uploaded (bytes and path, one file a line) and submit nothing",
+    )
     submit.add_argument("--submission-id", help="the job's id (default: Ray makes one)")
     submit.add_argument(
         "--runtime-env-json",
