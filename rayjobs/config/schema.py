@@ -254,7 +254,8 @@ MODEL_KINDS = {"demo": ModelConfig, "hf": HFModelConfig}
 
 class TrainConfig(_Strict):
     num_workers: int = Field(default=2, ge=0)
-    """Ray Train workers (0 runs the loop in the driver process)."""
+    """Ray Train workers (0 runs the loop in the driver process: Ray Train's local mode, which
+    rayjobs' loop persists checkpoints for itself; no restarts, no ``--resume``)."""
     use_gpu: bool = False
     cpus_per_worker: float = Field(default=0.5, gt=0)
     """Logical CPUs each train worker reserves; keep it fractional on small CPU clusters so the

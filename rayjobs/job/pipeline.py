@@ -270,6 +270,12 @@ def resume_name(config: Config, resume: str) -> str:
     changed run under ``train.storage_path`` that has checkpoints and did not finish (a finished
     run's final checkpoint holds its summary and nothing to resume from). Raises ``ConfigError``
     when a local storage folder holds no such run."""
+    if config.train.num_workers == 0:
+        raise ConfigError(
+            "--resume: train.num_workers 0 runs the loop in the driver, which Ray Train does "
+            "not restart or resume; its checkpoints hold the model (train.model.path can start "
+            "a new run from one), or run with train.num_workers of 1 or more to resume"
+        )
     storage = _storage(config.train.storage_path)
     if "://" in storage:
         if resume == "latest":
@@ -365,7 +371,9 @@ def _train(config: Config, job: Job, callbacks: Sequence[Callback]) -> dict[str,
     summary = dict(result.metrics)
     summary["run_name"] = job.name
     summary["checkpoint"] = result.checkpoint.path if result.checkpoint else None
-    if keep:  # the periodic checkpoints Ray Train kept (listed by the workers as they saved)
+    if keep and config.train.num_workers == 0:  # the loop in the driver deleted the others
+        summary["checkpoints"] = summary["checkpoints"][-keep:]
+    elif keep:  # the periodic checkpoints Ray Train kept (listed by the workers as they saved)
         kept = {os.path.basename(c.path) for c, _ in result.best_checkpoints}
         summary["checkpoints"] = [
             c

@@ -34,7 +34,15 @@ from rayjobs.train.build import (
     use_bf16,
 )
 from rayjobs.train.callbacks import Callback, LoopContext
-from rayjobs.train.checkpoint import full_model_state, restore, save_checkpoint, save_model
+from rayjobs.train.checkpoint import (
+    driver_storage,
+    drop_checkpoint,
+    full_model_state,
+    report,
+    restore,
+    save_checkpoint,
+    save_model,
+)
 from rayjobs.train.collectives import all_gather_int, all_reduce
 from rayjobs.train.metrics import TrainMetrics
 from rayjobs.train.names import EVAL_DATASET, FINAL_SUMMARY
@@ -97,6 +105,10 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     bf16 = use_bf16(spec.precision, device)
     seq_len = config.packing.seq_len
     series = TrainMetrics(loop_config.get("run_name", "rayjobs"), rank)
+    # num_workers 0: Ray Train's local mode does not persist checkpoints; the loop does
+    storage = None
+    if spec.num_workers == 0:
+        storage = driver_storage(spec.storage_path, loop_config.get("run_name", "rayjobs"))
     held_out = None  # this rank's share of the eval packs (pipeline.held_out), and its batches
     if loop_config.get("eval_batches") is not None:
         held_out = ray.train.get_dataset_shard(f"{EVAL_DATASET}{rank}")
@@ -185,8 +197,12 @@ def train_loop(loop_config: dict[str, Any]) -> None:
                 metrics.update(evaluated)
                 if due:
                     save_checkpoint(
-                        packed, model, optimizer, scheduler, state, tokenizer, fsdp, device, metrics
-                    )
+                        packed, model, optimizer, scheduler, state, tokenizer, fsdp, device,
+                        metrics, storage,
+                    )  # fmt: skip
+                    keep = spec.keep_checkpoints
+                    if storage is not None and keep and len(state.checkpoints) > keep:
+                        drop_checkpoint(storage, state.checkpoints[-keep - 1]["path"])
                 else:
                     ray.train.report(metrics)
                 series.paused()
@@ -242,9 +258,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     model_state = full_model_state(model) if fsdp else None
     with tempfile.TemporaryDirectory() as directory:
         save_model(packed, tokenizer, directory, model_state, write=rank == 0)
-        checkpoint = None
         if rank == 0:
             with open(os.path.join(directory, FINAL_SUMMARY), "w") as f:
                 json.dump(summary, f)
-            checkpoint = ray.train.Checkpoint.from_directory(directory)
-        ray.train.report(summary, checkpoint=checkpoint)
+        report(summary, directory if rank == 0 else None, None, storage)

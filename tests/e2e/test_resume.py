@@ -216,3 +216,25 @@ def test_resume_names_a_run_that_has_checkpoints(tmp_path):
     assert resume_name(config, "newer") == "newer"
     with pytest.raises(ConfigError, match="no run 'no-checkpoints' with checkpoints"):
         resume_name(config, "no-checkpoints")
+
+
+def test_a_run_in_the_driver_writes_its_checkpoints_under_storage_path(ray_local, tmp_path):
+    """``train.num_workers: 0`` (Ray Train's local mode, which keeps a reported checkpoint in
+    the temporary folder it was written to): every path the summary names exists after the run,
+    under ``storage_path/<run>``, and ``keep_checkpoints`` holds as on workers."""
+    config = _config(
+        tmp_path / "runs", num_workers=0, max_steps=3, checkpoint_every=1, keep_checkpoints=2
+    )
+    summary = run(config)
+    assert summary["world_size"] == 1 and summary["steps"] == 3  # guard: it ran in the driver
+    run_folder = tmp_path / "runs" / summary["run_name"]
+    paths = [summary["checkpoint"], *(c["path"] for c in summary["checkpoints"])]
+    assert [c["step"] for c in summary["checkpoints"]] == [2, 3]
+    for path in paths:
+        assert Path(path).is_dir() and Path(path).parent == run_folder, path
+    assert {p.name for p in run_folder.glob("checkpoint_*")} == {Path(p).name for p in paths}
+    assert (Path(summary["checkpoint"]) / "summary.json").is_file()
+    assert (Path(summary["checkpoints"][-1]["path"]) / "train_state.pt").is_file()
+    # Ray Train does not restart or resume a loop in the driver: --resume says so.
+    with pytest.raises(ConfigError, match="train.num_workers 0 runs the loop in the driver"):
+        resume_name(config, "latest")
