@@ -27,12 +27,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import signal
 import sys
 from collections.abc import Iterator
 from typing import Any
 
 from rayjobs.config import load_config
-from rayjobs.errors import ConfigError, user_error
+from rayjobs.errors import ConfigError, Interrupted, user_error
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -434,6 +435,42 @@ def main(argv: list[str] | None = None) -> int:
         from rayjobs.job import submit
 
         return submit.submit_command(args)
+    with _signals():
+        return _job_command(args)
+
+
+@contextlib.contextmanager
+def _signals() -> Iterator[None]:
+    """While ``run``, ``export`` or ``inspect`` works, SIGTERM raises ``Interrupted`` in the
+    main thread, as SIGINT raises ``KeyboardInterrupt``: both unwind the command, which says
+    what it left where and exits 128 + the signal (``init_ray`` keeps this handler)."""
+
+    def terminated(signum: int, frame: Any) -> None:
+        raise Interrupted(signum)
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _job_command(args: argparse.Namespace) -> int:
+    """``run``, ``export`` and ``inspect``: validate the config, then the command."""
+    try:
+        return _checked_job_command(args)
+    except KeyboardInterrupt:
+        interrupted = Interrupted(signal.SIGINT)
+    except Interrupted as error:
+        interrupted = error
+    name = signal.Signals(interrupted.signum).name
+    print(
+        f"rayjobs: interrupted ({name}): {interrupted.left or 'nothing written'}", file=sys.stderr
+    )
+    return interrupted.exit_status
+
+
+def _checked_job_command(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config, args.overrides)
         if args.address:

@@ -37,6 +37,20 @@ class SubmitError(UserError, ValueError):
     exit_status = 2
 
 
+class Interrupted(BaseException):  # noqa: N818 - named as KeyboardInterrupt is
+    """SIGINT or SIGTERM stopped a command; ``left`` says what it left behind and where. A
+    ``BaseException``, as ``KeyboardInterrupt`` is: no ``except Exception`` on the way catches
+    it. The command line exits 128 + the signal's number (130, 143)."""
+
+    def __init__(self, signum: int, left: str = ""):
+        super().__init__(signum, left)
+        self.signum, self.left = int(signum), left
+
+    @property
+    def exit_status(self) -> int:
+        return 128 + self.signum
+
+
 def user_error(error: BaseException) -> UserError | None:
     """The ``UserError`` behind ``error``, however Ray wrapped it: a task's or actor's exception
     comes back as a ``RayTaskError`` that is also an instance of its cause, Ray Data chains it

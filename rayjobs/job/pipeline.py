@@ -15,10 +15,13 @@ trainers starve the data operators and the job hangs: docs/training.md, "Resourc
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import signal
+import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +35,7 @@ from rayjobs.data.mix import with_shares
 from rayjobs.data.planned import Epochs
 from rayjobs.data.sources import read_dataset
 from rayjobs.data.tokenizer import Tokenizer
-from rayjobs.errors import AccountingError, ConfigError
+from rayjobs.errors import AccountingError, ConfigError, Interrupted
 from rayjobs.job.ledger import Ledger
 from rayjobs.train.callbacks import Callback
 from rayjobs.train.names import EVAL_DATASET, FINAL_SUMMARY
@@ -44,12 +47,27 @@ def init_ray(config: Config) -> None:
         return
     address = config.ray.address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, log_to_driver=True)
+        with _own_sigterm():
+            ray.init(address=address, log_to_driver=True)
         return
     num_cpus = config.ray.num_cpus or max(4, 2 * (os.cpu_count() or 1))
     # address "local": a new Ray of its own even where a `ray start` cluster runs on the machine
     # (ray.init() alone would join that one and refuse num_cpus).
-    ray.init(address="local", num_cpus=num_cpus, log_to_driver=True)  # dashboard: metrics
+    with _own_sigterm():
+        ray.init(address="local", num_cpus=num_cpus, log_to_driver=True)  # dashboard: metrics
+
+
+@contextlib.contextmanager
+def _own_sigterm() -> Iterator[None]:
+    """Keep the caller's SIGTERM handler (the command line's: say what was left where, exit
+    143) across ``ray.init``, which installs its own (``sys.exit(15)``); a process that set none
+    keeps Ray's."""
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        if callable(previous) and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, previous)
 
 
 def load_tokenizer(config: Config) -> Tokenizer:
@@ -320,14 +338,50 @@ def run(
     job = start_job(config, name=name, tokenizer=tokenizer)
     try:
         return _train(config, job, callbacks)
+    except KeyboardInterrupt:
+        raise Interrupted(signal.SIGINT, _stopped(config, job.name)) from None
+    except Interrupted as interrupted:
+        interrupted.left = _stopped(config, job.name)
+        raise
     finally:
         job.close()
+
+
+def _stopped(config: Config, name: str) -> str:
+    """Where an interrupted run left its checkpoints, and how to continue it."""
+    where = f"{_storage(config.train.storage_path)}/{name}"
+    if config.train.num_workers == 0:
+        return f"run {name} stopped; its checkpoints so far are under {where}"
+    return (
+        f"run {name} stopped; its checkpoints so far are under {where} (continue it with "
+        f"`rayjobs run CONFIG --resume {name}`, from a periodic checkpoint)"
+    )
+
+
+def _trainer_class() -> type:
+    """``TorchTrainer``, less its Ctrl-C handler: Ray Train's aborts the run, then exits the
+    driver with status 0 (``sys.exit(0)`` from the handler), so a stopped run looked finished.
+    Ctrl-C stays the caller's ``KeyboardInterrupt``, after which ``abort`` stops the run."""
+    from ray.train.torch import TorchTrainer
+
+    class Trainer(TorchTrainer):
+        controller = None
+
+        def _register_sigint_handler(self, controller: Any) -> None:
+            self.controller = controller
+
+        def abort(self) -> None:
+            """Stop the run's workers (best effort: the driver is going away)."""
+            if self.controller is not None:
+                with contextlib.suppress(Exception):
+                    ray.get(self.controller.abort.remote(), timeout=30)
+
+    return Trainer
 
 
 def _train(config: Config, job: Job, callbacks: Sequence[Callback]) -> dict[str, Any]:
     """``run`` once its job is set up: train on its datasets, then the summary."""
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
 
     from rayjobs.train.loop import train_loop
 
@@ -335,7 +389,7 @@ def _train(config: Config, job: Job, callbacks: Sequence[Callback]) -> dict[str,
     job.held_out = held_out(config, job)
     evaluation = job.held_out.datasets if job.held_out else {}
     keep = config.train.keep_checkpoints
-    trainer = TorchTrainer(
+    trainer = _trainer_class()(
         train_loop,
         train_loop_config={
             "config": config.model_dump(),
@@ -367,7 +421,11 @@ def _train(config: Config, job: Job, callbacks: Sequence[Callback]) -> dict[str,
             checkpoint_config=CheckpointConfig(num_to_keep=keep + 1 if keep else None),
         ),
     )
-    result = trainer.fit()
+    try:
+        result = trainer.fit()
+    except (KeyboardInterrupt, Interrupted):
+        trainer.abort()
+        raise
     summary = dict(result.metrics)
     summary["run_name"] = job.name
     summary["checkpoint"] = result.checkpoint.path if result.checkpoint else None
