@@ -70,7 +70,7 @@ def _parser() -> argparse.ArgumentParser:
         const="latest",
         metavar="RUN",
         help="continue run RUN (a folder under train.storage_path; default: the latest) from its "
-        "last periodic checkpoint (train.checkpoint_every)",
+        "last periodic checkpoint (train.checkpoint_every, checkpoint_every_minutes)",
     )
     export.add_argument("--out", required=True, help="output directory")
     export.add_argument("--epochs", type=int, help="epochs to export (default: train.epochs)")

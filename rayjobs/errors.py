@@ -63,6 +63,7 @@ def user_error(error: BaseException) -> UserError | None:
             continue
         seen.add(id(current))
         cause = getattr(current, "cause", None)  # a RayTaskError's own exception
+        cause = cause or getattr(current, "controller_failure", None)  # Ray Train's controller
         if isinstance(cause, UserError):
             return cause
         if isinstance(current, UserError):

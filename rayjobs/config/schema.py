@@ -300,10 +300,11 @@ class TrainConfig(_Strict):
     """ddp: every worker holds the whole model (Ray Train's ``prepare_model``); fsdp: FSDP2
     (``fully_shard`` per transformer block, then the whole model) shards parameters, gradients
     and optimizer state over the workers, for models that do not fit one GPU."""
-    max_failures: int = Field(default=0, ge=-1)
+    max_failures: int = Field(default=3, ge=-1)
     """Worker-group failures (a dead worker or node) to recover from by restarting the workers
-    from the latest checkpoint (``checkpoint_every``); -1: no limit (Ray Train's
-    ``FailureConfig``)."""
+    from the latest checkpoint; -1: no limit, 0: none (Ray Train's ``FailureConfig``). A
+    rayjobs ``UserError`` in a worker (a bad row, counts that do not add up) is not retried:
+    it would fail again (docs/resume.md)."""
     attention: Literal["auto", "sdpa", "flex"] = "auto"
     """auto: FlexAttention on CUDA, SDPA with the dense document mask on CPU."""
     report_every: int = Field(default=10, gt=0)
@@ -317,8 +318,14 @@ class TrainConfig(_Strict):
     loss_chunk_tokens: int = Field(default=1024, ge=0)
     """Labelled positions whose logits the loss computes at once (chunked cross entropy, each
     chunk recomputed in backward); 0: the whole batch's logits at once."""
-    checkpoint_every: int | None = Field(default=None, gt=0)
-    """Also save a checkpoint every this many steps (the summary lists them)."""
+    checkpoint_every: int | None = Field(default=None, ge=0)
+    """Save a checkpoint every this many steps (the summary lists them); null or 0: not by
+    steps."""
+    checkpoint_every_minutes: float | None = Field(default=30.0, ge=0)
+    """Save a checkpoint after the first step, then after the first step that ends this many
+    minutes after the last checkpoint (``checkpoint_every`` steps or this, whichever comes
+    first), so a lost worker costs minutes, not the run, whatever the run's length; null or 0:
+    not by time (docs/resume.md)."""
     keep_checkpoints: int | None = Field(default=None, gt=0)
     """Keep only the latest this many periodic checkpoints (Ray Train deletes older ones; the
     final checkpoint is kept besides them), as HF's ``save_total_limit``; null: keep all."""

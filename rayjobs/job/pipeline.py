@@ -270,7 +270,8 @@ def start_job(
     tokenizer = tokenizer or load_tokenizer(config)
     init_ray(config)
     name = name or f"{prefix}-{uuid.uuid4().hex[:8]}"
-    ledger = Ledger.remote(name, [spec.name for spec in config.datasets])
+    rereads = config.packing.mode == "stream"  # a restarted worker group reads it again
+    ledger = Ledger.remote(name, [spec.name for spec in config.datasets], rereads)
     if config.packing.mode == "planned":
         epochs = Epochs(config, tokenize(config, ledger), tokenizer.pad_id, ledger)
         return Job(config, name, tokenizer, ledger, epochs=epochs)
@@ -328,7 +329,7 @@ def run(
     """Run the whole job and return the summary (docs/cli.md, "Run summary").
 
     ``resume``: a run name under ``train.storage_path`` (or ``latest``): the run continues from
-    its latest periodic checkpoint (``train.checkpoint_every``) under the same name.
+    its latest periodic checkpoint (docs/resume.md) under the same name.
     ``callbacks``: hooks into every train worker's loop (``rayjobs.train.callbacks``)."""
     from rayjobs.train.build import check_model_config
 
@@ -383,6 +384,7 @@ def _train(config: Config, job: Job, callbacks: Sequence[Callback]) -> dict[str,
     """``run`` once its job is set up: train on its datasets, then the summary."""
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
 
+    from rayjobs.job.retries import NoRetryOnUserError
     from rayjobs.train.loop import train_loop
 
     datasets = job.train_datasets()
@@ -417,6 +419,7 @@ def _train(config: Config, job: Job, callbacks: Sequence[Callback]) -> dict[str,
             name=job.name,
             storage_path=_storage(config.train.storage_path),
             failure_config=FailureConfig(max_failures=config.train.max_failures),
+            callbacks=[NoRetryOnUserError()],  # a bad row would only fail again
             # the most recent N periodic checkpoints and the final one (reported last)
             checkpoint_config=CheckpointConfig(num_to_keep=keep + 1 if keep else None),
         ),

@@ -14,6 +14,7 @@ import itertools
 import json
 import os
 import tempfile
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -66,6 +67,20 @@ def _skip_rows(batches: Iterator[dict[str, torch.Tensor]], rows: int):
     while rows > 0 and (batch := next(batches, None)) is not None:
         rows -= len(batch["input_ids"])
         yield batch
+
+
+def checkpoint_due(spec: Any, state: Any, clock: float, device: torch.device) -> bool:
+    """Whether the step just taken ends with a periodic checkpoint: every ``checkpoint_every``
+    steps; or (``checkpoint_every_minutes``) at the run's first step, then once that many
+    minutes have passed since ``clock`` (the last checkpoint, or the worker group's start). The
+    clocks of the ranks differ: they agree through an all-reduce, as every rank must save."""
+    every, minutes = spec.checkpoint_every, spec.checkpoint_every_minutes
+    if every and state.steps % every == 0:
+        return True
+    if not minutes:
+        return False
+    late = not state.checkpoints or time.monotonic() - clock >= minutes * 60
+    return bool(all_reduce(torch.tensor([int(late)], device=device), dist.ReduceOp.MAX)[0])
 
 
 def train_loop(loop_config: dict[str, Any]) -> None:
@@ -134,6 +149,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             f"eval/dpo/{k}": v for k, v in (result.dpo or {}).items()
         }
 
+    clock = time.monotonic()  # of the last checkpoint, or this worker group's start
     # max_steps reached: the stream may not have ended. Already at the start when the workers
     # restarted from a checkpoint of the last step (a failure after it): nothing left to train.
     stopped_early = spec.max_steps is not None and state.steps >= spec.max_steps
@@ -177,8 +193,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             state.rows_consumed += sum(len(b["input_ids"]) for b in group)
             state.trained_tokens += trained
             series.step(step_loss, trained, result.dpo)
-            every = spec.checkpoint_every
-            due = bool(every and state.steps % every == 0)
+            due = checkpoint_due(spec, state, clock, device)
             evaluated = {}
             eval_every = config.eval.every_steps
             if held_out is not None and eval_every and state.steps % eval_every == 0:
@@ -200,6 +215,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
                         packed, model, optimizer, scheduler, state, tokenizer, fsdp, device,
                         metrics, storage,
                     )  # fmt: skip
+                    clock = time.monotonic()
                     keep = spec.keep_checkpoints
                     if storage is not None and keep and len(state.checkpoints) > keep:
                         drop_checkpoint(storage, state.checkpoints[-keep - 1]["path"])

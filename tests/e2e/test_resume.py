@@ -26,33 +26,35 @@ WORLD = 2
 
 
 def _config(storage, **train):
-    return config_from_dict(
-        {
-            "datasets": [
-                {"name": "alpaca", "source": str(DEMO / "alpaca.jsonl"), "template": "alpaca"},
-                {"name": "chat", "source": str(DEMO / "chat.jsonl"), "template": "chat"},
-            ],
-            "tokenizer": {
-                "path": str(DEMO / "tokenizer.json"),
-                "eos_token": "<|endoftext|>",
-                "pad_token": "<|pad|>",
-            },
-            "packing": {"seq_len": 256, "window": 256},
-            "train": {
-                "num_workers": WORLD,
-                "batch_size": BATCH,
-                "epochs": 1,
-                "lr": 3e-3,
-                "max_steps": 12,
-                "checkpoint_every": 3,
-                "report_every": 100,
-                "storage_path": str(storage),
-                "model": {"dim": 64, "n_layers": 1, "n_heads": 2},
-                **train,
-            },
-            "ray": {"min_actors": 1, "tokenize_concurrency": 1, "pack_concurrency": 1},
-        }
-    )
+    return config_from_dict(_raw(storage, **train))
+
+
+def _raw(storage, **train):
+    return {
+        "datasets": [
+            {"name": "alpaca", "source": str(DEMO / "alpaca.jsonl"), "template": "alpaca"},
+            {"name": "chat", "source": str(DEMO / "chat.jsonl"), "template": "chat"},
+        ],
+        "tokenizer": {
+            "path": str(DEMO / "tokenizer.json"),
+            "eos_token": "<|endoftext|>",
+            "pad_token": "<|pad|>",
+        },
+        "packing": {"seq_len": 256, "window": 256},
+        "train": {
+            "num_workers": WORLD,
+            "batch_size": BATCH,
+            "epochs": 1,
+            "lr": 3e-3,
+            "max_steps": 12,
+            "checkpoint_every": 3,
+            "report_every": 100,
+            "storage_path": str(storage),
+            "model": {"dim": 64, "n_layers": 1, "n_heads": 2},
+            **train,
+        },
+        "ray": {"min_actors": 1, "tokenize_concurrency": 1, "pack_concurrency": 1},
+    }
 
 
 class Trace(Callback):
@@ -238,3 +240,22 @@ def test_a_run_in_the_driver_writes_its_checkpoints_under_storage_path(ray_local
     # Ray Train does not restart or resume a loop in the driver: --resume says so.
     with pytest.raises(ConfigError, match="train.num_workers 0 runs the loop in the driver"):
         resume_name(config, "latest")
+
+
+def test_under_the_defaults_a_killed_worker_costs_a_restart_not_the_run(ray_local, tmp_path):
+    """No recovery setting in the config: a worker SIGKILLed after step 4 of 8 restarts the
+    worker group (``train.max_failures`` 3), which continues from the checkpoint of step 1
+    (``train.checkpoint_every_minutes``: the first step's), and the run ends with its 8 steps."""
+    raw = _raw(tmp_path / "runs", max_steps=8)
+    del raw["train"]["checkpoint_every"], raw["train"]["report_every"]
+    config = config_from_dict(raw)
+    train = config.train
+    assert (train.max_failures, train.checkpoint_every, train.checkpoint_every_minutes) == (
+        3, None, 30
+    )  # fmt: skip
+    fault = {"rank": 1, "step": 4, "marker": str(tmp_path / "fault")}
+    summary = run(config, callbacks=[Kill([fault])])
+    assert (tmp_path / "fault").exists()  # guard: the worker was killed
+    assert summary["attempts"] == 2 and [r["step"] for r in summary["resumes"]] == [1]
+    assert summary["steps"] == 8 and summary["steps_per_rank"] == [8] * WORLD
+    assert [c["step"] for c in summary["checkpoints"]] == [1]
