@@ -259,3 +259,31 @@ def test_under_the_defaults_a_killed_worker_costs_a_restart_not_the_run(ray_loca
     assert summary["attempts"] == 2 and [r["step"] for r in summary["resumes"]] == [1]
     assert summary["steps"] == 8 and summary["steps_per_rank"] == [8] * WORLD
     assert [c["step"] for c in summary["checkpoints"]] == [1]
+
+
+def test_a_bad_row_in_a_worker_ends_the_run_at_once_despite_max_failures(
+    ray_local, tmp_path, monkeypatch
+):
+    """A rayjobs error raised in a worker (here a torn last JSONL line under ``on_bad_row:
+    error``, past what the driver parses ahead) would fail every restart alike: under the
+    default ``max_failures`` (3) the run ends at the first, through Ray Train's controller
+    (``NoRetryOnUserError``), not after 3 retries."""
+    from ray.train import ControllerError
+
+    from rayjobs.data import estimate
+    from rayjobs.errors import SourceError, user_error
+
+    lines = (DEMO / "alpaca.jsonl").read_text().splitlines()[:20]
+    (tmp_path / "z.jsonl").write_text("\n".join([*lines, '{"torn']) + "\n")
+    raw = _raw(tmp_path / "runs")
+    del raw["train"]["max_steps"]  # every row is read: the bad one too
+    # A second file, past the head of the first that the driver parses to estimate lengths.
+    raw["datasets"][0]["source"] = [str(DEMO / "alpaca.jsonl"), str(tmp_path / "z.jsonl")]
+    monkeypatch.setattr(estimate, "SAMPLE_ROWS", 40)
+    raw["packing"]["warmup_tokens"] = 0  # (the warm-up lane's heads are parsed there too)
+    config = config_from_dict(raw)
+    assert config.train.max_failures == 3  # guard: retries are on
+    with pytest.raises(ControllerError) as caught:  # a worker group error, had it been retried
+        run(config)
+    found = user_error(caught.value)
+    assert isinstance(found, SourceError) and "z.jsonl, row 21:" in str(found)
