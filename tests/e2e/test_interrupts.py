@@ -1,16 +1,20 @@
-"""Interrupted commands, as a user interrupts them: a ``rayjobs`` subprocess sent SIGINT or
-SIGTERM mid-work exits 130 or 143 with one ``rayjobs:`` line saying what it left where, and no
-traceback; an interrupted export leaves nothing a reader takes for an export, and the next export
-to the same ``--out`` works without ``--overwrite``."""
+"""Interrupted commands, as a user interrupts them, and what a running one exposes: a ``rayjobs
+export`` subprocess on its embedded Ray listens on loopback only (read from ``/proc/net/tcp*``
+while it writes); sent SIGINT it exits 130 with one ``rayjobs:`` line saying what it left where,
+and no traceback; it leaves nothing a reader takes for an export, and the next export to the same
+``--out`` works without ``--overwrite``."""
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -59,13 +63,75 @@ def _last_line(err: str) -> str:
     return err.strip().splitlines()[-1]
 
 
-def test_an_interrupted_export_leaves_nothing_finished_and_a_rerun_works(tmp_path):
-    out = tmp_path / "out"
-    staging = tmp_path / ".out.partial"
+def _tree(root: int) -> list[int]:
+    """``root`` and every process below it (by parent id, from ``/proc``)."""
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo += children.get(pid, [])
+    return found
+
+
+def _listening(pids: list[int]) -> list[tuple[str, int, str]]:
+    """(address, port, owner's command) of every TCP socket in LISTEN state that one of
+    ``pids`` holds open: ``/proc/net/tcp`` and ``tcp6`` rows matched to ``/proc/<pid>/fd`` by
+    inode."""
+    owners = {}
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            command = Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ").strip()
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if link.startswith("socket:["):
+                        owners[link[len("socket:[") : -1]] = command
+    found = []
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        for row in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            fields = row.split()
+            if fields[3] != "0A" or fields[9] not in owners:  # 0A: LISTEN
+                continue
+            address, port = fields[1].split(":")
+            raw = bytes.fromhex(address)  # 32-bit words, each in host (little-endian) order
+            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+            found.append((socket.inet_ntop(family, raw), int(port, 16), owners[fields[9]]))
+    return found
+
+
+def _loopback(address: str) -> bool:
+    return ipaddress.ip_address(address).is_loopback or address.startswith("::ffff:127.")
+
+
+@pytest.fixture(scope="module")
+def interrupted_export(tmp_path_factory):
+    """A default ``rayjobs export`` of the demo, its sockets read once its first Parquet file
+    is written, then sent SIGINT: (exit code, stderr, listening sockets, --out)."""
+    out = tmp_path_factory.mktemp("export") / "out"
+    staging = out.parent / ".out.partial"
     # Many epochs of the demo data: the export is still writing when its first file lands.
     export = _start("export", str(DEMO), "--out", str(out), "train.epochs=30")
     _wait_for(export, lambda: any(staging.glob("epoch=*/*.parquet")))
+    sockets = _listening(_tree(export.pid))
     code, err = _interrupt(export, signal.SIGINT)
+    return code, err, sockets, out
+
+
+def test_the_embedded_ray_of_a_default_export_listens_on_loopback_only(interrupted_export):
+    _, _, sockets, _ = interrupted_export
+    commands = " ".join(command for _, _, command in sockets)
+    assert "gcs_server" in commands and "raylet" in commands, sockets  # guard: Ray's servers
+    assert [s for s in sockets if not _loopback(s[0])] == []
+
+
+def test_an_interrupted_export_leaves_nothing_finished_and_a_rerun_works(interrupted_export):
+    code, err, _, out = interrupted_export
+    staging = out.parent / ".out.partial"
     assert code == 130
     assert _last_line(err) == (
         f"rayjobs: interrupted (SIGINT): export not finished: nothing at {out}; its files are "
@@ -80,5 +146,5 @@ def test_an_interrupted_export_leaves_nothing_finished_and_a_rerun_works(tmp_pat
     _, err = rerun.communicate(timeout=600)
     assert rerun.returncode == 0, err[-3000:]
     assert (out / MANIFEST).is_file() and any(out.glob("epoch=0/*.parquet"))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert sorted(p.name for p in out.parent.iterdir()) == ["out"]
     require_finished(out)
