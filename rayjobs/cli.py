@@ -439,6 +439,11 @@ def main(argv: list[str] | None = None) -> int:
         return _job_command(args)
 
 
+RECEIVED: list[int] = []
+"""The signals ``_signals`` turned into ``Interrupted``, in order: Ray's blocking calls stop for
+one with a ``KeyboardInterrupt`` of their own, which does not say which signal it was."""
+
+
 @contextlib.contextmanager
 def _signals() -> Iterator[None]:
     """While ``run``, ``export`` or ``inspect`` works, SIGTERM raises ``Interrupted`` in the
@@ -446,8 +451,10 @@ def _signals() -> Iterator[None]:
     what it left where and exits 128 + the signal (``init_ray`` keeps this handler)."""
 
     def terminated(signum: int, frame: Any) -> None:
+        RECEIVED.append(signum)
         raise Interrupted(signum)
 
+    RECEIVED.clear()
     previous = signal.signal(signal.SIGTERM, terminated)
     try:
         yield
@@ -459,15 +466,15 @@ def _job_command(args: argparse.Namespace) -> int:
     """``run``, ``export`` and ``inspect``: validate the config, then the command."""
     try:
         return _checked_job_command(args)
-    except KeyboardInterrupt:
-        interrupted = Interrupted(signal.SIGINT)
-    except Interrupted as error:
-        interrupted = error
-    name = signal.Signals(interrupted.signum).name
-    print(
-        f"rayjobs: interrupted ({name}): {interrupted.left or 'nothing written'}", file=sys.stderr
-    )
-    return interrupted.exit_status
+    except KeyboardInterrupt as interrupt:
+        left = getattr(interrupt, "left", "") or "nothing written"
+        signum = RECEIVED[-1] if RECEIVED else getattr(interrupt, "signum", signal.SIGINT)
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():  # Ray's last lines before this one
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+    print(f"rayjobs: interrupted ({signal.Signals(signum).name}): {left}", file=sys.stderr)
+    return Interrupted(signum).exit_status
 
 
 def _checked_job_command(args: argparse.Namespace) -> int:

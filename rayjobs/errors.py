@@ -4,6 +4,8 @@ reports as one ``rayjobs:`` line (no traceback) with exit status 2 when nothing 
 
 from __future__ import annotations
 
+import signal
+
 
 class UserError(Exception):
     """A problem of the user's input (config, data, tokenizer, cluster inputs); its message says
@@ -37,14 +39,20 @@ class SubmitError(UserError, ValueError):
     exit_status = 2
 
 
-class Interrupted(BaseException):  # noqa: N818 - named as KeyboardInterrupt is
+class Interrupted(KeyboardInterrupt):
     """SIGINT or SIGTERM stopped a command; ``left`` says what it left behind and where. A
-    ``BaseException``, as ``KeyboardInterrupt`` is: no ``except Exception`` on the way catches
-    it. The command line exits 128 + the signal's number (130, 143)."""
+    ``KeyboardInterrupt``: no ``except Exception`` on the way catches it, and Ray's blocking calls
+    stop for it as for Ctrl-C (Ray raises a ``KeyboardInterrupt`` of its own then: the command
+    line remembers which signal came). It exits 128 + the signal's number (130, 143)."""
 
-    def __init__(self, signum: int, left: str = ""):
+    def __init__(self, signum: int = signal.SIGINT, left: str = ""):
         super().__init__(signum, left)
         self.signum, self.left = int(signum), left
+
+    @classmethod
+    def of(cls, interrupt: KeyboardInterrupt, left: str) -> Interrupted:
+        """``interrupt`` (Ctrl-C's, or an ``Interrupted``) with what the command left."""
+        return cls(getattr(interrupt, "signum", signal.SIGINT), left)
 
     @property
     def exit_status(self) -> int:

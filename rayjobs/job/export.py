@@ -22,7 +22,6 @@ import contextlib
 import json
 import os
 import re
-import signal
 from dataclasses import dataclass
 from typing import Any
 
@@ -222,11 +221,8 @@ def export(
             manifest = _write(config, job, target.fs, target.writing)
         finally:
             job.close()
-    except KeyboardInterrupt:
-        raise Interrupted(signal.SIGINT, f"export not finished: {target.left()}") from None
-    except Interrupted as interrupted:
-        interrupted.left = f"export not finished: {target.left()}"
-        raise
+    except KeyboardInterrupt as interrupt:  # Ctrl-C, or SIGTERM (the command line's Interrupted)
+        raise Interrupted.of(interrupt, f"export not finished: {target.left()}") from None
     except Exception:
         target.discard()  # a failed export's partial files (an interrupted one's stay: said)
         raise

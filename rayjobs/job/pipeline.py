@@ -376,11 +376,8 @@ def run(
     job = start_job(config, name=name, tokenizer=tokenizer)
     try:
         return _train(config, job, callbacks)
-    except KeyboardInterrupt:
-        raise Interrupted(signal.SIGINT, _stopped(config, job.name)) from None
-    except Interrupted as interrupted:
-        interrupted.left = _stopped(config, job.name)
-        raise
+    except KeyboardInterrupt as interrupt:  # Ctrl-C, or SIGTERM (the command line's Interrupted)
+        raise Interrupted.of(interrupt, _stopped(config, job.name)) from None
     finally:
         job.close()
 
@@ -463,7 +460,7 @@ def _train(config: Config, job: Job, callbacks: Sequence[Callback]) -> dict[str,
     )
     try:
         result = trainer.fit()
-    except (KeyboardInterrupt, Interrupted):
+    except KeyboardInterrupt:
         trainer.abort()
         raise
     summary = dict(result.metrics)

@@ -2,7 +2,8 @@
 export`` subprocess on its embedded Ray listens on loopback only (read from ``/proc/net/tcp*``
 while it writes); sent SIGINT it exits 130 with one ``rayjobs:`` line saying what it left where,
 and no traceback; it leaves nothing a reader takes for an export, and the next export to the same
-``--out`` works without ``--overwrite``."""
+``--out`` works without ``--overwrite``. A ``rayjobs run`` sent SIGTERM exits 143 naming where its
+checkpoints are."""
 
 from __future__ import annotations
 
@@ -20,8 +21,11 @@ import pytest
 
 from conftest import ROOT
 from rayjobs.bench.train import read_export
+from rayjobs.config import load_config
 from rayjobs.errors import ConfigError
 from rayjobs.job.manifest import MANIFEST, require_finished
+from rayjobs.job.pipeline import RUN_SNAPSHOT, resume_name
+from rayjobs.train.names import TRAIN_STATE
 
 DEMO = ROOT / "configs" / "demo.yaml"
 
@@ -59,7 +63,9 @@ def _interrupt(process: subprocess.Popen, signum: int) -> tuple[int, str]:
 
 
 def _last_line(err: str) -> str:
-    assert "Traceback" not in err, err[-3000:]
+    """The command's last line on stderr, after checking that it printed no traceback (lines Ray
+    forwards from its own processes, prefixed ``(Name pid=…)``, are Ray's)."""
+    assert not [line for line in err.splitlines() if line.startswith("Traceback")], err[-3000:]
     return err.strip().splitlines()[-1]
 
 
@@ -148,3 +154,28 @@ def test_an_interrupted_export_leaves_nothing_finished_and_a_rerun_works(interru
     assert (out / MANIFEST).is_file() and any(out.glob("epoch=0/*.parquet"))
     assert sorted(p.name for p in out.parent.iterdir()) == ["out"]
     require_finished(out)
+
+
+def test_a_terminated_run_says_where_its_checkpoints_are_and_can_be_resumed(tmp_path):
+    """SIGTERM (a scheduler's stop) during a default ``rayjobs run``, once its first checkpoint
+    (after step 1: ``train.checkpoint_every_minutes``) is committed: exit 143, one line naming
+    the run's folder, which ``--resume`` finds."""
+    runs = tmp_path / "runs"
+    argv = [str(DEMO), "train.max_steps=2000", f"train.storage_path={runs}"]
+    run = _start("run", *argv)
+
+    def committed() -> bool:
+        snapshots = list(runs.glob(f"*/{RUN_SNAPSHOT}"))
+        return bool(snapshots) and "checkpoint_step_000001" in snapshots[0].read_text()
+
+    _wait_for(run, committed)
+    code, err = _interrupt(run, signal.SIGTERM)
+    assert code == 143
+    name = next(runs.iterdir()).name
+    assert _last_line(err) == (
+        f"rayjobs: interrupted (SIGTERM): run {name} stopped; its checkpoints so far are under "
+        f"{runs / name} (continue it with `rayjobs run CONFIG --resume {name}`, from a periodic "
+        "checkpoint)"
+    )
+    assert (runs / name / "checkpoint_step_000001" / TRAIN_STATE).is_file()
+    assert resume_name(load_config(DEMO, argv[1:]), "latest") == name
