@@ -39,6 +39,12 @@ class SubmitError(UserError, ValueError):
     exit_status = 2
 
 
+class RunFailed(UserError, RuntimeError):
+    """Training failed for a reason that is not the input's (a worker or node lost more often
+    than ``train.max_failures`` allows): the message says why, where the checkpoints are and how
+    to continue."""
+
+
 class Interrupted(KeyboardInterrupt):
     """SIGINT or SIGTERM stopped a command; ``left`` says what it left behind and where. A
     ``KeyboardInterrupt``: no ``except Exception`` on the way catches it, and Ray's blocking calls

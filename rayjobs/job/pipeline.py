@@ -27,6 +27,7 @@ from typing import Any
 
 import ray
 import ray.data
+import ray.train
 
 from rayjobs.config import Config, MixConfig
 from rayjobs.data import placement, stream
@@ -35,7 +36,7 @@ from rayjobs.data.mix import with_shares
 from rayjobs.data.planned import Epochs
 from rayjobs.data.sources import read_dataset
 from rayjobs.data.tokenizer import Tokenizer
-from rayjobs.errors import AccountingError, ConfigError, Interrupted
+from rayjobs.errors import AccountingError, ConfigError, Interrupted, RunFailed, user_error
 from rayjobs.job.ledger import Ledger
 from rayjobs.train.callbacks import Callback
 from rayjobs.train.names import EVAL_DATASET, FINAL_SUMMARY
@@ -378,8 +379,30 @@ def run(
         return _train(config, job, callbacks)
     except KeyboardInterrupt as interrupt:  # Ctrl-C, or SIGTERM (the command line's Interrupted)
         raise Interrupted.of(interrupt, _stopped(config, job.name)) from None
+    except ray.train.TrainingFailedError as error:
+        if user_error(error) is not None:
+            raise
+        limit = config.train.max_failures
+        raise RunFailed(
+            f"training failed ({_failure(error)}), after {job.snapshot()['attempts']} worker "
+            f"group(s) (train.max_failures: {limit}); {_stopped(config, job.name)}"
+        ) from error
     finally:
         job.close()
+
+
+def _failure(error: BaseException) -> str:
+    """A failed run's reason in a line: each failed worker's exception, first line only."""
+    failures = getattr(error, "worker_failures", None) or {}
+    if not failures:
+        failures = {None: getattr(error, "controller_failure", error)}
+    reasons = []
+    for rank, failure in sorted(failures.items(), key=lambda item: str(item[0])):
+        cause = getattr(failure, "cause", None) or failure
+        text = str(cause).strip().splitlines()
+        reason = f"{type(cause).__name__}: {text[0]}" if text else type(cause).__name__
+        reasons.append(reason if rank is None else f"rank {rank}: {reason}")
+    return "; ".join(reasons)
 
 
 def _stopped(config: Config, name: str) -> str:

@@ -17,6 +17,7 @@ import ray.train
 
 from conftest import ROOT
 from rayjobs.config import ConfigError, config_from_dict
+from rayjobs.errors import RunFailed
 from rayjobs.job.pipeline import resume_name, run
 from rayjobs.train.callbacks import Callback
 
@@ -136,13 +137,22 @@ def test_killed_workers_and_a_resumed_run_continue_from_the_last_checkpoint(ray_
     ]
     # keep_checkpoints: the restarts need only the latest; older ones are deleted as they go
     config = _config(tmp_path / "runs", max_failures=1, keep_checkpoints=2)
-    with pytest.raises(ray.train.TrainingFailedError):
+    with pytest.raises(RunFailed) as caught:
         run(config, callbacks=[Trace(trace), Kill(faults)])
     assert (tmp_path / "fault1").exists() and (tmp_path / "fault2").exists()
+    # Past max_failures: one message saying why, after how many worker groups, and where the
+    # checkpoints are (``rayjobs run`` prints it as its one ``rayjobs:`` line, exit 1).
+    name = resume_name(config, "latest")
+    message = str(caught.value)
+    assert message.startswith("training failed (rank 0: WorkerHealthCheckFailedError: ")
+    assert message.endswith(
+        f"after 2 worker group(s) (train.max_failures: 1); run {name} stopped; its checkpoints so "
+        f"far are under {tmp_path / 'runs' / name} (continue it with `rayjobs run CONFIG "
+        f"--resume {name}`, from a periodic checkpoint)"
+    )
     # The stopped run is resumed by name (``rayjobs run CONFIG --resume``: the latest run). In
     # it rank 0 dies after the last step, 12 = max_steps, just checkpointed: the workers restart
     # from checkpoint_step_12 with nothing left to train (they used to train a 13th step).
-    name = resume_name(config, "latest")
     last = {"rank": 0, "step": 12, "marker": str(tmp_path / "fault3")}
     summary = run(config, resume="latest", callbacks=[Trace(trace), Kill([last])])
     assert summary["run_name"] == name
