@@ -14,8 +14,9 @@ rayjobs bench attention [--seq-len N ...] [--mean-length L] [--json OUT]        
 rayjobs bench train --export DIR [--rows N] [--variants V ...] [--steps N] [--warmup N]
                     [--dim D --layers L --heads H] [--json OUT]    (packed vs padded train steps)
 rayjobs submit CONFIG [dotted.key=value ...] [--address URL] [--working-dir DIR] [--no-wait]
-               [--json] [--allow-absolute] [--max-upload-mib N] [--submission-id ID]
-               [--runtime-env-json JSON]            (a Ray job on a cluster: "Run on a cluster")
+               [--json] [--allow-absolute] [--max-upload-mib N] [--max-file-mib N]
+               [--submission-id ID] [--runtime-env-json JSON] [--dry-run]
+                                                    (a Ray job on a cluster: "Run on a cluster")
 rayjobs status JOB [--address URL] [--json]
 rayjobs logs JOB [--address URL] [--follow]
 rayjobs stop JOB [--address URL]
@@ -27,12 +28,13 @@ import argparse
 import contextlib
 import json
 import logging
+import signal
 import sys
 from collections.abc import Iterator
 from typing import Any
 
 from rayjobs.config import load_config
-from rayjobs.errors import ConfigError, user_error
+from rayjobs.errors import ConfigError, Interrupted, user_error
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -69,7 +71,7 @@ def _parser() -> argparse.ArgumentParser:
         const="latest",
         metavar="RUN",
         help="continue run RUN (a folder under train.storage_path; default: the latest) from its "
-        "last periodic checkpoint (train.checkpoint_every)",
+        "last periodic checkpoint (train.checkpoint_every, checkpoint_every_minutes)",
     )
     export.add_argument("--out", required=True, help="output directory")
     export.add_argument("--epochs", type=int, help="epochs to export (default: train.epochs)")
@@ -171,6 +173,14 @@ def _parser() -> argparse.ArgumentParser:
         help="let inputs named by absolute paths through: every cluster node has them there",
     )
     submit.add_argument("--max-upload-mib", type=float, help="limit on the upload (default 100)")
+    submit.add_argument(
+        "--max-file-mib", type=float, help="limit on one file of the upload (default 10)"
+    )
+    submit.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="list what would be uploaded (bytes and path, one file a line) and submit nothing",
+    )
     submit.add_argument("--submission-id", help="the job's id (default: Ray makes one)")
     submit.add_argument(
         "--runtime-env-json",
@@ -446,6 +456,49 @@ def _main(argv: list[str]) -> int:
         from rayjobs.job import submit
 
         return submit.submit_command(args)
+    with _signals():
+        return _job_command(args)
+
+
+RECEIVED: list[int] = []
+"""The signals ``_signals`` turned into ``Interrupted``, in order: Ray's blocking calls stop for
+one with a ``KeyboardInterrupt`` of their own, which does not say which signal it was."""
+
+
+@contextlib.contextmanager
+def _signals() -> Iterator[None]:
+    """While ``run``, ``export`` or ``inspect`` works, SIGTERM raises ``Interrupted`` in the
+    main thread, as SIGINT raises ``KeyboardInterrupt``: both unwind the command, which says
+    what it left where and exits 128 + the signal (``init_ray`` keeps this handler)."""
+
+    def terminated(signum: int, frame: Any) -> None:
+        RECEIVED.append(signum)
+        raise Interrupted(signum)
+
+    RECEIVED.clear()
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _job_command(args: argparse.Namespace) -> int:
+    """``run``, ``export`` and ``inspect``: validate the config, then the command."""
+    try:
+        return _checked_job_command(args)
+    except KeyboardInterrupt as interrupt:
+        left = getattr(interrupt, "left", "") or "nothing written"
+        signum = RECEIVED[-1] if RECEIVED else getattr(interrupt, "signum", signal.SIGINT)
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():  # Ray's last lines before this one
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+    print(f"rayjobs: interrupted ({signal.Signals(signum).name}): {left}", file=sys.stderr)
+    return Interrupted(signum).exit_status
+
+
+def _checked_job_command(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config, args.overrides)
         if args.address:

@@ -4,6 +4,8 @@ reports as one ``rayjobs:`` line (no traceback) with exit status 2 when nothing 
 
 from __future__ import annotations
 
+import signal
+
 
 class UserError(Exception):
     """A problem of the user's input (config, data, tokenizer, cluster inputs); its message says
@@ -37,6 +39,32 @@ class SubmitError(UserError, ValueError):
     exit_status = 2
 
 
+class RunFailed(UserError, RuntimeError):
+    """Training failed for a reason that is not the input's (a worker or node lost more often
+    than ``train.max_failures`` allows): the message says why, where the checkpoints are and how
+    to continue."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM stopped a command; ``left`` says what it left behind and where. A
+    ``KeyboardInterrupt``: no ``except Exception`` on the way catches it, and Ray's blocking calls
+    stop for it as for Ctrl-C (Ray raises a ``KeyboardInterrupt`` of its own then: the command
+    line remembers which signal came). It exits 128 + the signal's number (130, 143)."""
+
+    def __init__(self, signum: int = signal.SIGINT, left: str = ""):
+        super().__init__(signum, left)
+        self.signum, self.left = int(signum), left
+
+    @classmethod
+    def of(cls, interrupt: KeyboardInterrupt, left: str) -> Interrupted:
+        """``interrupt`` (Ctrl-C's, or an ``Interrupted``) with what the command left."""
+        return cls(getattr(interrupt, "signum", signal.SIGINT), left)
+
+    @property
+    def exit_status(self) -> int:
+        return 128 + self.signum
+
+
 def user_error(error: BaseException) -> UserError | None:
     """The ``UserError`` behind ``error``, however Ray wrapped it: a task's or actor's exception
     comes back as a ``RayTaskError`` that is also an instance of its cause, Ray Data chains it
@@ -49,6 +77,7 @@ def user_error(error: BaseException) -> UserError | None:
             continue
         seen.add(id(current))
         cause = getattr(current, "cause", None)  # a RayTaskError's own exception
+        cause = cause or getattr(current, "controller_failure", None)  # Ray Train's controller
         if isinstance(cause, UserError):
             return cause
         if isinstance(current, UserError):

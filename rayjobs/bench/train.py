@@ -40,6 +40,8 @@ import pyarrow.parquet as pq
 import torch
 
 from rayjobs.data.rows import IGNORE_INDEX, PACKED_COLUMNS
+from rayjobs.errors import ConfigError
+from rayjobs.job.manifest import require_finished
 from rayjobs.train.model import Decoder, DecoderConfig, PackedLM
 
 VARIANTS = ("padded_sdpa", "packed_sdpa", "packed_flex")
@@ -74,14 +76,15 @@ class TrainRow:
 
 
 def read_export(folder: str | Path) -> tuple[dict[str, np.ndarray], int]:
-    """The packed rows of an export (all epochs, in order) as [rows, seq_len] int64 arrays, and
-    ``seq_len``."""
+    """The packed rows of a finished export (all epochs, in order) as [rows, seq_len] int64
+    arrays, and ``seq_len``. Raises ``ConfigError`` where no finished export is."""
+    require_finished(folder)
     folder = Path(folder)
     files = sorted(folder.glob("epoch=*/*.parquet"), key=lambda p: (len(p.parent.name), str(p)))
     if not files:
-        raise FileNotFoundError(
-            f"{folder}: no epoch=*/*.parquet files; make them with "
-            f"`rayjobs export CONFIG --out {folder}`"
+        raise ConfigError(
+            f"{folder}: an export without packed rows (no epoch=*/*.parquet files); make one "
+            f"with `rayjobs export CONFIG --out {folder}`"
         )
     columns: dict[str, list[np.ndarray]] = {name: [] for name in (*PACKED_COLUMNS, "num_tokens")}
     for path in files:
@@ -318,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         rows, seq_len = read_export(args.export)
-    except FileNotFoundError as error:  # a usage error (the export was not made), no traceback
+    except ConfigError as error:  # a usage error (no finished export there), no traceback
         print(f"rayjobs: {error}", file=sys.stderr)
         return 2
     vocab_size = vocab_size_of(rows)

@@ -13,6 +13,8 @@ sorted, and a file reached twice (listed twice, under a relative and an absolute
 a symlink, or by a glob and a path: the same ``os.path.realpath``) kept once, under its first
 spelling. Design note: a file read twice is a silent duplication of its samples, almost always an
 accident of overlapping sources; training on a dataset more than once is what ``weight`` is for.
+For the same reason one file read by two datasets (two training datasets, or an eval dataset and
+any other) is refused, naming both, unless ``allow_duplicate_sources`` is set.
 """
 
 from __future__ import annotations
@@ -105,6 +107,8 @@ def config_from_dict(raw: dict[str, Any], base_dir: str | os.PathLike = ".") -> 
         _resolve_dataset(spec, i, base_dir, "eval.datasets")
         for i, spec in enumerate(config.eval.datasets)
     ]
+    if not config.allow_duplicate_sources:
+        _refuse_shared_files([("datasets", datasets), ("eval.datasets", held_out)])
     tokenizer_path = _resolve_tokenizer(config.tokenizer.path, base_dir)
     storage_path = _resolve_storage(config.train.storage_path, base_dir)
     return config.model_copy(
@@ -196,7 +200,7 @@ def _resolve_dataset(
             where = source if files.is_remote(source) else _local(source, base_dir)
             raise ConfigError(f"{key} (dataset {spec.name!r}): no file matches {where}")
         for match in matches:  # a file reached twice is read once, under its first spelling
-            real = match.uri if files.is_remote(match.uri) else os.path.realpath(match.uri)
+            real = _real(match.uri)
             if real not in seen:
                 seen.add(real)
                 found.append(match)
@@ -218,6 +222,41 @@ def _resolve_dataset(
             )
         fmt = inferred.pop()
     return spec.model_copy(update={"format": fmt, "files": tuple(paths)})
+
+
+def _real(uri: str) -> str:
+    """What tells two spellings of one file apart from two files: a URI as written, a local path
+    with its symlinks resolved."""
+    return uri if files.is_remote(uri) else os.path.realpath(uri)
+
+
+def _refuse_shared_files(sections: list[tuple[str, list[DatasetConfig]]]) -> None:
+    """One file (or Hugging Face dataset) read by two datasets: a ``ConfigError`` naming both
+    and the file. Training on a file twice doubles its samples without a word (``weight`` is
+    how to read a dataset more often); an eval dataset that shares a file with a training
+    one evaluates on trained data."""
+    owner: dict[Any, tuple[str, str]] = {}  # what is read → (its key and dataset, as spelled)
+    for section, specs in sections:
+        for index, spec in enumerate(specs):
+            where = f"{section}.{index} (dataset {spec.name!r})"
+            if spec.files:
+                read = [(_real(f), f) for f in spec.files]
+            else:  # a Hugging Face dataset loaded in the driver: its source and split
+                source = str(spec.source)
+                key = (_real(source) if os.path.exists(source) else source, spec.subset,
+                       spec.split, spec.revision)  # fmt: skip
+                read = [(key, f"{source} (split {spec.split!r})")]
+            for key, spelled in read:
+                if key in owner and owner[key][0] != where:
+                    first, first_spelled = owner[key]
+                    also = "" if first_spelled == spelled else f" (as {files.shown(first_spelled)})"
+                    raise ConfigError(
+                        f"{where} reads {files.shown(spelled)}, which {first} reads too{also}: "
+                        "one file read by two datasets trains (or evaluates on) its rows twice. "
+                        "Remove it from one of them (weight reads a dataset more often), or set "
+                        "allow_duplicate_sources: true if that is meant"
+                    )
+                owner.setdefault(key, (where, spelled))
 
 
 def _local(source: str, base_dir: Path) -> Path:

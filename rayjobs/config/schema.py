@@ -262,7 +262,8 @@ MODEL_KINDS = {"demo": ModelConfig, "hf": HFModelConfig}
 
 class TrainConfig(_Strict):
     num_workers: int = Field(default=2, ge=0)
-    """Ray Train workers (0 runs the loop in the driver process)."""
+    """Ray Train workers (0 runs the loop in the driver process: Ray Train's local mode, which
+    rayjobs' loop persists checkpoints for itself; no restarts, no ``--resume``)."""
     use_gpu: bool = False
     cpus_per_worker: float = Field(default=0.5, gt=0)
     """Logical CPUs each train worker reserves; keep it fractional on small CPU clusters so the
@@ -307,10 +308,11 @@ class TrainConfig(_Strict):
     """ddp: every worker holds the whole model (Ray Train's ``prepare_model``); fsdp: FSDP2
     (``fully_shard`` per transformer block, then the whole model) shards parameters, gradients
     and optimizer state over the workers, for models that do not fit one GPU."""
-    max_failures: int = Field(default=0, ge=-1)
+    max_failures: int = Field(default=3, ge=-1)
     """Worker-group failures (a dead worker or node) to recover from by restarting the workers
-    from the latest checkpoint (``checkpoint_every``); -1: no limit (Ray Train's
-    ``FailureConfig``)."""
+    from the latest checkpoint; -1: no limit, 0: none (Ray Train's ``FailureConfig``). A
+    rayjobs ``UserError`` in a worker (a bad row, counts that do not add up) is not retried:
+    it would fail again (docs/resume.md)."""
     attention: Literal["auto", "sdpa", "flex"] = "auto"
     """auto: FlexAttention on CUDA, SDPA with the dense document mask on CPU."""
     report_every: int = Field(default=10, gt=0)
@@ -324,8 +326,14 @@ class TrainConfig(_Strict):
     loss_chunk_tokens: int = Field(default=1024, ge=0)
     """Labelled positions whose logits the loss computes at once (chunked cross entropy, each
     chunk recomputed in backward); 0: the whole batch's logits at once."""
-    checkpoint_every: int | None = Field(default=None, gt=0)
-    """Also save a checkpoint every this many steps (the summary lists them)."""
+    checkpoint_every: int | None = Field(default=None, ge=0)
+    """Save a checkpoint every this many steps (the summary lists them); null or 0: not by
+    steps."""
+    checkpoint_every_minutes: float | None = Field(default=30.0, ge=0)
+    """Save a checkpoint after the first step, then after the first step that ends this many
+    minutes after the last checkpoint (``checkpoint_every`` steps or this, whichever comes
+    first), so a lost worker costs minutes, not the run, whatever the run's length; null or 0:
+    not by time (docs/resume.md)."""
     keep_checkpoints: int | None = Field(default=None, gt=0)
     """Keep only the latest this many periodic checkpoints (Ray Train deletes older ones; the
     final checkpoint is kept besides them), as HF's ``save_total_limit``; null: keep all."""
@@ -500,6 +508,9 @@ class Config(_Strict):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
     seed: int = Field(default=0, ge=0)  # numpy's SeedSequence takes no negative entropy
+    allow_duplicate_sources: bool = False
+    """Let one file be read by two datasets (two training datasets, or an eval dataset and
+    another); by default that is refused, naming both (``rayjobs.config.load``)."""
 
     @model_validator(mode="after")
     def _task_fits(self) -> Config:

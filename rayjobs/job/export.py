@@ -9,18 +9,20 @@ counts of each epoch, and the eval sets' own counts (``eval``: datasets and pack
 summary's ``eval.datasets`` and ``eval.packed``), so exported data can be audited and reused by
 any trainer.
 
-``OUT`` is a folder or a URI of one on object storage (``s3://bucket/prefix``); it must be empty
-(or new), so that two exports never mix. ``overwrite`` (``--overwrite``)
-empties it first, but only when it holds nothing but an earlier export (``manifest.json``,
-``epoch=<e>`` and ``eval`` folders): design note, a mistyped ``--out`` (a home folder, the
-repository) must not be wiped by a flag meant for re-running an export.
+``OUT`` is a folder or a URI of one on object storage (``s3://bucket/prefix``), new or empty;
+``--overwrite`` replaces an earlier export there and nothing else (a mistyped ``--out`` must not
+be wiped). An export is finished when its manifest exists, and only then: a local one is written
+beside ``OUT`` and renamed into place, on an object store the manifest is written last. What an
+interrupted export left, the next one clears (docs/cli.md, "rayjobs export").
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -32,9 +34,9 @@ from rayjobs.config import Config
 from rayjobs.data import files
 from rayjobs.data.preference import PREFERENCE_COLUMNS
 from rayjobs.data.rows import PACKED_COLUMNS, STAT_COLUMNS
-from rayjobs.errors import ConfigError
+from rayjobs.errors import ConfigError, Interrupted
+from rayjobs.job.manifest import MANIFEST
 
-MANIFEST = "manifest.json"
 EVAL = "eval"
 """The folder of the packed ``eval.datasets``."""
 
@@ -54,45 +56,135 @@ def to_arrow(batch: dict[str, np.ndarray], epoch: bool = True) -> pa.Table:
     return pa.table(columns)
 
 
-def prepare_out(out: str | os.PathLike, overwrite: bool = False) -> tuple[pafs.FileSystem, str]:
-    """Check that ``out`` (a folder, or a URI of one: ``s3://bucket/prefix``) is new or empty;
-    with ``overwrite``, empty an earlier export there. Returns its filesystem and path.
+@dataclass
+class Target:
+    """Where an export writes (``prepare_out``): ``writing`` on ``fs``, then ``commit`` puts
+    it at ``out``."""
+
+    fs: pafs.FileSystem
+    out: str
+    """``--out``'s path on ``fs``."""
+    writing: str
+    """Where the files go while the export runs: the staging folder beside a local ``out``,
+    ``out`` itself on an object store."""
+    shown: str
+    """``--out`` as messages name it."""
+
+    def commit(self) -> None:
+        """Put a complete export at ``out``: the staging folder renamed into place (an earlier
+        export there removed first); nothing to do on an object store."""
+        if self.writing == self.out:
+            return
+        if self.fs.get_file_info(self.out).type == pafs.FileType.Directory:
+            _clear(self.fs, self.out, _entries(self.fs, self.out))
+            self.fs.delete_dir(self.out)
+        self.fs.move(self.writing, self.out)
+
+    def discard(self) -> None:
+        """Delete the staging folder of a local export that failed (best effort: the next
+        export to ``out`` clears what is left)."""
+        if self.writing != self.out:
+            with contextlib.suppress(OSError):
+                self.fs.delete_dir(self.writing)
+
+    def left(self) -> str:
+        """What an interrupted export leaves, said for a person."""
+        if self.writing == self.out:
+            return (
+                f"its files under {self.shown} have no {MANIFEST}, so no reader takes them for "
+                "an export; the next export to it clears them"
+            )
+        return (
+            f"nothing at {self.shown}; its files are in {self.writing}, which the next export "
+            "to it clears"
+        )
+
+
+def staging(path: str) -> str:
+    """The folder a local export at ``path`` is written into: ``.<name>.partial`` beside it."""
+    parent, name = os.path.split(path.rstrip("/"))
+    return os.path.join(parent, f".{name}.partial")
+
+
+def prepare_out(out: str | os.PathLike, overwrite: bool = False) -> Target:
+    """Check that ``out`` (a folder, or a URI of one: ``s3://bucket/prefix``) is new or empty,
+    or holds an earlier export and ``overwrite`` is set; clear what an interrupted export left
+    (a staging folder; on an object store, export-shaped entries without a manifest).
 
     Raises:
         ConfigError: ``out`` is not empty (and ``overwrite`` is off), or holds something that is
             not part of an export, or cannot be listed.
     """
     out = str(out)
+    shown = files.shown(out)
     try:
         fs, path = files.filesystem(out)
         if fs.get_file_info(path).type == pafs.FileType.File:
-            raise ConfigError(f"--out {files.shown(out)} is a file, not a folder")
-        entries = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+            raise ConfigError(f"--out {shown} is a file, not a folder")
+        entries = _entries(fs, path)
+        remote = files.is_remote(out)
+        target = Target(fs, path, path if remote else staging(path), shown)
+        if not remote:
+            _clear_staging(fs, target.writing, shown)
+        foreign = _foreign(fs, entries)
+        # On an object store export-shaped entries without a manifest are an interrupted
+        # export's (exports write there directly); a local export never writes into --out.
+        leftovers = remote and not foreign and all(e.base_name != MANIFEST for e in entries)
+        if entries and not leftovers and not overwrite:
+            raise ConfigError(
+                f"--out {shown} is not empty; export into a new folder, or pass "
+                "--overwrite to replace the earlier export there"
+            )
+        if foreign:
+            raise ConfigError(
+                f"--out {shown} holds {foreign[:3]}, which no export writes; --overwrite "
+                f"only replaces an earlier export (manifest.json, epoch=<e>/, eval/), so remove "
+                "them yourself"
+            )
+        if remote:  # no rename there: the earlier export goes now, its manifest first
+            _clear(fs, path, entries)
+        else:
+            fs.create_dir(target.writing)
     except files.StorageError as error:
         raise ConfigError(f"--out {error}") from None
     except OSError as error:
         raise ConfigError(f"--out {files.explain(error, out)}") from None
-    if not entries:
-        return fs, path
-    if not overwrite:
-        raise ConfigError(
-            f"--out {files.shown(out)} is not empty; export into a new folder, or pass "
-            "--overwrite to replace the earlier export there"
-        )
-    foreign = [e.base_name for e in sorted(entries, key=lambda e: e.path)
-               if not _export_entry(fs, e)]  # fmt: skip
+    return target
+
+
+def _clear_staging(fs: pafs.FileSystem, folder: str, shown: str) -> None:
+    """Delete the staging folder an interrupted local export left (when it holds nothing but
+    an export's entries)."""
+    if fs.get_file_info(folder).type != pafs.FileType.Directory:
+        return
+    foreign = _foreign(fs, _entries(fs, folder))
     if foreign:
         raise ConfigError(
-            f"--out {files.shown(out)} holds {foreign[:3]}, which no export writes; --overwrite "
-            f"only replaces an earlier export (manifest.json, epoch=<e>/, eval/), so remove them "
-            "yourself"
+            f"--out {shown}: its staging folder {folder} holds {foreign[:3]}, which no export "
+            "writes; remove it yourself"
         )
-    for entry in entries:
+    fs.delete_dir(folder)
+
+
+def _entries(fs: pafs.FileSystem, path: str) -> list[pafs.FileInfo]:
+    return sorted(
+        fs.get_file_info(pafs.FileSelector(path, allow_not_found=True)), key=lambda e: e.path
+    )
+
+
+def _foreign(fs: pafs.FileSystem, entries: list[pafs.FileInfo]) -> list[str]:
+    """The names of ``entries`` that no export writes."""
+    return [e.base_name for e in entries if not _export_entry(fs, e)]
+
+
+def _clear(fs: pafs.FileSystem, path: str, entries: list[pafs.FileInfo]) -> None:
+    """Delete an export's ``entries`` of ``path``, its manifest first: from then on, whatever
+    is left of it is no finished export."""
+    for entry in sorted(entries, key=lambda e: e.base_name != MANIFEST):
         if entry.type == pafs.FileType.Directory:
             fs.delete_dir(entry.path)
         else:
             fs.delete_file(entry.path)
-    return fs, path
 
 
 def _export_entry(fs: pafs.FileSystem, entry: pafs.FileInfo) -> bool:
@@ -118,16 +210,24 @@ def export(
 
     if epochs is not None and epochs < 1:  # before anything is emptied
         raise ConfigError(f"--epochs must be at least 1, got {epochs}")
-    fs, path = prepare_out(out, overwrite)
+    target = prepare_out(out, overwrite)
     if epochs is not None:
         config = config.model_copy(
             update={"train": config.train.model_copy(update={"epochs": epochs})}
         )
-    job = start_job(config, prefix="export")
     try:
-        return _write(config, job, fs, path)
-    finally:
-        job.close()
+        job = start_job(config, prefix="export")
+        try:
+            manifest = _write(config, job, target.fs, target.writing)
+        finally:
+            job.close()
+    except KeyboardInterrupt as interrupt:  # Ctrl-C, or SIGTERM (the command line's Interrupted)
+        raise Interrupted.of(interrupt, f"export not finished: {target.left()}") from None
+    except Exception:
+        target.discard()  # a failed export's partial files (an interrupted one's stay: said)
+        raise
+    target.commit()
+    return manifest
 
 
 def _write(config: Config, job: Any, fs: pafs.FileSystem, out: str) -> dict[str, Any]:

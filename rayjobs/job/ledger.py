@@ -12,9 +12,10 @@ mode once); packing per epoch. Exactly once: Ray runs a batch again when the act
 (even after it reported), so every report carries the batch's identity (``batch_key``: a digest of
 the rows it holds, with their epoch and pass) and the ledger adds a batch once, counting repeats
 under ``repeated_reports``. A re-read is new work: a Ray Train restart in stream mode runs the
-stream anew, and its batches are new to the ledger (a key hashes the rows in arrival order, the mix
-interleaves the datasets differently each time), so they count again (docs/resume.md, "Counts after
-a restart"); planned mode's packs, assembled again, keep their keys and count once.
+stream anew, and its batches count again (docs/resume.md, "Counts after a restart"), so there
+(``rereads``) a key counts once per worker group: a re-read batch may hold exactly the rows of one
+the first group counted (a file's first block), while its packs, mixed anew, never match; planned
+mode's packs, assembled again, keep their keys and count once.
 """
 
 from __future__ import annotations
@@ -51,9 +52,13 @@ class Ledger:
         self,
         run_name: str = "rayjobs",
         datasets: tuple[str, ...] | list[str] = (),
+        rereads: bool = False,
     ):
         """``datasets``: the config's dataset names; every counter of each, and the pack
-        counters, are exported at 0 from here on, before any batch (``_init_counter``)."""
+        counters, are exported at 0 from here on, before any batch (``_init_counter``).
+        ``rereads``: a restarted worker group reads the data again (stream mode), so a batch
+        counts once per worker group (``start_attempt``), not once per run."""
+        self._rereads = rereads
         self.tokenize: dict[str, TokenizeCounts] = defaultdict(TokenizeCounts)  # by dataset
         self.actors: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self.pack: dict[int, PackCounts] = defaultdict(PackCounts)
@@ -61,7 +66,7 @@ class Ledger:
         self._budgets: dict[tuple[int, str], float] = {}
         self._used: dict[tuple[int, str], float] = defaultdict(float)
         self._admitted: dict[str, dict[str, int]] = {}
-        self._seen: set[str] = set()
+        self._seen: set[Any] = set()
         self.repeated_reports = 0
         self.attempts = 0  # worker groups started on the run (start_attempt)
         self._series = _series(name for name in METRICS if not name.startswith("rayjobs_train_"))
@@ -125,6 +130,8 @@ class Ledger:
         is counted under ``repeated_reports``, not added."""
         if key is None:
             return True
+        if self._rereads:
+            key = (self.attempts, key)
         if key in self._seen:
             self.repeated_reports += 1
             return False

@@ -15,15 +15,19 @@ trainers starve the data operators and the job hangs: docs/training.md, "Resourc
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import signal
+import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 import ray.data
+import ray.train
 
 from rayjobs.config import Config, MixConfig
 from rayjobs.data import checks, estimate, placement, stream
@@ -32,7 +36,7 @@ from rayjobs.data.mix import with_shares
 from rayjobs.data.planned import Epochs
 from rayjobs.data.sources import read_dataset
 from rayjobs.data.tokenizer import Tokenizer
-from rayjobs.errors import AccountingError, ConfigError
+from rayjobs.errors import AccountingError, ConfigError, Interrupted, RunFailed, user_error
 from rayjobs.job.ledger import Ledger
 from rayjobs.train.callbacks import Callback
 from rayjobs.train.names import EVAL_DATASET, FINAL_SUMMARY
@@ -44,12 +48,64 @@ def init_ray(config: Config) -> None:
         return
     address = config.ray.address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, log_to_driver=True)
+        with _own_sigterm():
+            ray.init(address=address, log_to_driver=True)
         return
     num_cpus = config.ray.num_cpus or max(4, 2 * (os.cpu_count() or 1))
     # address "local": a new Ray of its own even where a `ray start` cluster runs on the machine
     # (ray.init() alone would join that one and refuse num_cpus).
-    ray.init(address="local", num_cpus=num_cpus, log_to_driver=True)  # dashboard: metrics
+    with _own_sigterm(), _loopback_only():
+        ray.init(
+            address="local",
+            num_cpus=num_cpus,
+            log_to_driver=True,
+            dashboard_host="127.0.0.1",  # the dashboard: metrics, and Ray's default
+        )
+
+
+SINGLE_MACHINE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+"""Ray's switch of single-machine mode (its default on macOS and Windows): ``0`` takes 127.0.0.1
+as the node's address, which every Ray server of the node then binds to."""
+
+
+@contextlib.contextmanager
+def _loopback_only() -> Iterator[None]:
+    """While the embedded Ray starts, Ray's single-machine mode: every server it starts (GCS,
+    raylet, object manager, each worker's gRPC, the dashboard agent, the runtime-env agent)
+    listens on 127.0.0.1 only, not on every interface of a shared network (docs/cluster.md,
+    "Network exposure"). The node's processes take it from the environment; this process read
+    it when it imported Ray, so it is set there too, for ``ray.init`` only: a later connection to a
+    cluster needs this machine's own address. ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1`` in the
+    environment keeps Ray's default."""
+    from ray._private import ray_constants
+
+    if os.environ.get(SINGLE_MACHINE, "0") not in ("0", "false", "False"):
+        yield
+        return
+    saved = os.environ.get(SINGLE_MACHINE), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[SINGLE_MACHINE] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        if saved[0] is None:
+            os.environ.pop(SINGLE_MACHINE, None)
+        else:
+            os.environ[SINGLE_MACHINE] = saved[0]
+        ray_constants.ENABLE_RAY_CLUSTER = saved[1]
+
+
+@contextlib.contextmanager
+def _own_sigterm() -> Iterator[None]:
+    """Keep the caller's SIGTERM handler (the command line's: say what was left where, exit
+    143) across ``ray.init``, which installs its own (``sys.exit(15)``); a process that set none
+    keeps Ray's."""
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        if callable(previous) and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, previous)
 
 
 def load_tokenizer(config: Config) -> Tokenizer:
@@ -267,7 +323,8 @@ def start_job(
     init_ray(config)
     unused = estimate.columns(config)  # a column that changes what a row means: refused here
     name = name or f"{prefix}-{uuid.uuid4().hex[:8]}"
-    ledger = Ledger.remote(name, [spec.name for spec in config.datasets])
+    rereads = config.packing.mode == "stream"  # a restarted worker group reads it again
+    ledger = Ledger.remote(name, [spec.name for spec in config.datasets], rereads)
     try:
         if config.packing.mode == "planned":
             epochs = Epochs(config, tokenize(config, ledger), tokenizer.pad_id, ledger)
@@ -291,6 +348,12 @@ def resume_name(config: Config, resume: str) -> str:
     changed run under ``train.storage_path`` that has checkpoints and did not finish (a finished
     run's final checkpoint holds its summary and nothing to resume from). Raises ``ConfigError``
     when a local storage folder holds no such run."""
+    if config.train.num_workers == 0:
+        raise ConfigError(
+            "--resume: train.num_workers 0 runs the loop in the driver, which Ray Train does "
+            "not restart or resume; its checkpoints hold the model (train.model.path can start "
+            "a new run from one), or run with train.num_workers of 1 or more to resume"
+        )
     storage = _storage(config.train.storage_path)
     if "://" in storage:
         if resume == "latest":
@@ -325,7 +388,7 @@ def run(
     """Run the whole job and return the summary (docs/cli.md, "Run summary").
 
     ``resume``: a run name under ``train.storage_path`` (or ``latest``): the run continues from
-    its latest periodic checkpoint (``train.checkpoint_every``) under the same name.
+    its latest periodic checkpoint (docs/resume.md) under the same name.
     ``callbacks``: hooks into every train worker's loop (``rayjobs.train.callbacks``)."""
     from rayjobs.train.build import check_model_config
 
@@ -335,22 +398,78 @@ def run(
     job = start_job(config, name=name, tokenizer=tokenizer)
     try:
         return _train(config, job, callbacks)
+    except KeyboardInterrupt as interrupt:  # Ctrl-C, or SIGTERM (the command line's Interrupted)
+        raise Interrupted.of(interrupt, _stopped(config, job.name)) from None
+    except ray.train.TrainingFailedError as error:
+        if user_error(error) is not None:
+            raise
+        limit = config.train.max_failures
+        raise RunFailed(
+            f"training failed ({_failure(error)}), after {job.snapshot()['attempts']} worker "
+            f"group(s) (train.max_failures: {limit}); {_stopped(config, job.name)}"
+        ) from error
     finally:
         job.close()
+
+
+def _failure(error: BaseException) -> str:
+    """A failed run's reason in a line: each failed worker's exception, first line only."""
+    failures = getattr(error, "worker_failures", None) or {}
+    if not failures:
+        failures = {None: getattr(error, "controller_failure", error)}
+    reasons = []
+    for rank, failure in sorted(failures.items(), key=lambda item: str(item[0])):
+        cause = getattr(failure, "cause", None) or failure
+        text = str(cause).strip().splitlines()
+        reason = f"{type(cause).__name__}: {text[0]}" if text else type(cause).__name__
+        reasons.append(reason if rank is None else f"rank {rank}: {reason}")
+    return "; ".join(reasons)
+
+
+def _stopped(config: Config, name: str) -> str:
+    """Where an interrupted run left its checkpoints, and how to continue it."""
+    where = f"{_storage(config.train.storage_path)}/{name}"
+    if config.train.num_workers == 0:
+        return f"run {name} stopped; its checkpoints so far are under {where}"
+    return (
+        f"run {name} stopped; its checkpoints so far are under {where} (continue it with "
+        f"`rayjobs run CONFIG --resume {name}`, from a periodic checkpoint)"
+    )
+
+
+def _trainer_class() -> type:
+    """``TorchTrainer``, less its Ctrl-C handler: Ray Train's aborts the run, then exits the
+    driver with status 0 (``sys.exit(0)`` from the handler), so a stopped run looked finished.
+    Ctrl-C stays the caller's ``KeyboardInterrupt``, after which ``abort`` stops the run."""
+    from ray.train.torch import TorchTrainer
+
+    class Trainer(TorchTrainer):
+        controller = None
+
+        def _register_sigint_handler(self, controller: Any) -> None:
+            self.controller = controller
+
+        def abort(self) -> None:
+            """Stop the run's workers (best effort: the driver is going away)."""
+            if self.controller is not None:
+                with contextlib.suppress(Exception):
+                    ray.get(self.controller.abort.remote(), timeout=30)
+
+    return Trainer
 
 
 def _train(config: Config, job: Job, callbacks: Sequence[Callback]) -> dict[str, Any]:
     """``run`` once its job is set up: train on its datasets, then the summary."""
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
 
+    from rayjobs.job.retries import NoRetryOnUserError
     from rayjobs.train.loop import train_loop
 
     datasets = job.train_datasets()
     job.held_out = held_out(config, job)
     evaluation = job.held_out.datasets if job.held_out else {}
     keep = config.train.keep_checkpoints
-    trainer = TorchTrainer(
+    trainer = _trainer_class()(
         train_loop,
         train_loop_config={
             "config": config.model_dump(),
@@ -378,15 +497,22 @@ def _train(config: Config, job: Job, callbacks: Sequence[Callback]) -> dict[str,
             name=job.name,
             storage_path=_storage(config.train.storage_path),
             failure_config=FailureConfig(max_failures=config.train.max_failures),
+            callbacks=[NoRetryOnUserError()],  # a bad row would only fail again
             # the most recent N periodic checkpoints and the final one (reported last)
             checkpoint_config=CheckpointConfig(num_to_keep=keep + 1 if keep else None),
         ),
     )
-    result = trainer.fit()
+    try:
+        result = trainer.fit()
+    except KeyboardInterrupt:
+        trainer.abort()
+        raise
     summary = dict(result.metrics)
     summary["run_name"] = job.name
     summary["checkpoint"] = result.checkpoint.path if result.checkpoint else None
-    if keep:  # the periodic checkpoints Ray Train kept (listed by the workers as they saved)
+    if keep and config.train.num_workers == 0:  # the loop in the driver deleted the others
+        summary["checkpoints"] = summary["checkpoints"][-keep:]
+    elif keep:  # the periodic checkpoints Ray Train kept (listed by the workers as they saved)
         kept = {os.path.basename(c.path) for c, _ in result.best_checkpoints}
         summary["checkpoints"] = [
             c

@@ -2,8 +2,8 @@
 ``logs`` and ``stop`` for the jobs it started.
 
 rayjobs submit CONFIG [dotted.key=value ...] [--address URL] [--working-dir DIR] [--no-wait]
-               [--json] [--allow-absolute] [--max-upload-mib N] [--submission-id ID]
-               [--runtime-env-json JSON]
+               [--json] [--allow-absolute] [--max-upload-mib N] [--max-file-mib N]
+               [--submission-id ID] [--runtime-env-json JSON] [--dry-run]
 rayjobs status JOB [--address URL] [--json]
 rayjobs logs JOB [--address URL] [--follow]
 rayjobs stop JOB [--address URL]
@@ -16,10 +16,13 @@ working directory. Design notes:
   holds ``.git`` or ``pyproject.toml``, i.e. the checkout the config belongs to, else the config's
   own folder) is shipped as the job's ``working_dir``. The config and every input path it names
   relative to itself then resolve on the cluster exactly as they do here. Ray honours
-  ``.gitignore`` and ``.rayignore`` files; ``EXCLUDES`` adds version control, virtual environments,
-  caches and ``runs/`` (checkpoints). At most ``MAX_UPLOAD_MIB`` MiB are shipped
-  (``--max-upload-mib``): a working directory is for code, configs and small data; big data
-  belongs on storage every node reads.
+  ``.gitignore`` and ``.rayignore`` files; ``upload.EXCLUDES`` adds version control, virtual
+  environments, caches and ``runs/`` (checkpoints), and ``upload.SECRET_EXCLUDES`` files that
+  commonly hold secrets (``.env*``, private keys, ``*credential*``, ``*secret*``, ``.aws/``, ...;
+  those left out are named on stderr). At most ``MAX_UPLOAD_MIB`` MiB are shipped
+  (``--max-upload-mib``), no file over ``MAX_FILE_MIB`` (``--max-file-mib``): a working
+  directory is for code, configs and small data; big data belongs on storage every node reads.
+  ``--dry-run`` lists the upload (bytes and path, one file a line) and submits nothing.
 - **The code** is the ``rayjobs`` package that validated the config here. When it sits at the top
   of the working directory (a checkout), ``working_dir`` already carries it; otherwise it is
   shipped as ``py_modules`` (and a ``rayjobs/`` folder of the working directory is left out so it
@@ -54,7 +57,6 @@ import argparse
 import asyncio
 import glob
 import json
-import logging
 import os
 import shlex
 import sys
@@ -67,25 +69,20 @@ from typing import Any
 from rayjobs.config import _apply_override, load_config, yaml_load
 from rayjobs.data import formats
 from rayjobs.errors import ConfigError, SubmitError
+from rayjobs.job.upload import (
+    EXCLUDES,
+    MAX_FILE_MIB,
+    MAX_UPLOAD_MIB,
+    SECRET_EXCLUDES,
+    listing,
+    secrets_left_out,
+    shipped_files,
+    size_problems,
+)
+
+__all__ = ["EXCLUDES", "MAX_FILE_MIB", "MAX_UPLOAD_MIB", "SECRET_EXCLUDES", "shipped_files"]
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
-MAX_UPLOAD_MIB = 100.0
-"""Default limit on what the working directory uploads (``--max-upload-mib``)."""
-EXCLUDES = (
-    ".git",
-    ".venv",
-    "venv",
-    "__pycache__",
-    "*.pyc",
-    "*.egg-info",
-    "runs/",
-    ".pytest_cache",
-    ".hypothesis",
-    ".ruff_cache",
-    ".mypy_cache",
-    ".benchmarks",
-)
-"""Left out of every upload, on top of ``.gitignore`` / ``.rayignore`` (gitignore syntax)."""
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 OWNED_KEYS = ("working_dir", "py_modules")
@@ -105,6 +102,8 @@ class Plan:
     upload_bytes: int
     notes: list[str] = field(default_factory=list)
     """Things worth saying on stderr that do not stop the submission."""
+    files: dict[str, int] = field(default_factory=dict)
+    """The upload: each file's path relative to the working directory → bytes."""
 
 
 def resolve_address(flag: str | None, environ: dict[str, str] | None = None) -> str:
@@ -137,31 +136,6 @@ def repository_root(config_path: str | os.PathLike) -> Path:
     return folder
 
 
-def shipped_files(working_dir: str | os.PathLike, excludes: Iterable[str]) -> dict[str, int]:
-    """Every file the upload of ``working_dir`` holds (POSIX path relative to it → bytes).
-
-    Walks the folder with Ray's own traversal (the one that builds the zip: ``excludes``, then each
-    folder's ``.gitignore`` unless ``RAY_RUNTIME_ENV_IGNORE_GITIGNORE=1``, and ``.rayignore``), so
-    what is checked here is what the cluster gets. Ray is pinned, and a test compares the result
-    with the zip Ray builds."""
-    from ray._private.runtime_env.packaging import _dir_travel, _get_excludes
-
-    root = Path(working_dir).absolute()
-    include_gitignore = os.environ.get("RAY_RUNTIME_ENV_IGNORE_GITIGNORE", "0") != "1"
-    quiet = logging.getLogger("rayjobs.job.submit.scan")  # Ray logs each ignore file it reads
-    quiet.setLevel(logging.WARNING)
-    files: dict[str, int] = {}
-
-    def handler(path: Path) -> None:
-        if path.is_file():
-            files[path.relative_to(root).as_posix()] = path.stat().st_size
-
-    _dir_travel(
-        root, [_get_excludes(root, list(excludes))], handler, include_gitignore, logger=quiet
-    )
-    return files
-
-
 def entrypoint(config: str, overrides: Iterable[str]) -> str:
     """The job's shell command: a local run of the shipped config, summary as JSON last."""
     return shlex.join(["python", "-m", "rayjobs.cli", "run", config, *overrides, "--json"])
@@ -174,6 +148,7 @@ def plan_submission(
     allow_absolute: bool = False,
     max_upload_mib: float = MAX_UPLOAD_MIB,
     runtime_env: dict[str, Any] | None = None,
+    max_file_mib: float = MAX_FILE_MIB,
 ) -> Plan:
     """Validate the config and work out what to ship.
 
@@ -200,7 +175,7 @@ def plan_submission(
         raise SubmitError(
             f"--runtime-env-json: excludes must be a list of patterns, got {own_excludes!r}"
         )
-    excludes = [*EXCLUDES, *own_excludes]
+    excludes = [*EXCLUDES, *SECRET_EXCLUDES, *own_excludes]  # own last: "!name" re-includes
     ships_package = (wd / "rayjobs").resolve() == PACKAGE_DIR
     if not ships_package:
         excludes.append("/rayjobs/")  # py_modules carries the package; no other copy may shadow it
@@ -236,16 +211,7 @@ def plan_submission(
         if model.get("kind") == "hf" and model.get(name) is not None:
             checker.folder_or_name(f"train.model.{name}", str(model[name]))
 
-    total = sum(files.values())
-    limit = int(max_upload_mib * 2**20)
-    if total > limit:
-        largest = sorted(files.items(), key=lambda item: -item[1])[:5]
-        listed = ", ".join(f"{name} ({size / 2**20:.1f} MiB)" for name, size in largest)
-        problems.append(
-            f"the working directory {wd} would upload {total / 2**20:.1f} MiB, over the "
-            f"{max_upload_mib:g} MiB limit (--max-upload-mib); largest: {listed}. Leave files "
-            f"out with a .rayignore, or keep large data on storage every cluster node reads"
-        )
+    problems += size_problems(files, wd, max_upload_mib, max_file_mib)
     if problems:
         raise SubmitError("cannot submit:\n" + "\n".join(f"  {p}" for p in problems))
 
@@ -260,7 +226,17 @@ def plan_submission(
             f"the working directory, inside Ray's session folder on the cluster; pass "
             f"train.storage_path=<a shared absolute path> to keep them"
         )
-    return Plan(wd, config_rel, overrides, entrypoint(config_rel, overrides), env, total, notes)
+    secrets = secrets_left_out(wd, excludes, files)
+    if secrets:
+        more = f" and {len(secrets) - 8} more" if len(secrets) > 8 else ""
+        shown = ", ".join(secrets[:8]) + more
+        notes.append(
+            f"left out as likely secrets: {shown} (a job that needs one: --runtime-env-json "
+            '\'{"excludes": ["!<path>"]}\')'
+        )
+    total = sum(files.values())
+    command = entrypoint(config_rel, overrides)
+    return Plan(wd, config_rel, overrides, command, env, total, notes, files)
 
 
 def _relative(path: str | os.PathLike, root: Path) -> str | None:
@@ -272,8 +248,9 @@ def _relative(path: str | os.PathLike, root: Path) -> str | None:
 
 def _left_out() -> str:
     return (
-        "is left out of the upload (rayjobs' excludes, a .gitignore or a .rayignore; "
-        "RAY_RUNTIME_ENV_IGNORE_GITIGNORE=1 ships git-ignored files)"
+        "is left out of the upload (rayjobs' excludes, secrets' included, a .gitignore or a "
+        ".rayignore; RAY_RUNTIME_ENV_IGNORE_GITIGNORE=1 ships git-ignored files, and "
+        '--runtime-env-json \'{"excludes": ["!<path>"]}\' one file rayjobs leaves out)'
     )
 
 
@@ -466,6 +443,7 @@ def submit_command(args: argparse.Namespace) -> int:
             allow_absolute=args.allow_absolute,
             max_upload_mib=args.max_upload_mib or MAX_UPLOAD_MIB,
             runtime_env=extra,
+            max_file_mib=args.max_file_mib or MAX_FILE_MIB,
         )
     except (ConfigError, SubmitError, json.JSONDecodeError) as error:
         message = str(error)
@@ -476,6 +454,8 @@ def submit_command(args: argparse.Namespace) -> int:
     for note in plan.notes:
         print(f"rayjobs: note: {note}", file=sys.stderr)
     address = resolve_address(args.address)
+    if args.dry_run:
+        return _dry_run(plan, address, args.json)
     try:
         client = _client(address)
         submission_id = client.submit_job(
@@ -541,6 +521,24 @@ def submit_command(args: argparse.Namespace) -> int:
         record.update(status=status, message=message, error=error, summary=summary)
         _emit_json(record)
     return 0 if status == "SUCCEEDED" else 1
+
+
+def _dry_run(plan: Plan, address: str, as_json: bool) -> int:
+    """``submit --dry-run``: the upload on stdout (one file a line, bytes then path), what would
+    run on stderr; nothing is sent."""
+    if plan.files:
+        print(listing(plan.files))
+    print(
+        f"rayjobs: dry run: would upload {len(plan.files)} files, "
+        f"{plan.upload_bytes / 2**20:.1f} MiB from {plan.working_dir} to {address}; nothing "
+        f"submitted\n  entrypoint: {plan.entrypoint}",
+        file=sys.stderr,
+    )
+    if as_json:
+        record = {"dry_run": True, "address": address, "working_dir": str(plan.working_dir)}
+        record |= {"entrypoint": plan.entrypoint, "upload_bytes": plan.upload_bytes}
+        _emit_json(record | {"files": plan.files})
+    return 0
 
 
 def job_command(args: argparse.Namespace) -> int:

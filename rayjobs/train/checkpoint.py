@@ -78,17 +78,50 @@ def save_tokenizer(tokenizer: Tokenizer, directory: str) -> None:
     fast.save_pretrained(directory)
 
 
-def checkpoint_path(name: str) -> str | None:
-    """Where Ray Train persists the checkpoint reported as ``name`` (None if it cannot say)."""
+def driver_storage(storage_path: str, run_name: str) -> Any:
+    """The run's storage when its loop runs in the driver (``train.num_workers: 0``): Ray
+    Train's local mode keeps a reported checkpoint where the loop wrote it (a temporary folder,
+    gone after the run), so the loop persists its checkpoints itself, through Ray Train's own
+    ``StorageContext``: the same folders, under ``storage_path/run_name``, as a run on workers."""
+    from ray.train.v2._internal.execution.storage import StorageContext
+
+    local = "://" not in storage_path
+    return StorageContext(os.path.abspath(storage_path) if local else storage_path, run_name)
+
+
+def checkpoint_path(name: str, storage: Any = None) -> str | None:
+    """Where Ray Train persists the checkpoint reported as ``name`` (None if it cannot say);
+    ``storage``: the ``driver_storage`` of a run in the driver."""
     import ray.train
 
     try:
-        storage = ray.train.get_context().get_storage()
+        storage = storage or ray.train.get_context().get_storage()
         path = f"{storage.experiment_fs_path}/{name}"
         scheme = storage.storage_filesystem.type_name
     except Exception:  # a DeveloperAPI: its shape may change between Ray versions
         return None
     return path if scheme == "local" else f"{scheme}://{path}"
+
+
+def report(
+    metrics: dict[str, Any], directory: str | None, name: str | None, storage: Any = None
+) -> None:
+    """``ray.train.report`` of ``metrics`` with the checkpoint in ``directory`` (None: this rank
+    reports none) named ``name`` (None: Ray Train's default name); with ``storage`` (a run in
+    the driver) the checkpoint is first copied there, where Ray Train would have put it."""
+    import ray.train
+
+    checkpoint = None if directory is None else ray.train.Checkpoint.from_directory(directory)
+    if checkpoint is not None and storage is not None:
+        name = name or storage.make_default_checkpoint_dir_name()
+        checkpoint = storage.persist_current_checkpoint(checkpoint, name)
+    ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name)
+
+
+def drop_checkpoint(storage: Any, path: str) -> None:
+    """Delete a periodic checkpoint of a run in the driver (``train.keep_checkpoints``: Ray
+    Train's checkpoint manager does it for a run on workers)."""
+    storage.storage_filesystem.delete_dir(path.split("://", 1)[-1])
 
 
 @dataclasses.dataclass
@@ -223,13 +256,15 @@ def save_checkpoint(
     fsdp: bool,
     device: torch.device,
     metrics: dict[str, Any],
+    storage: Any = None,
 ) -> None:
     """Report a periodic checkpoint (every rank calls it): the model as ``save_model`` writes it
-    plus ``TRAIN_STATE`` with the global totals."""
+    plus ``TRAIN_STATE`` with the global totals. ``storage``: a run in the driver's
+    (``driver_storage``)."""
     import ray.train
 
     name = f"checkpoint_step_{state.steps:06d}"
-    state.checkpoints.append({"step": state.steps, "path": checkpoint_path(name)})
+    state.checkpoints.append({"step": state.steps, "path": checkpoint_path(name, storage)})
     totals = all_reduce(
         torch.tensor(
             [state.rows, state.pack_tokens, state.trained_tokens, state.guard_dropped],
@@ -244,7 +279,6 @@ def save_checkpoint(
     rank = ray.train.get_context().get_world_rank()
     with tempfile.TemporaryDirectory() as directory:
         save_model(packed, tokenizer, directory, model_state if fsdp else None, rank == 0)
-        checkpoint = None
         if rank == 0:
             blob = {
                 "model": model_state,
@@ -253,5 +287,4 @@ def save_checkpoint(
                 "state": dataclasses.asdict(saved),
             }
             torch.save(blob, os.path.join(directory, TRAIN_STATE))
-            checkpoint = ray.train.Checkpoint.from_directory(directory)
-        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name)
+        report(metrics, directory if rank == 0 else None, name, storage)

@@ -14,6 +14,7 @@ import itertools
 import json
 import os
 import tempfile
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,7 +35,15 @@ from rayjobs.train.build import (
     use_bf16,
 )
 from rayjobs.train.callbacks import Callback, LoopContext
-from rayjobs.train.checkpoint import full_model_state, restore, save_checkpoint, save_model
+from rayjobs.train.checkpoint import (
+    driver_storage,
+    drop_checkpoint,
+    full_model_state,
+    report,
+    restore,
+    save_checkpoint,
+    save_model,
+)
 from rayjobs.train.collectives import all_gather_int, all_reduce
 from rayjobs.train.metrics import TrainMetrics
 from rayjobs.train.names import EVAL_DATASET, FINAL_SUMMARY
@@ -58,6 +67,20 @@ def _skip_rows(batches: Iterator[dict[str, torch.Tensor]], rows: int):
     while rows > 0 and (batch := next(batches, None)) is not None:
         rows -= len(batch["input_ids"])
         yield batch
+
+
+def checkpoint_due(spec: Any, state: Any, clock: float, device: torch.device) -> bool:
+    """Whether the step just taken ends with a periodic checkpoint: every ``checkpoint_every``
+    steps; or (``checkpoint_every_minutes``) at the run's first step, then once that many
+    minutes have passed since ``clock`` (the last checkpoint, or the worker group's start). The
+    clocks of the ranks differ: they agree through an all-reduce, as every rank must save."""
+    every, minutes = spec.checkpoint_every, spec.checkpoint_every_minutes
+    if every and state.steps % every == 0:
+        return True
+    if not minutes:
+        return False
+    late = not state.checkpoints or time.monotonic() - clock >= minutes * 60
+    return bool(all_reduce(torch.tensor([int(late)], device=device), dist.ReduceOp.MAX)[0])
 
 
 def train_loop(loop_config: dict[str, Any]) -> None:
@@ -97,6 +120,10 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     bf16 = use_bf16(spec.precision, device)
     seq_len = config.packing.seq_len
     series = TrainMetrics(loop_config.get("run_name", "rayjobs"), rank)
+    # num_workers 0: Ray Train's local mode does not persist checkpoints; the loop does
+    storage = None
+    if spec.num_workers == 0:
+        storage = driver_storage(spec.storage_path, loop_config.get("run_name", "rayjobs"))
     held_out = None  # this rank's share of the eval packs (pipeline.held_out), and its batches
     if loop_config.get("eval_batches") is not None:
         held_out = ray.train.get_dataset_shard(f"{EVAL_DATASET}{rank}")
@@ -122,6 +149,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             f"eval/dpo/{k}": v for k, v in (result.dpo or {}).items()
         }
 
+    clock = time.monotonic()  # of the last checkpoint, or this worker group's start
     # max_steps reached: the stream may not have ended. Already at the start when the workers
     # restarted from a checkpoint of the last step (a failure after it): nothing left to train.
     stopped_early = spec.max_steps is not None and state.steps >= spec.max_steps
@@ -165,8 +193,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             state.rows_consumed += sum(len(b["input_ids"]) for b in group)
             state.trained_tokens += trained
             series.step(step_loss, trained, result.dpo)
-            every = spec.checkpoint_every
-            due = bool(every and state.steps % every == 0)
+            due = checkpoint_due(spec, state, clock, device)
             evaluated = {}
             eval_every = config.eval.every_steps
             if held_out is not None and eval_every and state.steps % eval_every == 0:
@@ -185,8 +212,13 @@ def train_loop(loop_config: dict[str, Any]) -> None:
                 metrics.update(evaluated)
                 if due:
                     save_checkpoint(
-                        packed, model, optimizer, scheduler, state, tokenizer, fsdp, device, metrics
-                    )
+                        packed, model, optimizer, scheduler, state, tokenizer, fsdp, device,
+                        metrics, storage,
+                    )  # fmt: skip
+                    clock = time.monotonic()
+                    keep = spec.keep_checkpoints
+                    if storage is not None and keep and len(state.checkpoints) > keep:
+                        drop_checkpoint(storage, state.checkpoints[-keep - 1]["path"])
                 else:
                     ray.train.report(metrics)
                 series.paused()
@@ -242,10 +274,8 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     model_state = full_model_state(model) if fsdp else None
     with tempfile.TemporaryDirectory() as directory:
         save_model(packed, tokenizer, directory, model_state, write=rank == 0)
-        checkpoint = None
         if rank == 0:
             with open(os.path.join(directory, FINAL_SUMMARY), "w") as f:
                 json.dump(summary, f)
-            checkpoint = ray.train.Checkpoint.from_directory(directory)
         series.flush()  # before Ray Train ends this worker
-        ray.train.report(summary, checkpoint=checkpoint)
+        report(summary, directory if rank == 0 else None, None, storage)

@@ -454,7 +454,8 @@ def test_the_job_trains_a_tiny_llama_whose_checkpoints_load_with_from_pretrained
     assert summary["datasets"]["alpaca"]["truncated_tokens"] > 0  # seq_len 256 cuts
     assert (summary["parallelism"], summary["model"], summary["attention"]) == ("ddp", "hf", "sdpa")
     assert summary["loss_last"] < summary["loss_first"] - 0.5, summary
-    assert [c["step"] for c in summary["checkpoints"]] == list(range(EVERY, steps + 1, EVERY))
+    # The first step's (train.checkpoint_every_minutes, on by default), then every EVERY steps.
+    assert [c["step"] for c in summary["checkpoints"]] == [1, *range(EVERY, steps + 1, EVERY)]
     for checkpoint in summary["checkpoints"]:
         assert os.path.basename(checkpoint["path"]) == f"checkpoint_step_{checkpoint['step']:06d}"
         assert os.path.isfile(os.path.join(checkpoint["path"], "config.json"))

@@ -17,6 +17,7 @@ import ray.train
 
 from conftest import ROOT
 from rayjobs.config import ConfigError, config_from_dict
+from rayjobs.errors import RunFailed
 from rayjobs.job.pipeline import resume_name, run
 from rayjobs.train.callbacks import Callback
 
@@ -26,33 +27,35 @@ WORLD = 2
 
 
 def _config(storage, **train):
-    return config_from_dict(
-        {
-            "datasets": [
-                {"name": "alpaca", "source": str(DEMO / "alpaca.jsonl"), "template": "alpaca"},
-                {"name": "chat", "source": str(DEMO / "chat.jsonl"), "template": "chat"},
-            ],
-            "tokenizer": {
-                "path": str(DEMO / "tokenizer.json"),
-                "eos_token": "<|endoftext|>",
-                "pad_token": "<|pad|>",
-            },
-            "packing": {"seq_len": 256, "window": 256},
-            "train": {
-                "num_workers": WORLD,
-                "batch_size": BATCH,
-                "epochs": 1,
-                "lr": 3e-3,
-                "max_steps": 12,
-                "checkpoint_every": 3,
-                "report_every": 100,
-                "storage_path": str(storage),
-                "model": {"dim": 64, "n_layers": 1, "n_heads": 2},
-                **train,
-            },
-            "ray": {"min_actors": 1, "tokenize_concurrency": 1, "pack_concurrency": 1},
-        }
-    )
+    return config_from_dict(_raw(storage, **train))
+
+
+def _raw(storage, **train):
+    return {
+        "datasets": [
+            {"name": "alpaca", "source": str(DEMO / "alpaca.jsonl"), "template": "alpaca"},
+            {"name": "chat", "source": str(DEMO / "chat.jsonl"), "template": "chat"},
+        ],
+        "tokenizer": {
+            "path": str(DEMO / "tokenizer.json"),
+            "eos_token": "<|endoftext|>",
+            "pad_token": "<|pad|>",
+        },
+        "packing": {"seq_len": 256, "window": 256},
+        "train": {
+            "num_workers": WORLD,
+            "batch_size": BATCH,
+            "epochs": 1,
+            "lr": 3e-3,
+            "max_steps": 12,
+            "checkpoint_every": 3,
+            "report_every": 100,
+            "storage_path": str(storage),
+            "model": {"dim": 64, "n_layers": 1, "n_heads": 2},
+            **train,
+        },
+        "ray": {"min_actors": 1, "tokenize_concurrency": 1, "pack_concurrency": 1},
+    }
 
 
 class Trace(Callback):
@@ -134,13 +137,22 @@ def test_killed_workers_and_a_resumed_run_continue_from_the_last_checkpoint(ray_
     ]
     # keep_checkpoints: the restarts need only the latest; older ones are deleted as they go
     config = _config(tmp_path / "runs", max_failures=1, keep_checkpoints=2)
-    with pytest.raises(ray.train.TrainingFailedError):
+    with pytest.raises(RunFailed) as caught:
         run(config, callbacks=[Trace(trace), Kill(faults)])
     assert (tmp_path / "fault1").exists() and (tmp_path / "fault2").exists()
+    # Past max_failures: one message saying why, after how many worker groups, and where the
+    # checkpoints are (``rayjobs run`` prints it as its one ``rayjobs:`` line, exit 1).
+    name = resume_name(config, "latest")
+    message = str(caught.value)
+    assert message.startswith("training failed (rank 0: WorkerHealthCheckFailedError: ")
+    assert message.endswith(
+        f"after 2 worker group(s) (train.max_failures: 1); run {name} stopped; its checkpoints so "
+        f"far are under {tmp_path / 'runs' / name} (continue it with `rayjobs run CONFIG "
+        f"--resume {name}`, from a periodic checkpoint)"
+    )
     # The stopped run is resumed by name (``rayjobs run CONFIG --resume``: the latest run). In
     # it rank 0 dies after the last step, 12 = max_steps, just checkpointed: the workers restart
     # from checkpoint_step_12 with nothing left to train (they used to train a 13th step).
-    name = resume_name(config, "latest")
     last = {"rank": 0, "step": 12, "marker": str(tmp_path / "fault3")}
     summary = run(config, resume="latest", callbacks=[Trace(trace), Kill([last])])
     assert summary["run_name"] == name
@@ -216,3 +228,72 @@ def test_resume_names_a_run_that_has_checkpoints(tmp_path):
     assert resume_name(config, "newer") == "newer"
     with pytest.raises(ConfigError, match="no run 'no-checkpoints' with checkpoints"):
         resume_name(config, "no-checkpoints")
+
+
+def test_a_run_in_the_driver_writes_its_checkpoints_under_storage_path(ray_local, tmp_path):
+    """``train.num_workers: 0`` (Ray Train's local mode, which keeps a reported checkpoint in
+    the temporary folder it was written to): every path the summary names exists after the run,
+    under ``storage_path/<run>``, and ``keep_checkpoints`` holds as on workers."""
+    config = _config(
+        tmp_path / "runs", num_workers=0, max_steps=3, checkpoint_every=1, keep_checkpoints=2
+    )
+    summary = run(config)
+    assert summary["world_size"] == 1 and summary["steps"] == 3  # guard: it ran in the driver
+    run_folder = tmp_path / "runs" / summary["run_name"]
+    paths = [summary["checkpoint"], *(c["path"] for c in summary["checkpoints"])]
+    assert [c["step"] for c in summary["checkpoints"]] == [2, 3]
+    for path in paths:
+        assert Path(path).is_dir() and Path(path).parent == run_folder, path
+    assert {p.name for p in run_folder.glob("checkpoint_*")} == {Path(p).name for p in paths}
+    assert (Path(summary["checkpoint"]) / "summary.json").is_file()
+    assert (Path(summary["checkpoints"][-1]["path"]) / "train_state.pt").is_file()
+    # Ray Train does not restart or resume a loop in the driver: --resume says so.
+    with pytest.raises(ConfigError, match="train.num_workers 0 runs the loop in the driver"):
+        resume_name(config, "latest")
+
+
+def test_under_the_defaults_a_killed_worker_costs_a_restart_not_the_run(ray_local, tmp_path):
+    """No recovery setting in the config: a worker SIGKILLed after step 4 of 8 restarts the
+    worker group (``train.max_failures`` 3), which continues from the checkpoint of step 1
+    (``train.checkpoint_every_minutes``: the first step's), and the run ends with its 8 steps."""
+    raw = _raw(tmp_path / "runs", max_steps=8)
+    del raw["train"]["checkpoint_every"], raw["train"]["report_every"]
+    config = config_from_dict(raw)
+    train = config.train
+    assert (train.max_failures, train.checkpoint_every, train.checkpoint_every_minutes) == (
+        3, None, 30
+    )  # fmt: skip
+    fault = {"rank": 1, "step": 4, "marker": str(tmp_path / "fault")}
+    summary = run(config, callbacks=[Kill([fault])])
+    assert (tmp_path / "fault").exists()  # guard: the worker was killed
+    assert summary["attempts"] == 2 and [r["step"] for r in summary["resumes"]] == [1]
+    assert summary["steps"] == 8 and summary["steps_per_rank"] == [8] * WORLD
+    assert [c["step"] for c in summary["checkpoints"]] == [1]
+
+
+def test_a_bad_row_in_a_worker_ends_the_run_at_once_despite_max_failures(
+    ray_local, tmp_path, monkeypatch
+):
+    """A rayjobs error raised in a worker (here a torn last JSONL line under ``on_bad_row:
+    error``, past what the driver parses ahead) would fail every restart alike: under the
+    default ``max_failures`` (3) the run ends at the first, through Ray Train's controller
+    (``NoRetryOnUserError``), not after 3 retries."""
+    from ray.train import ControllerError
+
+    from rayjobs.data import estimate
+    from rayjobs.errors import SourceError, user_error
+
+    lines = (DEMO / "alpaca.jsonl").read_text().splitlines()[:20]
+    (tmp_path / "z.jsonl").write_text("\n".join([*lines, '{"torn']) + "\n")
+    raw = _raw(tmp_path / "runs")
+    del raw["train"]["max_steps"]  # every row is read: the bad one too
+    # A second file, past the head of the first that the driver parses to estimate lengths.
+    raw["datasets"][0]["source"] = [str(DEMO / "alpaca.jsonl"), str(tmp_path / "z.jsonl")]
+    monkeypatch.setattr(estimate, "SAMPLE_ROWS", 40)
+    raw["packing"]["warmup_tokens"] = 0  # (the warm-up lane's heads are parsed there too)
+    config = config_from_dict(raw)
+    assert config.train.max_failures == 3  # guard: retries are on
+    with pytest.raises(ControllerError) as caught:  # a worker group error, had it been retried
+        run(config)
+    found = user_error(caught.value)
+    assert isinstance(found, SourceError) and "z.jsonl, row 21:" in str(found)

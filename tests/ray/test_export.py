@@ -12,7 +12,8 @@ import pytest
 
 from conftest import ALPACA, GPT2, HH_CHAT, ROOT
 from rayjobs.config import ConfigError, config_from_dict
-from rayjobs.job.export import MANIFEST, export
+from rayjobs.job.export import export, prepare_out
+from rayjobs.job.manifest import MANIFEST, require_finished
 
 SEQ_LEN = 512
 
@@ -109,14 +110,58 @@ def test_export_into_a_non_empty_folder_is_refused_without_overwrite(tmp_path, m
     assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch=0", MANIFEST]
 
 
-def test_overwrite_empties_an_earlier_export_before_the_job_starts(tmp_path, monkeypatch):
+def test_overwrite_keeps_the_earlier_export_until_the_new_one_is_whole(tmp_path, monkeypatch):
+    """A local export is written beside ``--out`` and renamed into place: one that fails (here
+    its job cannot start) leaves the earlier export as it was, and no staging folder."""
     monkeypatch.setattr("rayjobs.job.pipeline.start_job", _no_job)
-    _earlier_export(tmp_path)
-    (tmp_path / "eval").mkdir()  # an earlier export's eval sets
-    (tmp_path / "eval" / "part-0.parquet").write_bytes(b"PAR1")
+    out = tmp_path / "out"
+    _earlier_export(out)
+    (out / "eval").mkdir()  # an earlier export's eval sets
+    (out / "eval" / "part-0.parquet").write_bytes(b"PAR1")
     with pytest.raises(_Started):
-        export(None, tmp_path, overwrite=True)
-    assert list(tmp_path.iterdir()) == []
+        export(None, out, overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == ["epoch=0", "eval", MANIFEST]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_a_finished_local_export_replaces_the_earlier_one_and_clears_a_stale_staging(tmp_path):
+    """``prepare_out`` clears what an interrupted export left (its staging folder, without
+    --overwrite), ``commit`` renames the new export into place over an earlier one; a staging
+    folder holding anything an export does not write is left alone and refused."""
+    out = tmp_path / "out"
+    staging = tmp_path / ".out.partial"
+    _earlier_export(staging)  # an interrupted export's (its manifest never written)
+    (staging / MANIFEST).unlink()
+    target = prepare_out(out)
+    assert target.writing == str(staging) and list(staging.iterdir()) == []  # cleared, made
+    _earlier_export(staging)  # the new export's files
+    (staging / MANIFEST).write_text('{"new": 1}')
+    target.commit()
+    assert json.loads((out / MANIFEST).read_text()) == {"new": 1} and not staging.exists()
+    # --overwrite: the earlier export stays until commit, then the new one takes its place.
+    target = prepare_out(out, overwrite=True)
+    assert (out / MANIFEST).exists()
+    _earlier_export(staging)
+    (staging / MANIFEST).write_text('{"newer": 1}')
+    target.commit()
+    assert json.loads((out / MANIFEST).read_text()) == {"newer": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    (tmp_path / ".other.partial").mkdir()
+    (tmp_path / ".other.partial" / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match=r"staging folder .*\.other\.partial holds \['notes"):
+        prepare_out(tmp_path / "other")
+    assert (tmp_path / ".other.partial" / "notes.txt").exists()
+
+
+def test_readers_refuse_a_folder_without_a_manifest_naming_it(tmp_path):
+    from rayjobs.bench.train import read_export
+
+    _earlier_export(tmp_path / "out")
+    require_finished(tmp_path / "out")  # guard: with its manifest it passes
+    (tmp_path / "out" / MANIFEST).unlink()
+    for read in (require_finished, read_export):
+        with pytest.raises(ConfigError, match=f"{tmp_path / 'out'} is not a finished export"):
+            read(tmp_path / "out")
 
 
 def test_overwrite_never_deletes_what_no_export_writes(tmp_path, monkeypatch):

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 
@@ -310,3 +311,37 @@ def test_inspect_limit_cuts_a_file_in_the_bucket_into_a_local_copy(stores, tmp_p
     copy = limited.files[2]
     assert not copy.startswith("s3://") and copy.endswith("part-2.jsonl")
     assert len(Path(copy).read_bytes().splitlines()) == 10
+
+
+def test_an_export_prefix_is_finished_by_its_manifest_and_leftovers_are_cleared(stores):
+    """No rename on a store: a prefix of export-shaped entries without ``manifest.json`` is an
+    interrupted export's, which readers refuse and the next export clears without
+    --overwrite; a finished one (its manifest there) needs --overwrite, which deletes it."""
+    from rayjobs.job.export import prepare_out
+    from rayjobs.job.manifest import MANIFEST, require_finished
+
+    s3, _ = stores
+    fs = s3.filesystem()
+
+    def listed(prefix):
+        found = fs.get_file_info(pafs.FileSelector(f"{BUCKET}/{prefix}", recursive=True,
+                                                   allow_not_found=True))  # fmt: skip
+        return sorted(i.path.split(f"{prefix}/", 1)[1] for i in found if i.type.name == "File")
+
+    left = ["epoch=0/part-0.parquet", "epoch=1/part-0.parquet", "eval/part-0.parquet"]
+    for key in left:
+        s3.put(f"{BUCKET}/left/{key}", b"PAR1")
+    assert listed("left") == left  # guard: the leftovers are there
+    with pytest.raises(ConfigError, match=f"s3://{BUCKET}/left is not a finished export"):
+        require_finished(f"s3://{BUCKET}/left")
+    target = prepare_out(f"s3://{BUCKET}/left")
+    assert target.writing == target.out == f"{BUCKET}/left" and listed("left") == []
+
+    for key in [*left, MANIFEST]:
+        s3.put(f"{BUCKET}/done/{key}", b"{}")
+    require_finished(f"s3://{BUCKET}/done")
+    with pytest.raises(ConfigError, match="is not empty; .* pass --overwrite"):
+        prepare_out(f"s3://{BUCKET}/done")
+    assert listed("done") == sorted([*left, MANIFEST])
+    prepare_out(f"s3://{BUCKET}/done", overwrite=True)
+    assert listed("done") == []

@@ -213,6 +213,76 @@ def test_an_upload_over_the_limit_is_refused_naming_the_largest_files(tmp_path):
     assert "over the 0.05 MiB limit (--max-upload-mib); largest: tok/tokenizer.json" in message
 
 
+SECRETS = {
+    ".env": "TOKEN=x",
+    ".env.prod": "TOKEN=y",
+    "id_rsa": "-----BEGIN OPENSSH PRIVATE KEY-----",
+    "id_ed25519.pub": "ssh-ed25519 AAAA",
+    "creds.json": '{"key": "x"}',
+    "gcp-Credentials.json": "{}",
+    "tls/server.pem": "cert",
+    "tls/server.key": "key",
+    "my_secret_notes.txt": "s",
+    ".aws/config": "[default]",
+    ".ssh/known_hosts": "h",
+    "store.p12": "p",
+}
+"""Files that look like secrets, each one the upload must leave out."""
+
+
+def test_dry_run_lists_the_upload_without_secrets_and_submits_nothing(
+    tmp_path, monkeypatch, capsys
+):
+    config = _project(tmp_path / "proj")
+    for name, text in SECRETS.items():
+        (tmp_path / "proj" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "proj" / name).write_text(text)
+    monkeypatch.setattr(submit, "_client", lambda address: pytest.fail("dry run talked to Ray"))
+    code = main(["submit", str(config), "--working-dir", str(tmp_path / "proj"), "--dry-run"])
+    out, err = capsys.readouterr()
+    assert code == 0
+    listed = {line.split()[-1]: int(line.split()[0].replace(",", "")) for line in out.splitlines()}
+    assert listed == {
+        "cfg.yaml": (tmp_path / "proj" / "cfg.yaml").stat().st_size,
+        "data/a.jsonl": (tmp_path / "proj" / "data" / "a.jsonl").stat().st_size,
+        "tok/tokenizer.json": (tmp_path / "proj" / "tok" / "tokenizer.json").stat().st_size,
+    }
+    assert "rayjobs: dry run: would upload 3 files" in err and "nothing submitted" in err
+    # Each secret is named once on stderr as left out (here 8 of them, then a count).
+    assert "left out as likely secrets: .aws/config, .env, .env.prod, " in err
+    assert f"and {len(SECRETS) - 8} more" in err
+
+
+def test_a_needed_file_that_looks_like_a_secret_ships_only_when_re_included(tmp_path, capsys):
+    config = _project(tmp_path / "proj")
+    (tmp_path / "proj" / "data" / "a.jsonl").rename(tmp_path / "proj" / "data" / "secret_a.jsonl")
+    wd = tmp_path / "proj"
+    override = ["datasets.0.source=data/secret_a.jsonl"]
+    message = _refusal(config, override, working_dir=wd)
+    assert (
+        "datasets.0.source (dataset 'a'): data/secret_a.jsonl is left out of the upload" in message
+    )
+    assert '"!<path>"' in message  # the way to ship it
+    env = {"excludes": ["!data/secret_a.jsonl"]}
+    plan = submit.plan_submission(config, override, working_dir=wd, runtime_env=env)
+    assert "data/secret_a.jsonl" in plan.files
+
+
+def test_a_file_over_the_per_file_limit_is_refused_unless_the_limit_is_raised(tmp_path, capsys):
+    config = _project(tmp_path / "proj")
+    (tmp_path / "proj" / "model.bin").write_bytes(b"0" * (3 << 20))
+    argv = ["submit", str(config), "--working-dir", str(tmp_path / "proj"), "--dry-run"]
+    assert main([*argv, "--max-file-mib", "2"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 2 and err.startswith("rayjobs: cannot submit:")
+    assert "1 file(s) of" in err and "over the 2 MiB limit on one file (--max-file-mib): " in err
+    assert "model.bin (3.0 MiB)" in err
+    assert main([*argv, "--max-file-mib", "4"]) == 0
+    assert f"{3 << 20:,}  model.bin" in capsys.readouterr().out
+    # The default (10 MiB, where Ray starts warning) lets it through too.
+    assert submit.MAX_FILE_MIB == 10 and main(argv) == 0
+
+
 def test_shipped_files_are_what_ray_zips(tmp_path):
     from ray._private.runtime_env.packaging import _zip_files
 
@@ -229,13 +299,15 @@ def test_shipped_files_are_what_ray_zips(tmp_path):
         "pkg/m.py": "m",
         "pkg/__pycache__/m.cpython-311.pyc": "c",
         "pkg.egg-info/PKG-INFO": "p",
+        **{f"sub/{name}": text for name, text in SECRETS.items()},
     }.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text)
-    _zip_files(str(root), list(submit.EXCLUDES), str(tmp_path / "p.zip"), include_gitignore=True)
+    excludes = [*submit.EXCLUDES, *submit.SECRET_EXCLUDES]
+    _zip_files(str(root), excludes, str(tmp_path / "p.zip"), include_gitignore=True)
     with zipfile.ZipFile(tmp_path / "p.zip") as archive:
         zipped = {name for name in archive.namelist() if not name.endswith("/")}
-    assert set(submit.shipped_files(root, submit.EXCLUDES)) == zipped
+    assert set(submit.shipped_files(root, excludes)) == zipped
     assert zipped == {"a.txt", ".rayignore", "sub/.gitignore", "sub/y.txt", "pkg/m.py"}
 
 

@@ -11,7 +11,9 @@ import torch
 from rayjobs import cli
 from rayjobs.bench import train as bench_train
 from rayjobs.data.rows import IGNORE_INDEX, assemble
+from rayjobs.errors import ConfigError
 from rayjobs.job.export import to_arrow
+from rayjobs.job.manifest import MANIFEST
 from rayjobs.train.model import DecoderConfig
 
 SEQ_LEN = 64
@@ -36,6 +38,7 @@ def _write_export(folder):
     )
     (folder / "epoch=0").mkdir()
     pq.write_table(to_arrow(rows), folder / "epoch=0" / "part-0.parquet")
+    (folder / MANIFEST).write_text("{}")  # a finished export
     return tokens, labels
 
 
@@ -76,7 +79,7 @@ def test_padded_and_packed_steps_train_alike(tmp_path):
 
 
 def test_too_few_steps_and_a_missing_export_say_what_to_do(tmp_path):
-    with pytest.raises(FileNotFoundError, match="rayjobs export CONFIG --out"):
+    with pytest.raises(ConfigError, match="rayjobs export CONFIG --out"):
         bench_train.read_export(tmp_path)
     _write_export(tmp_path)
     with pytest.raises(ValueError, match="export more epochs or lower --rows"):

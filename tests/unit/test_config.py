@@ -441,6 +441,53 @@ def test_same_file_reached_twice_is_kept_once_under_its_first_spelling(tmp_path)
     assert config.datasets[0].files == (str(root / "b.jsonl"), str(root / "a.jsonl"))
 
 
+# Two datasets over shards/a.jsonl, b.jsonl (alias/ is a symlink to shards/): (first source,
+# second source, second's section, allow_duplicate_sources, the ConfigError, or None: loads).
+SHARED_FILES = {
+    "path_and_symlink": (
+        "shards/a.jsonl", "alias/a.jsonl", "datasets", False,
+        "datasets.1 (dataset 'second') reads {tmp}/alias/a.jsonl, which datasets.0 (dataset "
+        "'first') reads too (as {tmp}/shards/a.jsonl): one file read by two datasets",
+    ),
+    "path_and_symlink_allowed": ("shards/a.jsonl", "alias/a.jsonl", "datasets", True, None),
+    "eval_set_globs_a_training_file": (
+        "shards/b.jsonl", "alias/*.jsonl", "eval.datasets", False,
+        "eval.datasets.0 (dataset 'second') reads {tmp}/alias/b.jsonl, which datasets.0 (dataset "
+        "'first') reads too (as {tmp}/shards/b.jsonl)",
+    ),
+    "two_files": ("shards/a.jsonl", "alias/b.jsonl", "eval.datasets", False, None),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "first, second, section, allow, refusal", SHARED_FILES.values(), ids=SHARED_FILES
+)
+def test_one_file_read_by_two_datasets_is_refused_unless_allowed(
+    tmp_path, first, second, section, allow, refusal
+):
+    _data_dir(tmp_path, "a.jsonl", "b.jsonl")
+    (tmp_path / "alias").symlink_to(tmp_path / "shards")
+    spec = {"name": "second", "source": second, "template": "alpaca"}
+    patch = {**_dataset(source=first), "allow_duplicate_sources": allow}
+    patch["datasets"][0]["name"] = "first"
+    if section == "datasets":
+        patch["datasets"].append(spec)
+    else:
+        patch["eval"] = {"datasets": [spec]}
+    path = _write(tmp_path, patch)
+    if refusal is not None:
+        with pytest.raises(ConfigError) as caught:
+            load_config(path)
+        assert refusal.format(tmp=tmp_path.resolve()) in str(caught.value)
+        assert "allow_duplicate_sources: true" in str(caught.value)
+        return
+    config = load_config(path)
+    read = [*config.datasets, *config.eval.datasets]
+    assert [len(spec.files) for spec in read] == [1, 1]
+    shared = {Path(f).resolve() for f in read[0].files} & {Path(f).resolve() for f in read[1].files}
+    assert bool(shared) == allow  # guard: the allowed row did read one file twice
+
+
 @pytest.mark.parametrize(
     "filename, expected",
     [

@@ -370,3 +370,28 @@ def test_a_steps_tokens_per_second_leave_out_the_evaluation_and_checkpoint_befor
     series.step(0.4, 100)
     speeds = [v for n, v, _ in _Recorded.records if n == "rayjobs_train_tokens_per_s"]
     assert speeds == [50.0, 50.0, 25.0]  # not 100 tokens over 12 s, nor over 9 s
+
+
+@pytest.mark.parametrize(
+    "rereads, samples, repeated", [(True, 4, 1), (False, 2, 2)], ids=["stream", "planned"]
+)
+def test_a_restart_re_read_counts_once_more_in_stream_mode(rereads, samples, repeated):
+    """A Tokenize batch Ray runs again (its actor died) counts once; the same rows read again by a
+    restarted worker group count again in stream mode (``rereads``), where the packs they make,
+    mixed anew, count again too, so the books balance; planned mode tokenizes once."""
+    from rayjobs.data.counts import PackCounts
+
+    ledger = Ledger.__ray_actor_class__("r", ["a"], rereads)
+    batch = {"a": TokenizeCounts(rows=2, samples=2, tokens=20)}
+    ledger.start_attempt()
+    ledger.add_tokenize(batch, key="t1")
+    ledger.add_tokenize(batch, key="t1")  # Ray ran it again
+    ledger.add_pack(0, PackCounts(1, 20, 32, 2, {"a": 2}, {"a": 20}), key="p1")
+    ledger.start_attempt()
+    ledger.add_tokenize(batch, key="t1")  # the re-read's first block: the same rows
+    if rereads:
+        ledger.add_pack(0, PackCounts(1, 20, 32, 2, {"a": 2}, {"a": 20}), key="p2")
+    snapshot = ledger.snapshot()
+    assert snapshot["tokenize"]["a"]["samples"] == samples
+    assert snapshot["repeated_reports"] == repeated
+    assert check_accounting(snapshot, streamed=rereads) == []
