@@ -411,6 +411,7 @@ def benches_never_run(monkeypatch):
         (["pipeline", "--window-tokens", "0"], "--window-tokens must be positive, got 0"),
         (["pipeline", "--tokenize-actors", "0"], "--tokenize-actors must be positive, got 0"),
         (["pipeline", "--pace", "-0.5"], "--pace must be 0 (no paced pass) or a positive share"),
+        (["pipeline", "--weights", "0.7"], "--weights takes two positive weights"),
         (["pipeline", "--scales", "1", "0"], "--scales must be positive numbers of copies"),
         (["pipeline", "--data-dir", "/nonexistent"], "--data-dir /nonexistent is not a folder"),
         (["read", "--size-mb", "0"], "--size-mb must be positive, got 0"),
@@ -474,7 +475,9 @@ def test_bench_passes_each_bench_its_own_options(monkeypatch):
     monkeypatch.setattr(bench_read, "main", lambda argv: record("read", argv, 0))
     argv = ["bench", "pipeline", "--scales", "2", "--window-tokens", "100", "--pace", "0"]
     assert main(argv) == 0
-    assert seen["pipeline"] == (bench.DEFAULT_DATA_DIR, [2], 100, None, 0.0)
+    assert seen["pipeline"] == (bench.DEFAULT_DATA_DIR, [2], 100, None, 0.0, None)
+    assert main([*argv, "--weights", "0.7", "0.3"]) == 0
+    assert seen["pipeline"][-1] == [0.7, 0.3]
     assert main(["bench", "read"]) == 0 and seen["read"] == []  # bench_read's defaults
 
 
