@@ -133,6 +133,9 @@ def _parser() -> argparse.ArgumentParser:
         "--tokenize-actors", type=int, help="pipeline: Tokenize actors at most (default: job's)"
     )
     bench.add_argument(
+        "--weights", type=float, nargs="+", help="pipeline: weights of the alpaca and hh chat sets"
+    )
+    bench.add_argument(
         "--pace",
         type=float,
         help="pipeline: paced pass's demand as a share of the unpaced steady throughput "
@@ -248,7 +251,15 @@ def format_summary(summary: dict[str, Any]) -> str:
 
 BENCH_OPTIONS = {
     "packing": ("data", "data_dir", "seq_len", "window", "window_tokens", "json", "no_pipeline"),
-    "pipeline": ("scales", "window_tokens", "tokenize_actors", "pace", "data_dir", "json"),
+    "pipeline": (
+        "scales",
+        "window_tokens",
+        "tokenize_actors",
+        "pace",
+        "data_dir",
+        "json",
+        "weights",
+    ),  # fmt: skip
     "read": ("size_mb", "json"),
     "attention": ("seq_len", "mean_length", "json"),
 }
@@ -316,6 +327,7 @@ def _bench(args: argparse.Namespace) -> int:
             ("--json", args.json),
         ):
             argv += [flag, str(value)] if value is not None else []
+        argv += ["--weights", *map(str, args.weights)] if args.weights else []
         return bench_pipeline.main(argv)
     from pathlib import Path
 

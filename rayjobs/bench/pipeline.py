@@ -398,9 +398,11 @@ def bench_pipeline(
     window_tokens: int | None = None,
     tokenize_actors: int | None = None,
     pace: float = 0.6,
+    weights: list[float] | None = None,
 ) -> list[PipelineRow]:
     """Each scale unpaced; then the last scale again with consumers paced at ``pace`` of its
-    unpaced steady throughput (``pace`` 0: no paced pass)."""
+    unpaced steady throughput (``pace`` 0: no paced pass). ``weights``: the alpaca and hh chat
+    sets' weights (by tokens), else their natural proportions."""
     import ray.data
 
     from rayjobs.config import config_from_dict
@@ -416,8 +418,10 @@ def bench_pipeline(
         return config_from_dict(
             {
                 "datasets": [
-                    {"name": "alpaca", "source": str(folders["alpaca"]), "template": "alpaca"},
-                    {"name": "hh_chat", "source": str(folders["hh_chat"]), "template": "chat"},
+                    {"name": "alpaca", "source": str(folders["alpaca"]), "template": "alpaca"}
+                    | ({"weight": weights[0]} if weights else {}),
+                    {"name": "hh_chat", "source": str(folders["hh_chat"]), "template": "chat"}
+                    | ({"weight": weights[1]} if weights else {}),
                 ],
                 "tokenizer": {"path": str(data_dir / "tokenizers" / "gpt2")},
                 "packing": {"seq_len": 2048}
@@ -552,6 +556,8 @@ def argument_error(args: argparse.Namespace) -> str | None:
             return f"{flag} must be positive, got {value}"
     if args.pace < 0:
         return f"--pace must be 0 (no paced pass) or a positive share, got {args.pace:g}"
+    if args.weights is not None and (len(args.weights) != 2 or min(args.weights) <= 0):
+        return f"--weights takes two positive weights (alpaca, hh chat), got {args.weights}"
     return None
 
 
@@ -576,13 +582,21 @@ def main(argv: list[str] | None = None) -> int:
         help="the paced pass's demand, as a share of the last scale's unpaced steady "
         "throughput (0: no paced pass)",
     )
+    parser.add_argument(
+        "--weights",
+        type=float,
+        nargs="+",
+        help="weights of the alpaca and hh chat sets, by tokens (a weighted mix; default: "
+        "their natural proportions)",
+    )
     args = parser.parse_args(argv)
     if error := argument_error(args):
         print(f"rayjobs: {error}", file=sys.stderr)
         return 2
     rows = bench_pipeline(
-        args.data_dir, args.scales, args.window_tokens, args.tokenize_actors, args.pace
-    )
+        args.data_dir, args.scales, args.window_tokens, args.tokenize_actors, args.pace,
+        args.weights,
+    )  # fmt: skip
     print(format_rows(rows))
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=1))

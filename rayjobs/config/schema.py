@@ -172,9 +172,9 @@ class PackingConfig(_Strict):
     """stream: tokens packed together by one packer call (its shuffle window); each call leaves
     about half a row of padding behind, so larger windows pack tighter and use more memory."""
     warmup_tokens: int = Field(default=262_144, ge=0)
-    """stream: tokens at the head of the first epoch packed in a lane of their own, in windows of
-    a quarter of this, so the first batch waits for them and not for a whole ``window_tokens``
-    window (0: no warm-up lane)."""
+    """stream: tokens at the head of the first epoch packed in a lane of their own, in one call,
+    so the first batch waits for them and not for a whole ``window_tokens`` window (0: no warm-up
+    lane; none either for a first epoch expected to hold at most 4 times this)."""
     window: int = Field(default=4096, gt=0)
     """planned: samples packed together by one pass of ``packing.strategy``."""
     overflow: Literal["truncate", "drop", "split"] = "truncate"

@@ -110,6 +110,32 @@ def lost_warnings(config: Any, datasets: Mapping[str, Mapping[str, Any]]) -> lis
     return warnings
 
 
+SHARE_TOLERANCE = 0.01
+"""How far a dataset's realized share of an epoch may fall from its weight's before a warning."""
+
+
+def share_warnings(config: Any, mixes: list[Mapping[str, Mapping[str, float]]]) -> list[str]:
+    """A warning per epoch and dataset whose realized share (``mixes``: per epoch, each
+    dataset's ``share``) is more than ``SHARE_TOLERANCE`` from its weight's: stream mode sizes
+    each dataset from its head, and a dataset much smaller than its head implied cannot fill its
+    share."""
+    if config.datasets[0].weight is None:
+        return []
+    total = sum(spec.weight for spec in config.datasets)
+    warnings = []
+    for epoch, mix in enumerate(mixes):
+        for spec in config.datasets:
+            want, got = spec.weight / total, mix.get(spec.name, {}).get("share", 0.0)
+            if abs(got - want) > SHARE_TOLERANCE:
+                warnings.append(
+                    f"dataset {spec.name!r}: {got:.1%} of epoch {epoch} ({config.mix.by}), "
+                    f"against a weight of {want:.1%}: stream mode sizes a dataset from the head "
+                    "of its first file, which did not stand for the rest; packing.mode: planned "
+                    "hits weights exactly"
+                )
+    return warnings
+
+
 def _remedy(config: Any, spec: Any) -> str:
     """What to change: the settings that keep more of a dataset's tokens."""
     options = ["a longer packing.seq_len"]

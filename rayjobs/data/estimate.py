@@ -31,7 +31,7 @@ class Estimate:
     mean_tokens: float
     """Mean tokens per sample, from a tokenized sample of the dataset."""
     rows: int | None = None
-    """Raw rows in the dataset, bad ones included (counted only when weights need it)."""
+    """Raw rows in the dataset, bad ones included: counted for a Hugging Face dataset only."""
     rows_per_byte: float | None = None
     """Raw rows per byte of the files parsed for the sample (to size a dataset whose rows are not
     counted)."""
@@ -65,10 +65,11 @@ class Estimate:
         return self.rows_hint * self.samples_per_row
 
 
-def estimate(config: Config, count_rows: bool) -> dict[str, Estimate]:
-    """Each dataset's mean sample length (and, if asked, its row count), from its head; a head
-    that trains nothing in every dataset is refused, and one that loses samples warned of
-    (``checks``)."""
+def estimate(config: Config) -> dict[str, Estimate]:
+    """Each dataset's mean sample length and size from its head: its raw rows per byte times
+    its files' bytes (never a count of its rows, which would read every byte before the first
+    batch; a Hugging Face dataset knows its length). A head that trains nothing in every dataset
+    is refused, and one that loses samples warned of (``checks``)."""
     packing = config.packing
     tokenize = Tokenize(
         config.datasets, config.tokenizer, packing.seq_len, packing.overflow,
@@ -92,10 +93,10 @@ def estimate(config: Config, count_rows: bool) -> dict[str, Estimate]:
         heads[spec.name] = head
         sizes = files.sizes(spec.files, spec.storage) if spec.files else None
         count = None
-        # A Hugging Face dataset has no bytes to size it by: counted always (it knows its
-        # length), else it weighed 1 row in the mix of unweighted streams and its rows came
-        # after every epoch of the file datasets'.
-        if count_rows or spec.format == HF:
+        # A Hugging Face dataset has no bytes to size it by: counted (it knows its length),
+        # else it weighed 1 row in the mix of unweighted streams and its rows came after every
+        # epoch of the file datasets'.
+        if spec.format == HF:
             count = read_dataset(spec, sizes=sizes, **where).count()
         estimates[spec.name] = Estimate(
             float(lengths.mean()), count, density, sizes, len(lengths) / raw_rows

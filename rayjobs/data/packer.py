@@ -22,6 +22,28 @@ from rayjobs.data.counts import PackCounts, StageTimer, batch_key, report, repor
 from rayjobs.data.pack import StreamPacker
 from rayjobs.data.tasks import TASKS
 
+WARMUP_SKIP = 4
+"""A first epoch expected to hold at most this many times ``packing.warmup_tokens`` gets no
+warm-up lane: its first window waits for at most this many lanes' tokens (seconds of
+tokenizing)."""
+
+LANE_MIN_ROWS = 1000
+"""Nor does one expected to fill fewer rows than this: the lane's one cost is its under-filled
+tail row, under 0.1 point of efficiency only over this many rows (several points on the bundled
+sets, ``rayjobs bench packing``). Without a lane the first batch waits for the first main window
+(``packing.window_tokens``, or the whole epoch where smaller)."""
+
+
+def lane_tokens(epoch_tokens: float, warmup_tokens: int, seq_len: int) -> int:
+    """Tokens of the first epoch's warm-up lane, packed in one call: ``warmup_tokens``, or 0 for
+    no lane (``WARMUP_SKIP``, ``LANE_MIN_ROWS``).
+
+    >>> lane_tokens(4_000_000, 262_144, 2048), lane_tokens(1_500_000, 262_144, 2048)
+    (262144, 0)
+    """
+    small = max(WARMUP_SKIP * warmup_tokens, LANE_MIN_ROWS * seq_len)
+    return 0 if not warmup_tokens or epoch_tokens <= small else warmup_tokens
+
 
 def window_rows(window_tokens: int, mean_tokens: float) -> int:
     """Samples per packer call: ``window_tokens`` over the mean sample length (the bench sizes its

@@ -19,6 +19,7 @@ from rayjobs.data.estimate import Estimate, _parse_head
 from rayjobs.data.files import common_root
 from rayjobs.data.files import place as files_place
 from rayjobs.data.formats import HF, HF_PLACE
+from rayjobs.data.packer import lane_tokens
 from rayjobs.data.sources import FileRead, read_dataset, read_file_list
 
 
@@ -210,21 +211,23 @@ def _tag_epoch(batch: pa.Table, epoch: int, copy: int) -> pa.Table:
 def warmup_heads(
     config: Config, estimates: dict[str, Estimate], fractions: list[float], first_reads: list[Pass]
 ) -> dict[str, Head]:
-    """Each file-based dataset's part of the warm-up lane: ``packing.warmup_tokens`` split in the
-    ratio of the datasets' expected tokens in the first epoch, taken from the head of the first
-    file each reads (parsed here, in the driver: one file per dataset)."""
-    if not config.packing.warmup_tokens:
-        return {}
+    """Each file-based dataset's part of the warm-up lane (``packer.lane_tokens``: none for a
+    first epoch of a few lanes' tokens), split in the ratio of the datasets' expected tokens in
+    the first epoch, taken from the head of the first file each reads (parsed here, in the
+    driver: one file per dataset)."""
     expected = {
         spec.name: fraction * estimates[spec.name].samples_hint * estimates[spec.name].mean_tokens
         for spec, fraction in zip(config.datasets, fractions, strict=True)
     }
     total = sum(expected.values())
+    lane = lane_tokens(total, config.packing.warmup_tokens, config.packing.seq_len)
+    if not lane:
+        return {}
     heads = {}
     for spec, read in zip(config.datasets, first_reads, strict=True):
         if spec.format == HF or not total:
             continue
-        tokens = config.packing.warmup_tokens * expected[spec.name] / total
+        tokens = lane * expected[spec.name] / total
         wanted = int(np.ceil(tokens / estimates[spec.name].mean_tokens / (read.sample or 1.0)))
         rows, _, _, _ = _parse_head(spec, read.files[0], wanted)
         if wanted and rows:

@@ -43,9 +43,6 @@ MIX_BLOCKS = 16
 
 MIN_MIX_BLOCK_ROWS = 16
 
-WARMUP_CALLS = 4
-"""Packer calls over the warm-up lane: the first rows wait for a quarter of it."""
-
 WARMUP_CPUS = 0.25
 """Logical CPUs of a warm-up lane task (short, and the main lane's actors hold theirs)."""
 
@@ -124,7 +121,7 @@ def _stage_task(batch: pa.Table, stage: type, kwargs: dict[str, Any]) -> Any:
 def packed_rows(config: Config, pad_id: int, ledger: Any = None) -> ray.data.Dataset:
     """The packed rows of every epoch, in epoch order, as one lazy dataset (see module note)."""
     weighted = sized(config)
-    estimates = estimate(config, count_rows=weighted)
+    estimates = estimate(config)
     fractions = epoch_fractions(config, estimates)
     margin = 1.0 + MIX_MARGIN if weighted else 1.0  # read a margin more, trim to the share
     reads = [
@@ -165,8 +162,8 @@ def packed_rows(config: Config, pad_id: int, ledger: Any = None) -> ray.data.Dat
             read = _head_read(spec, head, first)
             parts.append(read_file_list(spec, [read], sizes=estimates[name].file_sizes, **where))
         warm = parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
-        warm_tokens = max(config.packing.warmup_tokens // WARMUP_CALLS, config.packing.seq_len)
-        window = window_rows(warm_tokens, mean_tokens)  # at least a row's worth (long seq_len)
+        # one packer call over the whole lane (at least a row's worth: long seq_len)
+        window = window_rows(max(config.packing.warmup_tokens, config.packing.seq_len), mean_tokens)
         warm = tokenized(warm, config, ledger, tasks=True)
         packed = _packed(warm, config, pad_id, ledger, window, 0).union(packed)
     # Every task's output cut into blocks of about BLOCK_BYTES. The setting is the plan's (Ray Data

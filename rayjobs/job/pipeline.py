@@ -214,6 +214,10 @@ class Job:
             for spec in self.config.datasets
             if self.unused_columns.get(spec.name)
         ]
+        # (an epoch cut short by max_steps holds what was packed by then, in no set shares)
+        for warning in checks.share_warnings(self.config, mixes if complete else mixes[:-1]):
+            checks.logger.warning(warning)
+            summary["warnings"].append(warning)
         for warning in checks.lost_warnings(self.config, summary["datasets"]):
             checks.logger.warning("in all rows read: %s", warning)
             summary["warnings"].append(warning)

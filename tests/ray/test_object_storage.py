@@ -201,7 +201,7 @@ def test_the_driver_parses_only_the_head_of_each_datasets_first_file(stores, mon
     monkeypatch.setattr(registry, "CHUNK_BYTES", 4096)  # a part of the head at a time
     monkeypatch.setattr(files, "STREAM_BUFFER_BYTES", 4096)  # and fetched (1 MiB: a big file's)
     config = _config(f"s3://{BUCKET}", mode="stream")
-    found = estimate.estimate(config, count_rows=False)
+    found = estimate.estimate(config)
     assert found["chat"].mean_tokens > 0 and found["alpaca"].mean_tokens > 0
     heads = dict(opened)
     assert set(heads) == {f"s3://{BUCKET}/chat/part-0.jsonl", f"s3://{BUCKET}/sft/alpaca.parquet"}

@@ -54,6 +54,17 @@ def _documents(row: dict) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     return documents
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _a_lane_on_small_sets():
+    """The warm-up lane on these ~150k tokens (the job gives one only to an epoch of 1000 rows
+    or more, ``packer.LANE_MIN_ROWS``): the lane and the main lane both carry rows here."""
+    from rayjobs.data import packer
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(packer, "LANE_MIN_ROWS", 0)
+        yield
+
+
 @pytest.fixture(scope="module")
 def packed_run(ray_local):
     config = _config(overflow="truncate")
@@ -208,7 +219,7 @@ def test_the_warm_up_lane_takes_part_of_each_dataset():
     from rayjobs.data.formats import parse_file
 
     config = _config()
-    estimates = estimate.estimate(config, count_rows=False)
+    estimates = estimate.estimate(config)
     fractions = mix.epoch_fractions(config, estimates)
     first = [reads.passes(s, i, 0, config.seed, 1.0)[0] for i, s in enumerate(config.datasets)]
     heads = reads.warmup_heads(config, estimates, fractions, first)

@@ -160,7 +160,7 @@ def test_a_dataset_of_bad_and_dropped_rows_is_sized_in_samples(tmp_path):
             "tokenizer": {"path": str(GPT2)},
         }
     )
-    found = estimate.estimate(config, count_rows=False)["a"]
+    found = estimate.estimate(config)["a"]
     assert found.samples_per_row == pytest.approx(0.5)
     assert found.rows_per_byte * path.stat().st_size == pytest.approx(1000, rel=0.01)
     weighted = _config(weights=[0.5, 0.25, 0.25], mix={"by": "samples"})
@@ -188,7 +188,7 @@ def test_a_hugging_face_dataset_is_sized_by_its_rows_without_weights(ray_local, 
         {"name": "hub", "source": str(tmp_path / "hf"), "format": "hf", "template": "alpaca"},
     ]
     config = config_from_dict({"datasets": specs, "tokenizer": {"path": str(GPT2)}})
-    estimates = estimate.estimate(config, count_rows=False)
+    estimates = estimate.estimate(config)
     assert estimates["hub"].rows == 120 and estimates["hub"].rows_hint == 120
     assert estimates["file"].rows is None  # a file dataset is sized by its bytes, uncounted
     hint = estimates["file"].rows_hint
@@ -241,14 +241,14 @@ def test_a_dataset_whose_head_the_template_skips_whole_is_sized_from_a_longer_on
     )
     spec = {"name": "d", "source": str(folder), "template": "text", "on_bad_row": "skip"}
     config = config_from_dict({"datasets": [spec], "tokenizer": {"path": str(GPT2)}})
-    found = estimate.estimate(config, count_rows=False)["d"]
+    found = estimate.estimate(config)["d"]
     assert found.samples_per_row == pytest.approx(0.5) and found.mean_tokens > 0
     (folder / "b.jsonl").unlink()
     config = config_from_dict({"datasets": [spec], "tokenizer": {"path": str(GPT2)}})
     with pytest.raises(
         ValueError, match="dataset 'd': no sample in any of its 40 good rows .*missing_field 40"
     ):
-        estimate.estimate(config, count_rows=False)
+        estimate.estimate(config)
 
 
 def _sources_of_documents(config) -> dict[tuple[int, ...], str]:
@@ -321,7 +321,7 @@ def test_weighted_stream_realizes_its_shares(ray_local, monkeypatch):
             assert [tokens[name] / total for name in tokens] == pytest.approx(
                 [0.5, 0.3, 0.2], abs=0.05
             ), (epoch, tokens)
-    fractions = mix.epoch_fractions(config, estimate.estimate(config, count_rows=True))
+    fractions = mix.epoch_fractions(config, estimate.estimate(config))
     assert all(f > 1 and not float(f).is_integer() for f in fractions), (
         "guard: every dataset read in whole passes and a subsample"
     )
@@ -329,15 +329,23 @@ def test_weighted_stream_realizes_its_shares(ray_local, monkeypatch):
     assert trimmed > 0, "guard: the margin read beyond the shares was trimmed"
 
 
-def test_estimate_counts_rows_and_mean_length(ray_local):
-    config = _config()
-    estimates = estimate.estimate(config, count_rows=True)
-    assert {name: e.rows for name, e in estimates.items()} == {
-        "alpaca": 300,
-        "hh_chat": 400,
-        "roleplay": 300,
-    }
+def test_estimate_sizes_datasets_from_their_heads_without_counting(ray_local, monkeypatch):
+    """A weighted run starts without reading every row: each dataset is sized from its bytes and
+    the rows per byte of its head (here the whole of each small file: the true counts), and no
+    Ray dataset is counted."""
+    from rayjobs.data import sources
+
+    monkeypatch.setattr(sources.ray.data.Dataset, "count", _never_counted)
+    config = _config(weights=[0.5, 0.3, 0.2])
+    estimates = estimate.estimate(config)
+    hints = {name: round(e.rows_hint) for name, e in estimates.items()}
+    assert hints == {"alpaca": 300, "hh_chat": 400, "roleplay": 300}
+    assert all(e.rows is None for e in estimates.values())
     assert dataclasses.asdict(estimates["alpaca"])["mean_tokens"] > 50
+
+
+def _never_counted(self):
+    raise AssertionError("a dataset was counted")
 
 
 def test_subsample_keeps_the_same_rows_whatever_the_blocks():
@@ -531,7 +539,7 @@ def test_a_datasets_whole_run_is_one_read_operator(ray_local, capsys, monkeypatc
     # them, which copied every packed row once more (the plan is printed root first).
     below_packers = plan.split("MapBatches(PackStream)")[0]
     assert "Repartition" not in below_packers and "PackStream" in plan, plan
-    fractions = mix.epoch_fractions(config, estimate.estimate(config, count_rows=True))
+    fractions = mix.epoch_fractions(config, estimate.estimate(config))
     assert min(fractions) > 2, "guard: every dataset read in several passes an epoch"
 
 
@@ -578,11 +586,31 @@ def test_warm_up_head_takes_more_rows_of_a_subsampled_pass(tmp_path, monkeypatch
     monkeypatch.setattr(
         reads, "_parse_head", lambda spec, file, wanted: (list(range(0, 2000, 2)), [], 0, 0)
     )
+    monkeypatch.setattr(packer, "LANE_MIN_ROWS", 0)  # a lane on 10k tokens
     estimates = {"a": estimate.Estimate(10.0, rows=1000)}
     whole = reads.Pass((path,), 0, None, 0)
     half = reads.Pass((path,), 0, 0.5, 0)
     assert reads.warmup_heads(config, estimates, [1.0], [whole])["a"] == reads.Head(path, 200, 100)
     assert reads.warmup_heads(config, estimates, [0.5], [half])["a"] == reads.Head(path, 400, 200)
+
+
+# first epoch's raw rows (10 tokens each) → the lane's head under the defaults (seq_len 2048,
+# warmup_tokens 262,144): none up to max(4 lanes, 1000 rows) = 2,048,000 tokens
+LANE_SCENARIOS = {"1M tokens: no lane": (100_000, None), "3M tokens: a lane": (300_000, 26_215)}
+
+
+@pytest.mark.parametrize("name", LANE_SCENARIOS)
+def test_a_warm_up_lane_only_for_a_first_epoch_it_costs_under_a_tenth_of_a_point(
+    name, tmp_path, monkeypatch
+):
+    raw_rows, lane_rows = LANE_SCENARIOS[name]
+    config, path = _one_dataset(tmp_path, warmup_tokens=262_144)
+    monkeypatch.setattr(
+        reads, "_parse_head", lambda spec, file, wanted: (list(range(wanted + 1)), [], 0, 0)
+    )
+    estimates = {"a": estimate.Estimate(10.0, rows=raw_rows)}
+    heads = reads.warmup_heads(config, estimates, [1.0], [reads.Pass((path,), 0, None, 0)])
+    assert heads.get("a") == (lane_rows and reads.Head(path, lane_rows, lane_rows))
 
 
 def test_pack_counts_count_trimmed_samples_and_tokens_by_source():

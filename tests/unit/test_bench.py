@@ -37,6 +37,55 @@ def test_reference_packers(name):
     assert [p.tolist() for p in packs] == expected
 
 
+@pytest.fixture(scope="module")
+def bundled_lengths() -> dict[str, np.ndarray]:
+    """Every bundled bench set's sample lengths (GPT-2, the job's templates), as the bench
+    streams them (10 shuffled copies), the sets once each, and a mix of all of them of ~1 M
+    tokens (two copies of every set, shuffled together)."""
+    lengths = bench.load_lengths(DATA)
+    sets = {f"{name} x1": bench.stream(values, copies=1) for name, values in lengths.items()}
+    sets |= {f"{name} x10": bench.stream(values) for name, values in lengths.items()}
+    sets["mix of all, ~1M tokens"] = bench.stream(np.concatenate(list(lengths.values())), 2)
+    return sets
+
+
+@pytest.mark.parametrize("seq_len", [2048, 4096, 8192])
+def test_the_default_path_packs_within_a_tenth_of_a_point_of_global_bfd(bundled_lengths, seq_len):
+    """The job's default streaming path, warm-up lane included (``bench.default_path``: the
+    packer functions the job calls, with its lane rule): within 0.1 point of global BFD and
+    ahead of TRL's chunk BFD and a FIFO(100) first-fit on every bundled set, once and streamed
+    ten times, and on a ~1 M-token mix."""
+    behind = {}
+    for name, stream in bundled_lengths.items():
+        clipped = np.minimum(stream, seq_len)
+        packs, _, first, _ = bench.default_path(clipped, seq_len, bench.DEFAULT_WINDOW_TOKENS)
+        best = len(bench.pack_lengths(clipped, seq_len, "bfd"))
+        peers = (
+            len(bench.trl_chunk_bfd(clipped, seq_len)),
+            len(bench.torchtune_fifo(clipped, seq_len)),
+        )
+        slots = seq_len * np.array([len(packs), best, *peers])
+        efficiency = clipped.sum() / slots
+        if efficiency[0] < efficiency[1] - 0.001 or efficiency[0] < efficiency[2:].max():
+            behind[name] = efficiency.round(4).tolist()
+        assert first == clipped.sum()  # no lane on sets this small: the epoch is one window
+    assert not behind, behind
+    assert 800_000 < bundled_lengths["mix of all, ~1M tokens"].sum() < 1_200_000  # guard
+
+
+def test_the_warm_up_lane_runs_on_a_large_epoch_and_costs_its_tail_row_only(bundled_lengths):
+    """On an epoch of ~9 M tokens the lane runs: its first row leaves after the lane's tokens,
+    not a window's, and it costs at most one row more than the windows alone."""
+    clipped = np.minimum(bench.stream(bundled_lengths["mix of all, ~1M tokens"], 10), 2048)
+    window = bench.DEFAULT_WINDOW_TOKENS
+    packs, _, first, starts = bench.default_path(clipped, 2048, window)
+    alone, _, first_alone, _ = bench.default_path(clipped, 2048, window, warmup_tokens=0)
+    assert first < bench.DEFAULT_WARMUP_TOKENS + 2048 < window <= first_alone
+    assert len(starts) == len(bench.default_path(clipped, 2048, window, warmup_tokens=0)[3]) + 1
+    assert len(alone) <= len(packs) <= len(alone) + 1
+    assert bench.packed_delay_windows(packs, starts) == 0
+
+
 def test_torchtune_buffer_limits_the_lookahead():
     # With a buffer of 2, the 4 that would complete the first pack is not yet visible.
     packs = bench.torchtune_fifo(np.array([6, 5, 5, 4]), 10, buffer_size=2)
@@ -78,6 +127,7 @@ def test_bench_cli_on_real_sets(tmp_path, capsys):
         "packs",
         "samples_per_s",
         "max_delay_windows",
+        "first_row_tokens",
     }
     by_key = {(r["dataset"], r["seq_len"], r["strategy"]): r for r in rows}
     global_rows = {r["dataset"]: r for r in rows if r["strategy"] == "global_bfd"}
@@ -103,7 +153,9 @@ def test_bench_cli_on_real_sets(tmp_path, capsys):
             assert stream["max_delay_windows"] == 0  # nothing waits for a later call
     printed = capsys.readouterr().out
     assert "bfd (planned, window 4096) vs global BFD" in printed
-    assert "stream (the streaming path's packer, windows of 200,000 tokens)" in printed
+    assert (
+        "stream (the job's default path: a warm-up lane where it runs, then windows of " in printed
+    )
 
 
 def test_the_stage_timers_config_holds_every_sft_set_and_validates():
@@ -359,6 +411,7 @@ def benches_never_run(monkeypatch):
         (["pipeline", "--window-tokens", "0"], "--window-tokens must be positive, got 0"),
         (["pipeline", "--tokenize-actors", "0"], "--tokenize-actors must be positive, got 0"),
         (["pipeline", "--pace", "-0.5"], "--pace must be 0 (no paced pass) or a positive share"),
+        (["pipeline", "--weights", "0.7"], "--weights takes two positive weights"),
         (["pipeline", "--scales", "1", "0"], "--scales must be positive numbers of copies"),
         (["pipeline", "--data-dir", "/nonexistent"], "--data-dir /nonexistent is not a folder"),
         (["read", "--size-mb", "0"], "--size-mb must be positive, got 0"),
@@ -422,7 +475,9 @@ def test_bench_passes_each_bench_its_own_options(monkeypatch):
     monkeypatch.setattr(bench_read, "main", lambda argv: record("read", argv, 0))
     argv = ["bench", "pipeline", "--scales", "2", "--window-tokens", "100", "--pace", "0"]
     assert main(argv) == 0
-    assert seen["pipeline"] == (bench.DEFAULT_DATA_DIR, [2], 100, None, 0.0)
+    assert seen["pipeline"] == (bench.DEFAULT_DATA_DIR, [2], 100, None, 0.0, None)
+    assert main([*argv, "--weights", "0.7", "0.3"]) == 0
+    assert seen["pipeline"][-1] == [0.7, 0.3]
     assert main(["bench", "read"]) == 0 and seen["read"] == []  # bench_read's defaults
 
 
@@ -438,9 +493,10 @@ def test_stream_rows_wait_is_read_off_their_packs(monkeypatch):
     assert 1 <= bench.packed_delay_windows(carried, 1000) <= waited
 
     def carrying(lengths, seq_len, window_tokens, seed=0):
-        return bench.stream_pack(lengths, seq_len, "bfd", 1000)[0], 1000
+        starts = np.arange(0, len(lengths), 1000)
+        return bench.stream_pack(lengths, seq_len, "bfd", 1000)[0], 1000, 0, starts
 
-    monkeypatch.setattr(bench, "stream_windows", carrying)
+    monkeypatch.setattr(bench, "default_path", carrying)
     rows = bench.bench_packing(lengths, seq_lens=(2048,))
     stream_row = next(r for r in rows if r.strategy == "stream")
     assert stream_row.max_delay_windows >= 1

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from conftest import GPT2
+from conftest import ALPACA, GPT2, HH_CHAT
 from rayjobs.config import config_from_dict
 from rayjobs.data import checks
 from rayjobs.data.templates import alpaca
@@ -145,3 +145,27 @@ def test_alpaca_history_of_the_wrong_shape_is_a_bad_row():
 
     with pytest.raises(RowError, match="field 'history': expected a list of"):
         alpaca({**HISTORY, "history": ["Say hello.", "Hello."]}, {})
+
+
+# realized shares per epoch of datasets weighted 0.7 / 0.3 → the datasets warned of
+SHARE_SCENARIOS = {
+    "on the weights": ([{"a": 0.705, "b": 0.295}], []),
+    "one epoch short of a share": ([{"a": 0.7, "b": 0.3}, {"a": 0.75, "b": 0.25}], ["a", "b"]),
+}
+
+
+@pytest.mark.parametrize("name", SHARE_SCENARIOS)
+def test_a_realized_share_off_its_weight_is_warned_of(name):
+    mixes, warned = SHARE_SCENARIOS[name]
+    config = config_from_dict(
+        {
+            "datasets": [
+                {"name": "a", "source": str(ALPACA), "template": "alpaca", "weight": 7},
+                {"name": "b", "source": str(HH_CHAT), "template": "chat", "weight": 3},
+            ],
+            "tokenizer": {"path": str(GPT2)},
+        }
+    )
+    said = checks.share_warnings(config, [{k: {"share": v} for k, v in m.items()} for m in mixes])
+    assert [line.split("'")[1] for line in said] == warned
+    assert all("of epoch 1 (tokens), against a weight of" in line for line in said)
