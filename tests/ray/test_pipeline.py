@@ -339,7 +339,8 @@ def test_untrained_packs(
 @pytest.mark.parametrize(
     "address, env, expected",
     [
-        (None, None, {"address": "local", "num_cpus": 6}),  # a Ray of its own, not a `ray start`
+        # a Ray of its own (not a `ray start`), its dashboard on loopback
+        (None, None, {"address": "local", "num_cpus": 6, "dashboard_host": "127.0.0.1"}),
         (None, "ray://head:10001", {"address": "ray://head:10001"}),
         ("auto", "ray://head:10001", {"address": "auto"}),  # the config's address first
     ],

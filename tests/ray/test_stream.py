@@ -158,6 +158,7 @@ def test_a_dataset_of_bad_and_dropped_rows_is_sized_in_samples(tmp_path):
                 {"name": "b", "source": str(path), "template": "alpaca", "on_bad_row": "skip"},
             ],
             "tokenizer": {"path": str(GPT2)},
+            "allow_duplicate_sources": True,
         }
     )
     found = estimate.estimate(config)["a"]
@@ -647,6 +648,7 @@ def test_budgets_are_in_tokens_by_tokens_and_set_for_every_epoch(tmp_path):
                 {"name": "b", "source": str(path), "template": "text", "weight": 0.25},
             ],
             "tokenizer": {"path": str(GPT2)},
+            "allow_duplicate_sources": True,
             "mix": {"by": "tokens"},
             "train": {"epochs": 2},
         }
