@@ -1,11 +1,22 @@
 """Templates: one raw row → text segments, trained or not. Importing this package registers the
-built-ins (``alpaca``, ``text``, ``chat``, ``preference``) in :data:`TEMPLATES`."""
+built-ins (``alpaca``, ``text``, ``chat``, ``prompt_completion``, ``preference``) in
+:data:`TEMPLATES`."""
 
-from rayjobs.data.templates.dialogue import chat, chat_tools, chatml, read_conversation
+from rayjobs.data.templates.completion import prompt_completion
+from rayjobs.data.templates.dialogue import (
+    chat,
+    chat_tools,
+    chatml,
+    read_conversation,
+    read_turns,
+    system_turns,
+    turn_style,
+)
 from rayjobs.data.templates.instruction import alpaca, text
 from rayjobs.data.templates.preference_pairs import preference
 from rayjobs.data.templates.registry import (
     TEMPLATES,
+    Columns,
     Message,
     Preference,
     RenderChat,
@@ -20,6 +31,7 @@ from rayjobs.data.templates.registry import (
 
 __all__ = [
     "TEMPLATES",
+    "Columns",
     "Message",
     "Preference",
     "RenderChat",
@@ -33,8 +45,12 @@ __all__ = [
     "chatml",
     "field_value",
     "preference",
+    "prompt_completion",
     "read_conversation",
+    "read_turns",
     "register_template",
+    "system_turns",
     "text",
     "text_field",
+    "turn_style",
 ]
