@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -101,3 +102,34 @@ def _check(template: templates.Template, key: str) -> None:
         ) from None
     except ValueError:  # a builtin or C function without a signature: not checked
         pass
+
+
+def unshipped(names: list[str], working_dir: Path, shipped: Mapping[str, int]) -> list[str]:
+    """What keeps ``template_modules`` (imported already) from a job submitted with
+    ``working_dir``: the job's driver imports them again on the cluster, from the upload
+    (``shipped``: its files, relative POSIX paths) or from the cluster's installed packages.
+
+    Returns:
+        One problem per module that lies outside the working directory and is no installed
+        package, or whose file the upload leaves out.
+    """
+    problems = []
+    for index, name in enumerate(names):
+        file = Path(sys.modules[name].__file__ or "").resolve()
+        key = f"template_modules.{index} ({name!r}, {file})"
+        if any(part in ("site-packages", "dist-packages") for part in file.parts):
+            continue  # installed: the cluster's image must have it, as rayjobs' dependencies
+        try:
+            relative = file.relative_to(working_dir).as_posix()
+        except ValueError:
+            problems.append(
+                f"{key} lies outside the working directory {working_dir}; put it beside the "
+                "config, or install it on the cluster"
+            )
+            continue
+        if relative not in shipped:
+            problems.append(
+                f"{key} is left out of the upload ({relative}: a .gitignore, a .rayignore or "
+                "rayjobs' excludes)"
+            )
+    return problems

@@ -5,6 +5,7 @@ fresh process that never imported its module (what a Tokenize actor on another n
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -176,3 +177,27 @@ def test_turn_settings_reach_the_template(tmp_path):
     )
     columns = config.datasets[0].columns
     assert (columns.message_keys, columns.roles) == ({"role": "from"}, {"bot": "assistant"})
+
+
+def test_submit_ships_the_template_module_with_the_config_or_refuses(tmp_path, registry):
+    """The job's driver imports the module again on the cluster, from the upload."""
+    from rayjobs.job import submit
+
+    project = tmp_path / "proj"
+    (project / "configs").mkdir(parents=True)
+    (project / "configs" / "qa_templates_d.py").write_text(MODULE.format(name="qa_d"))
+    shutil.copytree(GPT2, project / "tok")
+    config = _config(project / "configs", "qa_d", ["qa_templates_d"])
+    raw = yaml.safe_load(config.read_text())
+    raw["tokenizer"]["path"] = "../tok"
+    raw["datasets"][0]["source"] = "qa.jsonl"
+    config.write_text(yaml.safe_dump(raw))
+    plan = submit.plan_submission(config, working_dir=project)
+    assert "configs/qa_templates_d.py" in submit.shipped_files(
+        project, plan.runtime_env["excludes"]
+    )
+    (project / ".gitignore").write_text("*.py\n")
+    with pytest.raises(submit.SubmitError) as caught:
+        submit.plan_submission(config, working_dir=project)
+    assert "template_modules.0 ('qa_templates_d'" in str(caught.value)
+    assert "is left out of the upload (configs/qa_templates_d.py" in str(caught.value)
