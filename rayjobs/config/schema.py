@@ -21,10 +21,6 @@ def _registered(value: str, registry, kind: str) -> str:
     return value
 
 
-TURN_ROLES = ("system", "user", "assistant", "tool")
-"""The roles a dataset's ``roles`` may map its own role names to."""
-
-
 class _Strict(BaseModel):
     # allow_inf_nan: a weight or lr of .inf passes gt=0 (and NaN fails every check silently)
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
@@ -131,34 +127,10 @@ class DatasetConfig(_Strict):
             raise ValueError(f"{', '.join(given)} apply to format: hf only")
         return self
 
-    @field_validator("message_keys")
+    @field_validator("message_keys", "roles", mode="before")
     @classmethod
-    def _turn_keys(cls, value: dict[str, str]) -> dict[str, str]:
-        unknown = sorted(set(value) - {"role", "content"})
-        if unknown:
-            raise ValueError(
-                f"{unknown}: message_keys names the keys of a turn's role and content, "
-                "e.g. {role: from, content: value}"
-            )
-        if any(not key for key in value.values()):
-            raise ValueError("a message key is empty")
-        return value
-
-    @field_validator("roles", mode="before")
-    @classmethod
-    def _role_names(cls, value: Any) -> Any:
-        if isinstance(value, dict) and any(isinstance(v, list) for v in value.values()):
-            raise ValueError(
-                "roles maps each of the data's role names to one of rayjobs' roles, "
-                "{human: user, gpt: assistant}; Axolotl's {user: [human]} is written {human: user}"
-            )
-        if isinstance(value, dict):
-            wrong = sorted(k for k, v in value.items() if v not in TURN_ROLES)
-            if wrong:
-                raise ValueError(
-                    f"{wrong}: a role maps to one of {', '.join(TURN_ROLES)}, got "
-                    f"{[value[k] for k in wrong]}"
-                )
+    def _turn_settings(cls, value: Any, info: Any) -> Any:
+        templates.check_turn_setting(info.field_name, value)
         return value
 
     @model_validator(mode="after")

@@ -48,6 +48,38 @@ OPENAI_ROLES = {
 """OpenAI roles (``function``: the legacy role of a function's result) → the roles templates see."""
 
 
+TURN_ROLES = ("system", "user", "assistant", "tool")
+"""The roles a dataset's ``roles`` may map its own role names to."""
+
+
+def check_turn_setting(name: str, value: Any) -> None:
+    """A dataset's ``message_keys`` or ``roles`` as written (see ``turn_style``).
+
+    Raises:
+        ValueError: a key other than ``role`` and ``content``, an empty key, a role mapped to
+            none of :data:`TURN_ROLES`, or Axolotl's ``{user: [human]}`` form of ``roles``.
+    """
+    if not isinstance(value, dict):
+        return  # the field's type says what is expected
+    if name == "message_keys":
+        unknown = sorted(set(value) - {"role", "content"})
+        if unknown or not all(isinstance(v, str) and v for v in value.values()):
+            raise ValueError(
+                f"message_keys names the keys of a turn's role and content in the data, e.g. "
+                f"{{role: from, content: value}}; got {value!r:.80}"
+            )
+    elif any(isinstance(v, list) for v in value.values()):
+        raise ValueError(
+            "roles maps each of the data's role names to one of rayjobs' roles, "
+            "{human: user, gpt: assistant}; Axolotl's {user: [human]} is written {human: user}"
+        )
+    elif wrong := sorted(k for k, v in value.items() if v not in TURN_ROLES):
+        raise ValueError(
+            f"{wrong}: a role maps to one of {', '.join(TURN_ROLES)}, got "
+            f"{[value[k] for k in wrong]}"
+        )
+
+
 REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 """An OpenAI assistant turn's reasoning, under the names transformers aliases (the first set is
 used); it reaches the template as ``reasoning_content``."""
