@@ -84,7 +84,7 @@ def load(file: Path, proto: Any, settings: dict[str, Any]) -> tuple[Any, dict[st
         vocab: Any = [(piece.piece, piece.score) for piece in proto.pieces]
     else:
         vocab = {piece: index for index, piece in enumerate(pieces)}
-    legacy = bool(settings.get("legacy", True))
+    legacy = settings.get("legacy") is not False  # unset or null: transformers' slow default
     backend = SpmConverter.build_tokenizer_from_spm_proto(proto, vocab, legacy=legacy)
     # Control and unknown pieces (types 3 and 2) are found whole in text, as special tokens.
     backend.add_special_tokens(

@@ -24,6 +24,7 @@ from tokenizers import Tokenizer
 
 from conftest import ALPACA, DATA, GPT2, HH_CHAT, SHAREGPT
 from rayjobs.cli import main
+from rayjobs.data import templates
 
 EOS = "<|endoftext|>"
 END = "<|im_end|>\n"
@@ -216,7 +217,10 @@ def test_sft_formats_train_exactly_their_spans(tmp_path, ray_local):
         "packing": {"seq_len": 1024},
         "ray": {"min_actors": 1, "tokenize_concurrency": 1, "pack_concurrency": 1},
     }
-    rows, manifest = _export(tmp_path, raw)
+    try:
+        rows, manifest = _export(tmp_path, raw)
+    finally:  # the user's template leaves the registry with its test
+        templates.TEMPLATES.pop("qa_pair", None)
     counts = manifest["datasets"]
     assert {name: c["truncated_tokens"] + c["skipped_rows"] for name, c in counts.items()} == {
         spec["name"]: 0 for spec in specs
