@@ -29,6 +29,7 @@ import yaml
 from pydantic import ValidationError
 
 from rayjobs.config.schema import Config, DatasetConfig, HFModelConfig, ModelConfig
+from rayjobs.config.user_templates import import_template_modules
 from rayjobs.data import files, formats
 from rayjobs.errors import ConfigError
 
@@ -96,7 +97,9 @@ def load_config(path: str | os.PathLike, overrides: list[str] = ()) -> Config:
 
 
 def config_from_dict(raw: dict[str, Any], base_dir: str | os.PathLike = ".") -> Config:
-    """Validate a config mapping and resolve its paths against ``base_dir``."""
+    """Validate a config mapping and resolve its paths against ``base_dir`` (the templates of
+    ``template_modules`` are imported first, from it: ``user_templates``)."""
+    import_template_modules(raw.get("template_modules"), Path(base_dir).resolve())
     try:
         config = Config.model_validate(raw)
     except ValidationError as error:

@@ -68,11 +68,19 @@ class DatasetConfig(_Strict):
     changes what a row means (a KTO-style ``label``)."""
     template: str
     """How a row becomes training text, a name in ``rayjobs.data.templates.TEMPLATES``: ``alpaca``
-    (instruction/input/output), ``chat`` (``messages`` or ShareGPT ``conversations``), ``text``
-    (raw text, every token trained)."""
+    (instruction/input/output), ``chat`` (``messages`` or ShareGPT ``conversations``),
+    ``prompt_completion`` (TRL's prompt and completion), ``text`` (raw text, every token
+    trained), ``preference`` (``task: dpo``), or one of ``template_modules``."""
     column_map: dict[str, str] = Field(default_factory=dict)
     """Template field → dataset column, e.g. ``{output: response}``; the keys must be fields the
     template reads (``Template.fields``)."""
+    message_keys: dict[str, str] = Field(default_factory=dict)
+    """The keys of a conversation turn's role and text in the data, ``{role: from, content:
+    value}`` (Axolotl's ``message_property_mappings``); default: ``role``/``content``, and
+    ``from``/``value`` for ShareGPT ``conversations``."""
+    roles: dict[str, str] = Field(default_factory=dict)
+    """The data's role names → ``system``, ``user``, ``assistant`` or ``tool``, e.g.
+    ``{human: user, bot: assistant}``, on top of the OpenAI and ShareGPT names known already."""
     train_on_input: bool = False
     """Also train on prompt / user tokens (default: only responses / assistant turns)."""
     weight: float | None = Field(default=None, gt=0)
@@ -104,7 +112,11 @@ class DatasetConfig(_Strict):
     @field_validator("template")
     @classmethod
     def _known_template(cls, value: str) -> str:
-        return _registered(value, templates.TEMPLATES, "template")
+        try:
+            return _registered(value, templates.TEMPLATES, "template")
+        except ValueError as error:
+            raise ValueError(f"{error} (a template of your own: name its module in "
+                             "template_modules)") from None  # fmt: skip
 
     @model_validator(mode="after")
     def _hub_options_need_hf(self) -> DatasetConfig:
@@ -114,6 +126,27 @@ class DatasetConfig(_Strict):
         if given and self.format != "hf" and not self.files:
             raise ValueError(f"{', '.join(given)} apply to format: hf only")
         return self
+
+    @field_validator("message_keys", "roles", mode="before")
+    @classmethod
+    def _turn_settings(cls, value: Any, info: Any) -> Any:
+        templates.check_turn_setting(info.field_name, value)
+        return value
+
+    @model_validator(mode="after")
+    def _turn_settings_need_turns(self) -> DatasetConfig:
+        given = [key for key in ("message_keys", "roles") if getattr(self, key)]
+        if given and templates.TEMPLATES[self.template].turns is False:
+            raise ValueError(
+                f"{', '.join(given)} apply to templates that read conversation turns; template "
+                f"{self.template!r} reads none"
+            )
+        return self
+
+    @property
+    def columns(self) -> templates.Columns:
+        """``column_map`` as templates receive it, with ``message_keys`` and ``roles``."""
+        return templates.Columns(self.column_map, self.message_keys, self.roles)
 
     @model_validator(mode="after")
     def _column_map_names_template_fields(self) -> DatasetConfig:
@@ -495,6 +528,11 @@ def _unique(datasets: list[DatasetConfig]) -> list[DatasetConfig]:
 
 
 class Config(_Strict):
+    template_modules: list[str] = Field(default_factory=list)
+    """Python modules that register templates of the user's own (``@register_template``),
+    imported by name before the datasets are validated: from the config's folder first, then the
+    installed packages (``rayjobs.config.load``). Their templates reach the Tokenize actors with
+    the datasets (docs/data.md, "Your own templates")."""
     task: Literal["sft", "dpo"] = "sft"
     """sft: samples packed as documents, token cross entropy; dpo: preference triples (template
     ``preference``) packed as units of three documents, the DPO loss against a frozen reference

@@ -10,6 +10,7 @@ window (docs/design.md, "Streaming, and what it guarantees").
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
@@ -18,6 +19,7 @@ import ray
 import ray.data
 
 from rayjobs.config import Config
+from rayjobs.data import templates
 from rayjobs.data.estimate import estimate
 from rayjobs.data.mix import MIX_MARGIN, budgets, epoch_fractions, sized
 from rayjobs.data.packer import PackStream, window_rows
@@ -61,12 +63,26 @@ def tokenized(
         "ledger": ledger,
         "threads": TOKENIZE_CPUS,
         "min_prompt_tokens": config.dpo.min_prompt_tokens,
+        "registry": shipped_templates(config),
     }
     ceiling = config.ray.tokenize_concurrency or max(1, int(cluster_cpus(config)) // 2)
     actors = 0 if tasks else ceiling
     return _stage(
         rows, Tokenize, kwargs, TOKENIZE_BATCH_ROWS, config, num_cpus=TOKENIZE_CPUS, actors=actors
     )
+
+
+def shipped_templates(config: Config) -> dict[str, templates.Template]:
+    """The templates of the config's datasets, by name, for the Tokenize actors and tasks.
+
+    A template of the user's own (``template_modules``) is pickled by value: its module's code
+    travels with the actors' arguments, so no node needs a copy of the module (a cluster's nodes
+    have none unless ``rayjobs submit`` uploaded it, a local Ray's workers do not import from the
+    config's folder). What that module imports must be installed on every node.
+    """
+    for name in config.template_modules:
+        ray.cloudpickle.register_pickle_by_value(sys.modules[name])
+    return {spec.template: templates.TEMPLATES[spec.template] for spec in config.datasets}
 
 
 def _stage(

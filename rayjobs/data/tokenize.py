@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -65,9 +65,12 @@ class Tokenize:
         ledger: Any = None,
         threads: int | None = None,
         min_prompt_tokens: int = 64,
+        registry: Mapping[str, templates.Template] | None = None,
     ):
         """``seq_len``, ``overflow`` and (preference triples) ``min_prompt_tokens``: how a sample
-        is fitted into a row (``samples.Fit``)."""
+        is fitted into a row (``samples.Fit``). ``registry``: the datasets' templates by name,
+        as the driver registered them (its user templates travel with them: ``shipped``);
+        default: this process's registry."""
         if threads:  # before the tokenizer's first batch builds its thread pool
             os.environ.setdefault(THREADS_ENV, str(threads))
         self.datasets = {spec.name: spec for spec in datasets}
@@ -77,15 +80,18 @@ class Tokenize:
             else {f: str(i) for i, f in enumerate(s.files)}
             for s in datasets
         }
-        self.tasks = {s.name: TASKS[templates.TEMPLATES[s.template].task] for s in datasets}
+        known = templates.TEMPLATES if registry is None else registry
+        self.templates = {s.name: known[s.template] for s in datasets}
+        self.columns = {s.name: s.columns for s in datasets}
+        self.tasks = {s.name: TASKS[self.templates[s.name].task] for s in datasets}
         self.tokenizer = Tokenizer(tokenizer)
         report_actor(ledger, "Tokenize")
         self.fit = Fit(seq_len, overflow, min_prompt_tokens)
         self.ledger = ledger
 
     def _segments(self, spec: DatasetConfig, record: dict[str, Any]) -> list[Segment]:
-        template = templates.TEMPLATES[spec.template]
-        return template.render(record, spec.column_map, self.tokenizer.render_chat)
+        render = self.templates[spec.name].render
+        return render(record, self.columns[spec.name], self.tokenizer.render_chat)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         table, counts = self.counted(batch)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from rayjobs.config import TokenizerConfig
-from rayjobs.data import templates
+from rayjobs.data import spm, templates
 from rayjobs.data.templates import Message, RowError
 from rayjobs.errors import ConfigError
 
@@ -18,21 +18,28 @@ class Tokenizer:
     chat rendering.
 
     A ``tokenizer.json`` (given as the file, or inside a folder with its ``tokenizer_config.json``)
-    loads with ``tokenizers`` alone, and chat templates render with transformers' own Jinja renderer
-    (``render_jinja_template``, which does not import torch): Tokenize actors on CPU nodes never
-    load torch. Only a Hub name, or a folder without ``tokenizer.json`` (slow-tokenizer files that
-    need converting), goes through ``AutoTokenizer``, which imports torch where it is installed.
+    loads with ``tokenizers`` alone, a SentencePiece model (``tokenizer.model``, as the file or in
+    a folder without ``tokenizer.json``) is converted to one (``spm``), and chat templates render
+    with transformers' own Jinja renderer (``render_jinja_template``, which does not import torch):
+    Tokenize actors on CPU nodes never load torch. Only a Hub name, or a folder of other
+    slow-tokenizer files (``vocab.json`` and ``merges.txt``), goes through ``AutoTokenizer``, which
+    imports torch where it is installed.
     """
 
     def __init__(self, config: TokenizerConfig):
         path = Path(config.path)
-        file = path if path.is_file() else path / "tokenizer.json"
-        if file.is_file():
+        settings = _folder_settings(path) if path.is_dir() else {}
+        kind, file, proto = _source(path)
+        if kind == "json":
             from tokenizers import Tokenizer as Backend
 
             self.backend = Backend.from_file(str(file))
-            settings = _folder_settings(path) if path.is_dir() else {}
             special = {key: _token_text(settings.get(key)) for key in SPECIAL_TOKENS}
+            chat_template = _chat_template(path, settings) if path.is_dir() else None
+        elif kind == "sentencepiece":
+            self.backend, own = spm.load(file, proto, settings)
+            named = {key: _token_text(settings.get(key)) for key in SPECIAL_TOKENS}
+            special = {key: named[key] or own[key] for key in SPECIAL_TOKENS}
             chat_template = _chat_template(path, settings) if path.is_dir() else None
         else:
             from transformers import AutoTokenizer
@@ -73,11 +80,31 @@ class Tokenizer:
         if token_id is None:
             if default is not None and configured is None:  # one the config names must exist
                 return default
+            if configured:
+                problem = f"token {token!r} is not in the vocabulary"
+            elif own:
+                problem = f"the tokenizer's own {key} {own!r} is not in its vocabulary"
+            else:
+                problem = (
+                    f"the tokenizer names no {key}, and the default {fallback!r} is not in its "
+                    "vocabulary"
+                )
             raise ConfigError(
-                f"tokenizer.{key}: token {token!r} is not in the vocabulary; "
-                f"set tokenizer.{key} to one of its special tokens"
+                f"tokenizer.{key}: {problem}; set tokenizer.{key} to one of its special tokens: "
+                f"{self._special_listing()}"
             )
         return int(token_id)
+
+    def _special_listing(self) -> str:
+        """The tokenizer's special tokens (its named ones, and its added tokens marked
+        special), for an error message."""
+        added = self.backend.get_added_tokens_decoder()
+        found = [t.content for _, t in sorted(added.items()) if t.special]
+        found += [t for t in self.special_tokens.values() if t not in found]
+        if not found:
+            return "it has none; name a token of its vocabulary"
+        shown = ", ".join(repr(t) for t in found[:20])
+        return shown + (f" (and {len(found) - 20} more)" if len(found) > 20 else "")
 
     def _bos_id(self, add_bos: bool | None) -> int | None:
         """The BOS id every sample starts with, or None (``tokenizer.add_bos``): by default the
@@ -161,6 +188,32 @@ class Tokenizer:
                 reason="template_error",
             ) from None
         return rendered[0]
+
+
+def _source(path: Path) -> tuple[str, Path | None, Any]:
+    """How ``path`` loads: ("json", its tokenizer.json, None), ("sentencepiece", its model file,
+    the model), or ("auto", None, None) for ``AutoTokenizer`` (a Hub name, a folder of other
+    files).
+
+    Raises:
+        ConfigError: a file that is neither JSON nor a SentencePiece model (a tiktoken file).
+    """
+    if path.is_dir():
+        if (path / "tokenizer.json").is_file():
+            return "json", path / "tokenizer.json", None
+        model = next((path / n for n in spm.MODEL_FILES if (path / n).is_file()), None)
+        if model is None:
+            return "auto", None, None
+        path = model
+    elif not path.is_file():
+        return "auto", None, None
+    with path.open("rb") as handle:
+        if handle.read(64).lstrip()[:1] == b"{":
+            return "json", path, None
+    proto = spm.read_model(path)
+    if proto is None:
+        raise spm.unsupported(path)
+    return "sentencepiece", path, proto
 
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")

@@ -67,6 +67,7 @@ from pathlib import Path
 from typing import Any
 
 from rayjobs.config import _apply_override, load_config, yaml_load
+from rayjobs.config.user_templates import unshipped
 from rayjobs.data import formats
 from rayjobs.errors import ConfigError, SubmitError
 from rayjobs.job.upload import (
@@ -206,6 +207,7 @@ def plan_submission(
                 else:
                     checker.files(key, str(source), spec.format)
     checker.folder_or_name("tokenizer.path", str(raw["tokenizer"]["path"]))
+    problems += unshipped(config.template_modules, wd, files)  # the job imports them again
     model = (raw.get("train") or {}).get("model") or {}
     for name in ("path", "config_path"):  # a checkpoint or config.json to start from
         if model.get("kind") == "hf" and model.get(name) is not None:

@@ -74,7 +74,7 @@ BAD_CONFIGS = {
         [
             "datasets.0.template",
             "unknown template 'alpacca'",
-            "registered: 'alpaca', 'chat', 'preference', 'text'",
+            "registered: 'alpaca', 'chat', 'preference', 'prompt_completion', 'text'",
         ],
     ),
     "column_map_key_naming_no_template_field": (  # a typo once dropped the input block
@@ -584,8 +584,9 @@ def test_a_template_registered_outside_config_is_accepted_and_used(tmp_path):
         tokenize = Tokenize(config.datasets, config.tokenizer, seq_len=64, overflow="truncate")
         batch = record_table("alpaca", ["x.jsonl"], [1], [json.dumps({"text": "hi"})])
         assert tokenize(batch).column("input_ids").to_pylist() == [[25374, 50256]]  # "HI", EOS
+        templates.register_template("shout")(shout)  # its module imported anew: replaced
         with pytest.raises(ValueError, match="already registered"):
-            templates.register_template("shout")(shout)
+            templates.register_template("shout")(lambda row, column_map, render_chat=None: [])
     finally:
         del templates.TEMPLATES["shout"]
 

@@ -625,3 +625,231 @@ def test_bad_turns_are_named_by_the_datasets_own_column():
     with pytest.raises(RowError) as caught:
         templates.chat({"dialog": row["dialog"]}, {"messages": "dialog"})
     assert caught.value.field == "dialog[1]"
+
+
+# prompt_completion (TRL's standard SFT type): text rows, and conversational rows rendered with
+# ChatML; the prompt untrained, the completion trained.
+PROMPT_COMPLETION = {
+    "text": (
+        {"prompt": "The sky is", "completion": " blue."},
+        {},
+        [Segment("The sky is", False), Segment(" blue.", True)],
+    ),
+    "text_mapped_columns": (
+        {"question": "2+2=", "answer": "4"},
+        {"prompt": "question", "completion": "answer"},
+        [Segment("2+2=", False), Segment("4", True)],
+    ),
+    "conversational": (
+        {"prompt": [USER], "completion": [{"role": "assistant", "content": "Hello"}]},
+        {},
+        [Segment(CHATML_PROMPT, False), Segment("Hello<|im_end|>\n", True)],
+    ),
+    "conversational_with_system_and_two_completion_turns": (
+        {
+            "system": "Be brief.",
+            "prompt": [USER],
+            "completion": [
+                {"role": "assistant", "content": "Hello"},
+                {"role": "user", "content": "Bye"},
+                {"role": "assistant", "content": "Ciao"},
+            ],
+        },
+        {},
+        [
+            Segment("<|im_start|>system\nBe brief.<|im_end|>\n" + CHATML_PROMPT, False),
+            Segment(
+                "Hello<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n"
+                "Ciao<|im_end|>\n",
+                True,
+            ),
+        ],
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("row", "column_map", "expected"), PROMPT_COMPLETION.values(), ids=PROMPT_COMPLETION
+)
+def test_prompt_completion_segments(row, column_map, expected):
+    assert templates.prompt_completion(row, column_map) == expected
+
+
+PROMPT_COMPLETION_ERRORS = {
+    "text_and_turns": (
+        {"prompt": "p", "completion": [{"role": "assistant", "content": "c"}]},
+        "completion", "wrong_type", "both text or both lists of turns",
+    ),
+    "empty_completion": ({"prompt": "p", "completion": " "}, "completion", "empty_field", "empty"),
+    "missing_completion": ({"prompt": "p"}, "completion", "missing_field", "missing"),
+    "prompt_ends_with_the_answer": (
+        {"prompt": [USER, {"role": "assistant", "content": "x"}],
+         "completion": [{"role": "assistant", "content": "y"}]},
+        "prompt[1]", "wrong_type", "last turn is an assistant turn",
+    ),
+    "completion_without_an_assistant_turn": (
+        {"prompt": [USER], "completion": [{"role": "user", "content": "x"}]},
+        "completion", "missing_field", "no assistant turn",
+    ),
+    "unknown_role": (
+        {"prompt": [{"role": "human", "content": "Hi"}],
+         "completion": [{"role": "assistant", "content": "y"}]},
+        "prompt[0]", "wrong_type", "unknown role 'human'",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("row", "field", "reason", "hint"),
+    PROMPT_COMPLETION_ERRORS.values(),
+    ids=PROMPT_COMPLETION_ERRORS,
+)
+def test_bad_prompt_completion_rows(row, field, reason, hint):
+    with pytest.raises(RowError) as caught:
+        templates.prompt_completion(row, {})
+    assert (caught.value.field, caught.value.reason) == (field, reason)
+    assert hint in str(caught.value)
+
+
+# Implicit prompts (TRL): no prompt column, chosen and rejected whole; the prompt is what they
+# share at the start (TRL's extract_prompt), whole turns for conversations, characters for texts
+# with a space before the first difference left to the responses.
+ASSISTANT = {"role": "assistant"}
+IMPLICIT = {
+    "texts_trl_docs_example": (
+        {"chosen": "The sky is blue.", "rejected": "The sky is green."},
+        templates.Preference("The sky is", " blue.", " green."),
+    ),
+    "texts_sharing_a_leading_word_keep_it_in_the_prompt_as_trl": (
+        {"chosen": "Q: hi\nA: I can.", "rejected": "Q: hi\nA: I cannot."},
+        templates.Preference("Q: hi\nA: I can", ".", "not."),
+    ),
+    "hh_rlhf_transcripts": (
+        {
+            "chosen": "\n\nHuman: Hi\n\nAssistant: Hello!",
+            "rejected": "\n\nHuman: Hi\n\nAssistant: Go away.",
+        },
+        templates.Preference("\n\nHuman: Hi\n\nAssistant:", " Hello!", " Go away."),
+    ),
+    "conversations": (
+        {
+            "chosen": [USER, {**ASSISTANT, "content": "Hello!"}],
+            "rejected": [USER, {**ASSISTANT, "content": "Go away."}],
+        },
+        templates.Preference(CHATML_PROMPT, "Hello!<|im_end|>\n", "Go away.<|im_end|>\n"),
+    ),
+    "multi_turn_conversations_share_every_turn_but_the_last": (
+        {
+            "system": "Be kind.",
+            "chosen": [USER, {**ASSISTANT, "content": "Yo"}, USER, {**ASSISTANT, "content": "A"}],
+            "rejected": [USER, {**ASSISTANT, "content": "Yo"}, USER, {**ASSISTANT, "content": "B"}],
+        },
+        templates.Preference(
+            "<|im_start|>system\nBe kind.<|im_end|>\n" + CHATML_PROMPT + "Yo<|im_end|>\n"
+            + CHATML_PROMPT,
+            "A<|im_end|>\n",
+            "B<|im_end|>\n",
+        ),
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("row", "expected"), IMPLICIT.values(), ids=IMPLICIT)
+def test_implicit_prompt_preference(row, expected):
+    assert templates.preference(row, {}) == expected
+
+
+IMPLICIT_ERRORS = {
+    "same_text": ({"chosen": "abc", "rejected": "abc"}, "chosen", "empty_field"),
+    "one_text_starts_the_other": ({"chosen": "ab", "rejected": "abc"}, "chosen", "empty_field"),
+    "nothing_shared": ({"chosen": "4", "rejected": "5"}, "chosen", "missing_field"),
+    "only_a_space_shared": ({"chosen": " a", "rejected": " b"}, "chosen", "missing_field"),
+    "text_and_turns": ({"chosen": "a", "rejected": [USER]}, "chosen", "wrong_type"),
+    "no_shared_turn": (
+        {"chosen": [{**ASSISTANT, "content": "a"}], "rejected": [{**ASSISTANT, "content": "b"}]},
+        "chosen", "missing_field",
+    ),
+    "same_turns": (
+        {"chosen": [USER, {**ASSISTANT, "content": "a"}],
+         "rejected": [USER, {**ASSISTANT, "content": "a"}]},
+        "chosen", "empty_field",
+    ),
+    "two_turns_after_the_prompt": (
+        {"chosen": [USER, {**ASSISTANT, "content": "a"}, USER],
+         "rejected": [USER, {**ASSISTANT, "content": "b"}]},
+        "chosen[1]", "wrong_type",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("row", "field", "reason"), IMPLICIT_ERRORS.values(), ids=IMPLICIT_ERRORS)
+def test_bad_implicit_prompt_rows(row, field, reason):
+    with pytest.raises(RowError) as caught:
+        templates.preference(row, {})
+    assert (caught.value.field, caught.value.reason) == (field, reason)
+
+
+# message_keys and roles: turns with keys and role names of the dataset's own, read as the
+# built-in ones are (the same ChatML text as the OpenAI row).
+CUSTOM = templates.Columns(
+    {"messages": "dialog"},
+    message_keys={"role": "speaker", "content": "text"},
+    roles={"USER": "user", "BOT": "assistant"},
+)
+SHAREGPT_KEYS = templates.Columns(
+    message_keys={"role": "from", "content": "value"}, roles={"human": "user", "gpt": "assistant"}
+)
+MAPPED_TURNS = {
+    "chat_custom_keys_and_roles": (
+        templates.chat,
+        {"dialog": [{"speaker": "USER", "text": "Hi"}, {"speaker": "BOT", "text": "Hello"}]},
+        CUSTOM,
+        [Segment(CHATML_PROMPT, False), Segment("Hello<|im_end|>\n", True)],
+    ),
+    "chat_openai_keys_with_a_role_of_its_own": (
+        templates.chat,
+        {"messages": [USER, {"role": "model", "content": "Hello"}]},
+        templates.Columns(roles={"model": "assistant"}),
+        [Segment(CHATML_PROMPT, False), Segment("Hello<|im_end|>\n", True)],
+    ),
+    "prompt_completion_sharegpt_turns": (
+        templates.prompt_completion,
+        {"prompt": [{"from": "human", "value": "Hi"}],
+         "completion": [{"from": "gpt", "value": "Hello"}]},
+        SHAREGPT_KEYS,
+        [Segment(CHATML_PROMPT, False), Segment("Hello<|im_end|>\n", True)],
+    ),
+    "preference_implicit_sharegpt_turns": (
+        templates.preference,
+        {"chosen": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"}],
+         "rejected": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Go away."}]},
+        SHAREGPT_KEYS,
+        templates.Preference(CHATML_PROMPT, "Hello!<|im_end|>\n", "Go away.<|im_end|>\n"),
+    ),
+    "preference_prompt_and_responses_with_custom_keys": (
+        templates.preference,
+        {"prompt": [{"speaker": "USER", "text": "Hi"}],
+         "chosen": {"speaker": "BOT", "text": "Hello!"},
+         "rejected": [{"speaker": "BOT", "text": "Go away."}]},
+        CUSTOM,
+        templates.Preference(CHATML_PROMPT, "Hello!<|im_end|>\n", "Go away.<|im_end|>\n"),
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("template", "row", "columns", "expected"), MAPPED_TURNS.values(), ids=MAPPED_TURNS
+)
+def test_mapped_turn_keys_and_roles(template, row, columns, expected):
+    assert template(row, columns) == expected
+    # guard: without the mapping the same row is refused (the mapping is what read it)
+    with pytest.raises(RowError):
+        template(row, dict(columns))  # a plain dict: the keys and roles are not carried
+
+
+def test_an_unmapped_role_is_named_with_the_roles_known():
+    row = {"dialog": [{"speaker": "USER", "text": "Hi"}, {"speaker": "BOT2", "text": "Hello"}]}
+    with pytest.raises(RowError) as caught:
+        templates.chat(row, CUSTOM)
+    assert caught.value.field == "dialog[1]"
+    assert "unknown role 'BOT2'" in str(caught.value) and "'BOT'" in str(caught.value)

@@ -1,11 +1,23 @@
 """Templates: one raw row → text segments, trained or not. Importing this package registers the
-built-ins (``alpaca``, ``text``, ``chat``, ``preference``) in :data:`TEMPLATES`."""
+built-ins (``alpaca``, ``text``, ``chat``, ``prompt_completion``, ``preference``) in
+:data:`TEMPLATES`."""
 
-from rayjobs.data.templates.dialogue import chat, chat_tools, chatml, read_conversation
+from rayjobs.data.templates.completion import prompt_completion
+from rayjobs.data.templates.dialogue import (
+    chat,
+    chat_tools,
+    chatml,
+    check_turn_setting,
+    read_conversation,
+    read_turns,
+    system_turns,
+    turn_style,
+)
 from rayjobs.data.templates.instruction import alpaca, text
 from rayjobs.data.templates.preference_pairs import preference
 from rayjobs.data.templates.registry import (
     TEMPLATES,
+    Columns,
     Message,
     Preference,
     RenderChat,
@@ -20,6 +32,7 @@ from rayjobs.data.templates.registry import (
 
 __all__ = [
     "TEMPLATES",
+    "Columns",
     "Message",
     "Preference",
     "RenderChat",
@@ -31,10 +44,15 @@ __all__ = [
     "chat",
     "chat_tools",
     "chatml",
+    "check_turn_setting",
     "field_value",
     "preference",
+    "prompt_completion",
     "read_conversation",
+    "read_turns",
     "register_template",
+    "system_turns",
     "text",
     "text_field",
+    "turn_style",
 ]

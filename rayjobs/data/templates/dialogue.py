@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from rayjobs.data.templates.registry import (
@@ -34,6 +35,7 @@ SHAREGPT_ROLES = {
     "observation": "tool",
     "tool": "tool",
 }
+"""ShareGPT roles (``from``) → the roles templates see; a dataset's ``roles`` adds its own."""
 
 
 OPENAI_ROLES = {
@@ -44,6 +46,38 @@ OPENAI_ROLES = {
     "function": "tool",
 }
 """OpenAI roles (``function``: the legacy role of a function's result) → the roles templates see."""
+
+
+TURN_ROLES = ("system", "user", "assistant", "tool")
+"""The roles a dataset's ``roles`` may map its own role names to."""
+
+
+def check_turn_setting(name: str, value: Any) -> None:
+    """A dataset's ``message_keys`` or ``roles`` as written (see ``turn_style``).
+
+    Raises:
+        ValueError: a key other than ``role`` and ``content``, an empty key, a role mapped to
+            none of :data:`TURN_ROLES`, or Axolotl's ``{user: [human]}`` form of ``roles``.
+    """
+    if not isinstance(value, dict):
+        return  # the field's type says what is expected
+    if name == "message_keys":
+        unknown = sorted(set(value) - {"role", "content"})
+        if unknown or not all(isinstance(v, str) and v for v in value.values()):
+            raise ValueError(
+                f"message_keys names the keys of a turn's role and content in the data, e.g. "
+                f"{{role: from, content: value}}; got {value!r:.80}"
+            )
+    elif any(isinstance(v, list) for v in value.values()):
+        raise ValueError(
+            "roles maps each of the data's role names to one of rayjobs' roles, "
+            "{human: user, gpt: assistant}; Axolotl's {user: [human]} is written {human: user}"
+        )
+    elif wrong := sorted(k for k, v in value.items() if v not in TURN_ROLES):
+        raise ValueError(
+            f"{wrong}: a role maps to one of {', '.join(TURN_ROLES)}, got "
+            f"{[value[k] for k in wrong]}"
+        )
 
 
 REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
@@ -113,18 +147,52 @@ def chat_tools(row: Mapping[str, Any], column_map: Mapping[str, str]) -> list[To
     return wrapped
 
 
-def _turn(turn: Any, sharegpt: bool, field: str) -> Message:
+@dataclass(frozen=True)
+class TurnStyle:
+    """How a conversation's turns are read: the keys of a turn's role and text, the role names
+    known (the data's → the template's) and whether ShareGPT's ``function_call`` turns hold a
+    call (ShareGPT) or an assistant turn's ``tool_calls`` and reasoning are read (OpenAI)."""
+
+    role: str
+    content: str
+    roles: Mapping[str, str]
+    sharegpt: bool
+
+
+def turn_style(column_map: Mapping[str, str], sharegpt: bool) -> TurnStyle:
+    """The style of a ShareGPT (``conversations``) or OpenAI (any other) list of turns, with the
+    dataset's ``message_keys`` and ``roles`` (``registry.Columns``) over the built-in ones."""
+    keys = getattr(column_map, "message_keys", {})
+    extra = getattr(column_map, "roles", {})
+    role, content = ("from", "value") if sharegpt else ("role", "content")
+    table = SHAREGPT_ROLES if sharegpt else OPENAI_ROLES
+    return TurnStyle(
+        keys.get("role", role), keys.get("content", content), {**table, **extra}, sharegpt
+    )
+
+
+def _unknown_turn(turn: Any, style: TurnStyle, field: str) -> RowError:
+    source_role = turn.get(style.role) if isinstance(turn, Mapping) else None
+    if isinstance(source_role, str) and source_role not in style.roles:
+        known = ", ".join(repr(name) for name in sorted(style.roles))
+        return RowError(
+            field,
+            f"unknown role {source_role!r} (known: {known}; name others in the dataset's roles)",
+        )
+    return RowError(
+        field,
+        f"expected a turn with a known role and text content (keys {style.role!r}, "
+        f"{style.content!r}; the dataset's message_keys name others), got {turn!r:.120}",
+    )
+
+
+def _turn(turn: Any, style: TurnStyle, field: str) -> Message:
     """One turn → a message; see the module note's "Tool calls" for what reaches the template."""
     if not isinstance(turn, Mapping):
-        raise RowError(
-            field, f"expected a turn with a known role and text content, got {turn!r:.120}"
-        )
-    if sharegpt:
-        source_role, content = turn.get("from"), turn.get("value")
-        role = SHAREGPT_ROLES.get(source_role)
-    else:
-        source_role, content = turn.get("role"), turn.get("content")
-        role = OPENAI_ROLES.get(source_role)
+        raise _unknown_turn(turn, style, field)
+    source_role, content = turn.get(style.role), turn.get(style.content)
+    role = style.roles.get(source_role) if isinstance(source_role, str) else None
+    sharegpt = style.sharegpt
     calls = None
     if sharegpt and source_role == "function_call" and isinstance(content, str):
         calls, content = _tool_calls(_json_value(content, field, "the call"), field), ""
@@ -134,9 +202,7 @@ def _turn(turn: Any, sharegpt: bool, field: str) -> Message:
             calls = _tool_calls(turn[found[0]], field)
             content = "" if content is None else content
     if role is None or not isinstance(content, str):
-        raise RowError(
-            field, f"expected a turn with a known role and text content, got {turn!r:.120}"
-        )
+        raise _unknown_turn(turn, style, field)
     message: Message = {"role": role, "content": content}
     if calls:
         message["tool_calls"] = calls
@@ -153,6 +219,24 @@ def _turn(turn: Any, sharegpt: bool, field: str) -> Message:
             if isinstance(turn.get(key), str):
                 message[key] = turn[key]
     return message
+
+
+def read_turns(value: Any, field: str, style: TurnStyle) -> list[Message]:
+    """A non-empty list of turns (``field``: the dataset's column, as turn paths name it:
+    ``dialog[2]``) as messages."""
+    if not isinstance(value, list):
+        raise RowError(field, f"expected a non-empty list of turns, got {type(value).__name__}")
+    if not value:
+        raise RowError(field, "empty: expected a non-empty list of turns", reason="empty_field")
+    return [_turn(turn, style, f"{field}[{index}]") for index, turn in enumerate(value)]
+
+
+def system_turns(row: Mapping[str, Any], column_map: Mapping[str, str]) -> list[Message]:
+    """The row's ``system`` column as a first turn (none where it is absent or empty)."""
+    system = row.get(column_map.get("system", "system"))
+    if system is not None and not isinstance(system, str):
+        raise RowError(_shown("system", column_map), f"expected text, got {type(system).__name__}")
+    return [{"role": "system", "content": system}] if system else []
 
 
 def read_conversation(
@@ -174,20 +258,9 @@ def read_conversation(
         )
     name = "conversations" if sharegpt else "messages"
     field = column_map.get(name, name)  # the dataset's own column, as turn paths name it: dialog[2]
-    if not isinstance(messages, list):
-        raise RowError(field, f"expected a non-empty list of turns, got {type(messages).__name__}")
-    if not messages:
-        raise RowError(field, "empty: expected a non-empty list of turns", reason="empty_field")
-    normalised: list[Message] = []
-    system = row.get(column_map.get("system", "system"))
-    if system is not None and not isinstance(system, str):
-        raise RowError(_shown("system", column_map), f"expected text, got {type(system).__name__}")
-    if system:
-        normalised.append({"role": "system", "content": system})
-    offset = len(normalised)
-    for turn_index, turn in enumerate(messages):
-        normalised.append(_turn(turn, sharegpt, f"{field}[{turn_index}]"))
-    return normalised, field, offset
+    system = system_turns(row, column_map)
+    turns = read_turns(messages, field, turn_style(column_map, sharegpt))
+    return [*system, *turns], field, len(system)
 
 
 def _call_json(call: dict[str, Any]) -> str:
@@ -289,7 +362,7 @@ def _check_prefix(earlier: str, later: str, field: str) -> None:
         )
 
 
-@register_template("chat", fields=("messages", "conversations", "system", "tools"))
+@register_template("chat", fields=("messages", "conversations", "system", "tools"), turns=True)
 def chat(
     row: Mapping[str, Any], column_map: Mapping[str, str], render_chat: RenderChat | None = None
 ) -> list[Segment]:

@@ -33,7 +33,7 @@ TURN_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n###
 """A turn after the first (``history``): the prompt's turn layout, without its preamble."""
 
 
-@register_template("alpaca", fields=("instruction", "input", "output", "history"))
+@register_template("alpaca", fields=("instruction", "input", "output", "history"), turns=False)
 def alpaca(
     row: Mapping[str, Any], column_map: Mapping[str, str], render_chat: RenderChat | None = None
 ) -> list[Segment]:
@@ -71,7 +71,7 @@ def _history(value: Any, column_map: Mapping[str, str]) -> list[tuple[str, str]]
     return [(asked, answered) for asked, answered in value]
 
 
-@register_template("text", fields=("text",))
+@register_template("text", fields=("text",), turns=False)
 def text(
     row: Mapping[str, Any], column_map: Mapping[str, str], render_chat: RenderChat | None = None
 ) -> list[Segment]:

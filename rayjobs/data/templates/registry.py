@@ -3,7 +3,9 @@
 A template decides *what text* a sample is and *which parts are learned*; tokenization and label
 shifting happen once, in ``rayjobs.data.tokenize``. A bad row raises :class:`RowError` naming the
 field and a reason of ``formats.SKIP_REASONS``; the Tokenize actor adds dataset, file and row and
-applies ``on_bad_row``. Which templates exist, and what each reads, is in docs/data.md.
+applies ``on_bad_row``. Which templates exist, and what each reads, is in docs/data.md; a user's
+own templates register with the same decorator from a module the config names
+(``template_modules``, docs/data.md "Your own templates").
 """
 
 from __future__ import annotations
@@ -66,6 +68,9 @@ class Template:
     task: str
     """The task its rows train (``rayjobs.data.tasks.TASKS``): ``sft`` (segments) or ``dpo``
     (preference triples)."""
+    turns: bool | None = None
+    """Whether it reads conversation turns (then ``datasets[].message_keys`` and ``roles``
+    apply); None: not said, not checked."""
 
 
 TEMPLATES: dict[str, Template] = {}
@@ -73,20 +78,50 @@ TEMPLATES: dict[str, Template] = {}
 
 
 def register_template(
-    name: str, fields: tuple[str, ...] | None = None, task: str = "sft"
+    name: str, fields: tuple[str, ...] | None = None, task: str = "sft", turns: bool | None = None
 ) -> Callable[[TemplateFn], TemplateFn]:
     """Decorator: make ``render(row, column_map, render_chat)`` available as template ``name``,
-    reading ``fields`` (None: not checked), for ``task``."""
+    reading ``fields`` (None: not checked), for ``task``; ``turns``: it reads conversation turns
+    (through ``read_conversation`` or ``read_turns``, which honour the dataset's
+    ``message_keys`` and ``roles``).
+
+    A name is registered once; the same function registered again (its module imported anew)
+    replaces itself.
+    """
 
     def register(render: TemplateFn) -> TemplateFn:
-        if name in TEMPLATES:
-            raise ValueError(f"template {name!r} is already registered")
+        known = TEMPLATES.get(name)
+        if known is not None and _origin(known.render) != _origin(render):
+            raise ValueError(
+                f"template {name!r} is already registered (by {_origin(known.render)})"
+            )
         TEMPLATES[name] = Template(
-            name, render, None if fields is None else frozenset(fields), task
+            name, render, None if fields is None else frozenset(fields), task, turns
         )
         return render
 
     return register
+
+
+def _origin(render: Callable) -> str:
+    return f"{render.__module__}.{render.__qualname__}"
+
+
+class Columns(dict):
+    """A dataset's ``column_map`` (template field → column) as templates receive it, carrying how
+    its conversation turns are read: ``message_keys`` (``{role: from, content: value}``) and
+    ``roles`` (the data's role names → ``system``, ``user``, ``assistant``, ``tool``). A plain
+    dict works wherever a ``Columns`` does: turns are then read with the built-in keys."""
+
+    def __init__(
+        self,
+        column_map: Mapping[str, str] = (),
+        message_keys: Mapping[str, str] | None = None,
+        roles: Mapping[str, str] | None = None,
+    ):
+        super().__init__(column_map)
+        self.message_keys = dict(message_keys or {})
+        self.roles = dict(roles or {})
 
 
 def _shown(name: str, column_map: Mapping[str, str]) -> str:
