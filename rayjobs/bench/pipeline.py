@@ -582,13 +582,7 @@ def main(argv: list[str] | None = None) -> int:
         help="the paced pass's demand, as a share of the last scale's unpaced steady "
         "throughput (0: no paced pass)",
     )
-    parser.add_argument(
-        "--weights",
-        type=float,
-        nargs="+",
-        help="weights of the alpaca and hh chat sets, by tokens (a weighted mix; default: "
-        "their natural proportions)",
-    )
+    parser.add_argument("--weights", type=float, nargs="+", help="alpaca, hh chat (by tokens)")
     args = parser.parse_args(argv)
     if error := argument_error(args):
         print(f"rayjobs: {error}", file=sys.stderr)
