@@ -122,6 +122,8 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             f"eval/dpo/{k}": v for k, v in (result.dpo or {}).items()
         }
 
+    for callback in callbacks:
+        callback.on_train_begin(where, state)
     # max_steps reached: the stream may not have ended. Already at the start when the workers
     # restarted from a checkpoint of the last step (a failure after it): nothing left to train.
     stopped_early = spec.max_steps is not None and state.steps >= spec.max_steps
