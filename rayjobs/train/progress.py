@@ -60,8 +60,10 @@ def format_line(step: int, scalars: dict[str, float], total: int | None, epochs:
     if "epoch" in scalars:
         epoch = int(scalars["epoch"])
         parts.append(f"epoch {epoch}/{epochs}" if epochs else f"epoch {epoch}")
-    parts.append(f"loss {scalars['loss']:.4f}")
-    parts.append(f"lr {scalars['lr']:.3g}")
+    if "loss" in scalars:
+        parts.append(f"loss {scalars['loss']:.4f}")
+    if "lr" in scalars:
+        parts.append(f"lr {scalars['lr']:.3g}")
     if "grad_norm" in scalars:
         parts.append(f"grad_norm {scalars['grad_norm']:.3f}")
     for name in ("dpo/reward_accuracy", "dpo/reward_margin"):

@@ -168,6 +168,24 @@ def test_durations_and_planned_totals():
     assert line == "step 3  loss 1.0000  lr 0.1  reward_accuracy 0.500  elapsed 0:01"
 
 
+def test_run_gives_its_progress_a_planned_runs_total(caplog):
+    """``rayjobs run``'s own callback: a planned run's steps from its planned packs, and none
+    at all when neither the lines nor a tracker want it."""
+    from types import SimpleNamespace
+
+    from rayjobs.config import load_config
+    from rayjobs.job.pipeline import builtin_callbacks
+
+    config = load_config(DEMO, ["packing.mode=planned"])
+    job = SimpleNamespace(epochs=SimpleNamespace(num_packs={0: 101, 1: 40, 2: 40}), name="r")
+    caplog.set_level(logging.WARNING, logger="rayjobs")
+    assert builtin_callbacks(config, job) == []
+    caplog.set_level(logging.INFO, logger="rayjobs")
+    [progress] = builtin_callbacks(config, job)
+    assert progress.total == planned_steps([101, 40, 40], 2, config.train) == 13 + 5 + 5
+    assert (progress.epochs, progress.every, progress.show) == (3, 10, True)
+
+
 def _read_tensorboard(folder) -> dict[str, list[tuple[int, float]]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
