@@ -2,8 +2,9 @@
 
 rayjobs run CONFIG [dotted.key=value ...] [--address ADDR] [--json] [--resume [RUN]] [--quiet]
 rayjobs export CONFIG [dotted.key=value ...] --out DIR [--epochs N] [--overwrite] [--address ADDR]
+               [--quiet]
 rayjobs inspect CONFIG [dotted.key=value ...] [--limit N] [--json] [--plot OUT.png] [--address ADDR]
-                                                     (--plot needs pip install -e '.[plot]')
+                [--quiet]                            (--plot needs pip install -e '.[plot]')
 rayjobs bench packing [--data NAME|FILE ...] [--data-dir DIR] [--seq-len N ...] [--window N]
                       [--window-tokens N] [--json OUT] [--no-pipeline]  (--data-dir: configs/data)
 rayjobs bench pipeline [--scales N ...] [--window-tokens N] [--tokenize-actors N] [--pace F]
@@ -65,12 +66,13 @@ def _parser() -> argparse.ArgumentParser:
         help="print the summary as one JSON object, alone on stdout (the text summary goes to "
         "stderr)",
     )
-    run.add_argument(
-        "--quiet",
-        action="store_true",
-        help="no progress lines (rank 0's every train.report_every steps, the data side's every "
-        "few seconds); warnings and the summary only",
-    )
+    for command in (run, export, inspect):
+        command.add_argument(
+            "--quiet",
+            action="store_true",
+            help="no progress lines (the data side's every few seconds; run: also rank 0's every "
+            "train.report_every steps); warnings, errors and the result only",
+        )
     run.add_argument(
         "--resume",
         nargs="?",
@@ -424,6 +426,7 @@ def _inspect(args: argparse.Namespace, config: Any) -> int:
             return 2
     owns_ray = not ray.is_initialized()
     with _ray_output_to_stderr():
+        _no_ray_data_progress_bars()
         report = inspect(config, limit=args.limit, plot_path=args.plot)
         if owns_ray:  # Ray's last lines (raylet warnings, log dedup) come out before the report
             ray.shutdown()
@@ -521,6 +524,7 @@ def _main(argv: list[str]) -> int:
         if args.command == "export":
             from rayjobs.job.export import export
 
+            _no_ray_data_progress_bars()
             manifest = export(config, args.out, args.epochs, overwrite=args.overwrite)
             packed = manifest["packed"]
             print(
