@@ -2,7 +2,7 @@
 hooks as the loop calls them, the trackers' own files read back with each tracker's reader, the
 data side's line from a ledger snapshot (``rayjobs.job.monitor``), and the command line's
 logging: ``rayjobs: ...`` progress, ``--quiet``, a missing tracker refused before Ray starts.
-A real run, and a submitted job's log, are in tests/e2e/test_progress.py."""
+A real run, and a submitted job's log, are in tests/e2e/test_watching_a_run.py."""
 
 from __future__ import annotations
 
@@ -361,12 +361,13 @@ def test_the_cli_prints_progress_lines_unless_quiet(monkeypatch, capsys):
 
 
 def test_a_missing_tracker_exits_2_naming_the_extra_before_ray_starts(monkeypatch, capsys):
-    import ray
-
+    import rayjobs.job.pipeline
     from rayjobs.cli import main
 
+    started = []
+    monkeypatch.setattr(rayjobs.job.pipeline, "start_job", lambda *a, **k: started.append(a))
     monkeypatch.setitem(trackers.PACKAGES, "mlflow", "rayjobs_no_such_package")
     assert main(["run", str(DEMO), "train.report_to=[tensorboard,mlflow]"]) == 2
     err = capsys.readouterr().err
     assert "train.report_to: mlflow needs" in err and "pip install 'rayjobs[mlflow]'" in err
-    assert not ray.is_initialized()
+    assert started == []  # refused before start_job (which starts or joins Ray)
