@@ -1,9 +1,10 @@
 """Command line (the same usage as README.md, "Command line").
 
-rayjobs run CONFIG [dotted.key=value ...] [--address ADDR] [--json] [--resume [RUN]]
+rayjobs run CONFIG [dotted.key=value ...] [--address ADDR] [--json] [--resume [RUN]] [--quiet]
 rayjobs export CONFIG [dotted.key=value ...] --out DIR [--epochs N] [--overwrite] [--address ADDR]
+               [--quiet]
 rayjobs inspect CONFIG [dotted.key=value ...] [--limit N] [--json] [--plot OUT.png] [--address ADDR]
-                                                     (--plot needs pip install -e '.[plot]')
+                [--quiet]                            (--plot needs pip install -e '.[plot]')
 rayjobs bench packing [--data NAME|FILE ...] [--data-dir DIR] [--seq-len N ...] [--window N]
                       [--window-tokens N] [--json OUT] [--no-pipeline]  (--data-dir: configs/data)
 rayjobs bench pipeline [--scales N ...] [--window-tokens N] [--tokenize-actors N] [--pace F]
@@ -28,6 +29,7 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import signal
 import sys
 from collections.abc import Iterator
@@ -63,8 +65,16 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--json",
         action="store_true",
-        help="print the summary as one JSON object on the last line of stdout",
+        help="print the summary as one JSON object, alone on stdout (the text summary goes to "
+        "stderr)",
     )
+    for command in (run, export, inspect):
+        command.add_argument(
+            "--quiet",
+            action="store_true",
+            help="no progress lines (the data side's every few seconds; run: also rank 0's every "
+            "train.report_every steps); warnings, errors and the result only",
+        )
     run.add_argument(
         "--resume",
         nargs="?",
@@ -381,9 +391,34 @@ def _ray_output_to_stderr() -> Iterator[None]:
     """While a job runs, whatever Ray prints in this process (workers' log lines, raylet
     warnings such as "N PYTHON worker processes have been started") goes to stderr: stdout holds
     the report alone, so ``--json`` output parses whatever Ray says. Ray looks ``sys.stdout`` up
-    on every print, from its own threads too."""
-    with contextlib.redirect_stdout(sys.stderr):
-        yield
+    on every print, from its own threads too; file descriptor 1 points at stderr as well, for
+    what writes to it directly (a handler that kept the stdout it was created with, native code,
+    child processes)."""
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+        os.dup2(2, 1)
+    except OSError:  # no descriptor 1 or 2 (a daemon): sys.stdout alone
+        saved = None
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stderr.flush()
+        if saved is not None:
+            os.dup2(saved, 1)
+            os.close(saved)
+
+
+def _no_ray_data_progress_bars() -> None:
+    """Ray Data's progress bars off (thousands of lines in a job's log, around the progress
+    lines that say the same from exact counts), unless ``RAY_DATA_DISABLE_PROGRESS_BARS`` says
+    otherwise. The datasets a job builds take the setting with them to the actors that run
+    them."""
+    if "RAY_DATA_DISABLE_PROGRESS_BARS" not in os.environ:
+        import ray.data
+
+        ray.data.DataContext.get_current().enable_progress_bars = False
 
 
 def _inspect(args: argparse.Namespace, config: Any) -> int:
@@ -413,6 +448,7 @@ def _inspect(args: argparse.Namespace, config: Any) -> int:
             return 2
     owns_ray = not ray.is_initialized()
     with _ray_output_to_stderr():
+        _no_ray_data_progress_bars()
         report = inspect(config, limit=args.limit, plot_path=args.plot)
         if owns_ray:  # Ray's last lines (raylet warnings, log dedup) come out before the report
             ray.shutdown()
@@ -423,24 +459,49 @@ def _inspect(args: argparse.Namespace, config: Any) -> int:
     return 0
 
 
+class _Lines(logging.Formatter):
+    """``rayjobs: warning: ...`` for warnings and errors, ``rayjobs: ...`` for progress."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        warning = "warning: " if record.levelno >= logging.WARNING else ""
+        return f"rayjobs: {warning}{record.getMessage()}"
+
+
+class _Stderr(logging.StreamHandler):
+    """A handler writing to the ``sys.stderr`` of the moment (a test's capture, a redirect)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 @contextlib.contextmanager
-def _warnings_on_stderr() -> Iterator[None]:
-    """rayjobs' warnings (``logging.getLogger("rayjobs")``: columns no template reads, samples
-    lost to seq_len, ...) as ``rayjobs: warning: ...`` lines on stderr while a command runs."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("rayjobs: warning: %(message)s"))
+def _log_on_stderr() -> Iterator[None]:
+    """rayjobs' log lines (``logging.getLogger("rayjobs")``) on stderr while a command runs:
+    warnings (columns no template reads, samples lost to seq_len, ...) as ``rayjobs: warning:
+    ...``, and progress (INFO: the data side's start-up and counts, ``rayjobs.data``) as
+    ``rayjobs: ...``; ``--quiet`` sets the level back to WARNING (``_main``)."""
+    handler = _Stderr()
+    handler.setFormatter(_Lines())
     logger = logging.getLogger("rayjobs")
     logger.addHandler(handler)
     propagate, logger.propagate = logger.propagate, False
+    level = logger.level
+    logger.setLevel(logging.INFO)
     try:
         yield
     finally:
         logger.removeHandler(handler)
         logger.propagate = propagate
+        logger.setLevel(level)
 
 
 def main(argv: list[str] | None = None) -> int:
-    with _warnings_on_stderr():
+    with _log_on_stderr():
         return _main(sys.argv[1:] if argv is None else argv)
 
 
@@ -511,6 +572,8 @@ def _job_command(args: argparse.Namespace) -> int:
 
 
 def _checked_job_command(args: argparse.Namespace) -> int:
+    if getattr(args, "quiet", False):
+        logging.getLogger("rayjobs").setLevel(logging.WARNING)
     try:
         config = load_config(args.config, args.overrides)
         if args.address:
@@ -526,6 +589,7 @@ def _checked_job_command(args: argparse.Namespace) -> int:
         if args.command == "export":
             from rayjobs.job.export import export
 
+            _no_ray_data_progress_bars()
             manifest = export(config, args.out, args.epochs, overwrite=args.overwrite)
             packed = manifest["packed"]
             print(
@@ -539,6 +603,7 @@ def _checked_job_command(args: argparse.Namespace) -> int:
 
         owns_ray = not ray.is_initialized()
         with _ray_output_to_stderr():
+            _no_ray_data_progress_bars()
             summary = run(config, resume=args.resume)
             if owns_ray:  # Ray's last lines (raylet warnings, log dedup) come before the summary
                 ray.shutdown()
@@ -549,9 +614,12 @@ def _checked_job_command(args: argparse.Namespace) -> int:
         print(f"rayjobs: {found}", file=sys.stderr)
         # a config refused before anything started is 2; anything found once Ray runs, 1
         return found.exit_status if found is error else 1
-    print(format_summary(summary))
-    if args.json:
+    if args.json:  # stdout: the JSON alone
+        print(format_summary(summary), file=sys.stderr)
+        sys.stderr.flush()
         print(json.dumps(summary, default=str))
+    else:
+        print(format_summary(summary))
     sys.stdout.flush()  # before anything the interpreter's exit may print on stderr
     return 0
 

@@ -349,6 +349,11 @@ class TrainConfig(_Strict):
     attention: Literal["auto", "sdpa", "flex"] = "auto"
     """auto: FlexAttention on CUDA, SDPA with the dense document mask on CPU."""
     report_every: int = Field(default=10, gt=0)
+    """Steps between reports: ``ray.train.report``, rank 0's progress line and the trackers."""
+    report_to: list[Literal["tensorboard", "mlflow", "wandb"]] = Field(default_factory=list)
+    """Experiment trackers rank 0 logs to, each an optional extra (``pip install
+    'rayjobs[tensorboard]'``), writing into the run's folder under ``storage_path``
+    (docs/tracking.md)."""
     storage_path: str = "runs"
     """Where Ray Train writes checkpoints: a folder (relative to the config file's folder, like
     every path in the config) or a URI with a scheme (``s3://bucket/runs``), kept as is."""
@@ -385,6 +390,19 @@ class TrainConfig(_Strict):
                 f"warmup_steps ({self.warmup_steps}) exceeds max_steps ({self.max_steps})"
             )
         return self
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _one_name_is_a_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value  # report_to: tensorboard, as HF's
+
+    @field_validator("report_to")
+    @classmethod
+    def _each_tracker_once(cls, value: list[str]) -> list[str]:
+        repeated = sorted({name for name in value if value.count(name) > 1})
+        if repeated:
+            raise ValueError(f"{', '.join(repeated)} named more than once")
+        return value
 
     @model_validator(mode="after")
     def _flex_needs_a_gpu(self) -> TrainConfig:

@@ -3,6 +3,7 @@ rows per byte, file sizes, and (only where weights need it) a row count."""
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
@@ -19,6 +20,9 @@ from rayjobs.data.placement import on_data_nodes
 from rayjobs.data.sources import read_dataset, record_table
 from rayjobs.data.tokenize import Tokenize
 from rayjobs.errors import DataError
+
+progress = logging.getLogger("rayjobs.data")
+"""What the driver is doing before the data streams (INFO: ``rayjobs run`` shows it)."""
 
 SAMPLE_ROWS = 2048
 """Rows of each dataset tokenized in the driver to estimate its mean sample length."""
@@ -78,6 +82,7 @@ def estimate(config: Config) -> dict[str, Estimate]:
     estimates, heads = {}, {}
     where = on_data_nodes(config)
     for spec in config.datasets:
+        progress.info("data: %s: estimating sample lengths from its first rows", spec.name)
         limit = SAMPLE_ROWS
         while True:  # a head the template or the overflow policy left nothing of: a longer one
             sample, density, raw_rows, skipped = _head(spec, where, limit)
@@ -97,6 +102,7 @@ def estimate(config: Config) -> dict[str, Estimate]:
         # else it weighed 1 row in the mix of unweighted streams and its rows came after every
         # epoch of the file datasets'.
         if spec.format == HF:
+            progress.info("data: %s: counting its rows (for the mix's shares)", spec.name)
             count = read_dataset(spec, sizes=sizes, **where).count()
         estimates[spec.name] = Estimate(
             float(lengths.mean()), count, density, sizes, len(lengths) / raw_rows

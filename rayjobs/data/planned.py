@@ -138,6 +138,8 @@ class Epochs:
             )
         self.plan_seconds = self.plan_cpu_seconds = 0.0
         self.max_delay_windows = 0
+        self.num_packs: dict[int, int] = {}
+        """Each planned epoch's packs."""
         self._occurrence_cache: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     def plan(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
@@ -175,6 +177,7 @@ class Epochs:
         self.plan_seconds += timer.seconds
         self.plan_cpu_seconds += timer.cpu_seconds
         self.max_delay_windows = max(self.max_delay_windows, max_delay)
+        self.num_packs[epoch] = int(plan["pack"].max()) + 1 if len(plan["pack"]) else 0
         return plan
 
     def _pack_plan(self, epoch: int) -> tuple[dict[str, np.ndarray], int]:

@@ -20,7 +20,7 @@ import ray.data
 
 from rayjobs.config import Config
 from rayjobs.data import templates
-from rayjobs.data.estimate import estimate
+from rayjobs.data.estimate import estimate, progress
 from rayjobs.data.mix import MIX_MARGIN, budgets, epoch_fractions, sized
 from rayjobs.data.packer import PackStream, window_rows
 from rayjobs.data.placement import cluster_cpus, on_data_nodes
@@ -186,6 +186,15 @@ def packed_rows(config: Config, pad_id: int, ledger: Any = None) -> ray.data.Dat
     # plans a dataset with one context): it shapes the packers' output, and caps the raw-row and
     # tokenized blocks before them too (a zero-copy slice of a larger one).
     packed.context.target_max_block_size = BLOCK_BYTES
+    first = (
+        f"a warm-up lane of {config.packing.warmup_tokens} tokens"
+        if heads
+        else f"the first window of {config.packing.window_tokens} tokens"
+    )
+    progress.info(
+        "data: streaming %d epoch(s) of %d dataset(s); the first packed rows wait for %s",
+        config.train.epochs, len(config.datasets), first,
+    )  # fmt: skip
     return packed
 
 

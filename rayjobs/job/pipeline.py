@@ -16,6 +16,7 @@ trainers starve the data operators and the job hangs: docs/training.md, "Resourc
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import signal
@@ -38,8 +39,13 @@ from rayjobs.data.sources import read_dataset
 from rayjobs.data.tokenizer import Tokenizer
 from rayjobs.errors import AccountingError, ConfigError, Interrupted, RunFailed, user_error
 from rayjobs.job.ledger import Ledger
+from rayjobs.job.monitor import DataMonitor
+from rayjobs.train import trackers
 from rayjobs.train.callbacks import Callback
 from rayjobs.train.names import EVAL_DATASET, FINAL_SUMMARY
+from rayjobs.train.progress import Progress, planned_steps
+
+logger = logging.getLogger("rayjobs.data")
 
 
 def init_ray(config: Config) -> None:
@@ -147,6 +153,8 @@ class Job:
     """The packed ``eval.datasets`` (``held_out``), once set up."""
     unused_columns: dict[str, list[str]] = field(default_factory=dict)
     """Each dataset's columns its template does not read (``estimate.columns``)."""
+    monitor: DataMonitor | None = None
+    """The data side's progress lines (``rayjobs.job.monitor``), stopped by ``close``."""
 
     def snapshot(self) -> dict[str, Any]:
         return ray.get(self.ledger.snapshot.remote())
@@ -154,6 +162,8 @@ class Job:
     def close(self) -> None:
         """End the run's ``Ledger`` actors once their counts are read: a driver that outlives its
         jobs (a notebook, a service, a test session) would otherwise keep them, one per job."""
+        if self.monitor is not None:
+            self.monitor.stop()  # its last line, while the ledger still answers
         ray.kill(self.ledger)
         if self.held_out is not None:
             ray.kill(self.held_out.ledger)
@@ -329,17 +339,23 @@ def start_job(
     name = name or f"{prefix}-{uuid.uuid4().hex[:8]}"
     rereads = config.packing.mode == "stream"  # a restarted worker group reads it again
     ledger = Ledger.remote(name, [spec.name for spec in config.datasets], rereads)
+    monitor = DataMonitor(ledger, config.mix.by)
     try:
         if config.packing.mode == "planned":
+            logger.info("data: planned mode: tokenizing every dataset once, then each epoch's plan")
+            monitor.start()
             epochs = Epochs(config, tokenize(config, ledger), tokenizer.pad_id, ledger)
             job = Job(config, name, tokenizer, ledger, epochs=epochs, unused_columns=unused)
+            job.monitor = monitor
             checks.require_training(job.snapshot()["tokenize"])  # every sample is tokenized
             return job
         rows = stream.packed_rows(config, tokenizer.pad_id, ledger)
     except BaseException:
+        monitor.stop()
         ray.kill(ledger)  # nothing will read or close it
         raise
-    return Job(config, name, tokenizer, ledger, rows=rows, unused_columns=unused)
+    monitor.start()
+    return Job(config, name, tokenizer, ledger, rows=rows, unused_columns=unused, monitor=monitor)
 
 
 RUN_SNAPSHOT = "checkpoint_manager_snapshot.json"
@@ -398,6 +414,7 @@ def run(
 
     tokenizer = load_tokenizer(config)
     check_model_config(config, tokenizer)  # before Ray and the data start
+    trackers.check(config.train.report_to, config.train.storage_path)
     name = resume_name(config, resume) if resume else None
     job = start_job(config, name=name, tokenizer=tokenizer)
     try:
@@ -471,6 +488,7 @@ def _train(config: Config, job: Job, callbacks: Sequence[Callback]) -> dict[str,
 
     datasets = job.train_datasets()
     job.held_out = held_out(config, job)
+    callbacks = [*builtin_callbacks(config, job), *callbacks]
     evaluation = job.held_out.datasets if job.held_out else {}
     keep = config.train.keep_checkpoints
     trainer = _trainer_class()(
@@ -534,6 +552,25 @@ def _train(config: Config, job: Job, callbacks: Sequence[Callback]) -> dict[str,
     # (``metrics.export_interval``) plus a margin after the last update (docs/metrics.md).
     ray.get(job.ledger.flush.remote())
     return summary
+
+
+def builtin_callbacks(config: Config, job: Job) -> list[Callback]:
+    """The run's own callbacks: ``Progress`` when its lines are shown (INFO enabled for the
+    ``rayjobs.train`` logger, as ``rayjobs run`` does unless ``--quiet``) or trackers are on
+    (``train.report_to``), writing into the run's folder."""
+    spec = config.train
+    show = logging.getLogger("rayjobs.train").isEnabledFor(logging.INFO)
+    if not show and not spec.report_to:
+        return []
+    total = spec.max_steps
+    if job.epochs is not None:  # every epoch's packs are planned by now
+        packs = [job.epochs.num_packs[e] for e in range(spec.epochs)]
+        total = planned_steps(packs, spec.num_workers, spec)
+    chosen = None
+    if spec.report_to:
+        folder = os.path.join(_storage(spec.storage_path), job.name)
+        chosen = trackers.Trackers(spec.report_to, folder, config.model_dump(), job.ledger)
+    return [Progress(spec.report_every, total, spec.epochs, show=show, trackers=chosen)]
 
 
 def untrained_packs(config: Config, summary: dict[str, Any], num_datasets: int) -> int | None:

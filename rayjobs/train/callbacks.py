@@ -30,11 +30,15 @@ class LoopContext:
 
 
 class Callback:
-    """No-op hooks, called on every rank in this order: ``on_batch`` for each batch (``skipped``:
-    passed over when resuming, else trained), ``on_report`` after each report to Ray Train
-    (``train.report_every`` steps, checkpoints, evaluations), ``on_step`` after each optimizer
-    step and whatever it reported, ``on_train_end`` with the run's summary (rank 0's is the one
-    reported)."""
+    """No-op hooks, called on every rank in this order: ``on_train_begin`` once the model is
+    built and restored (``state.steps``: the step a restart resumes from, else 0), ``on_batch``
+    for each batch (``skipped``: passed over when resuming, else trained), ``on_report`` after
+    each report to Ray Train (``train.report_every`` steps, checkpoints, evaluations),
+    ``on_step`` after each optimizer step and whatever it reported, ``on_train_end`` with the
+    run's summary (rank 0's is the one reported)."""
+
+    def on_train_begin(self, context: LoopContext, state: TrainState) -> None:
+        pass
 
     def on_batch(
         self,

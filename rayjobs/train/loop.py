@@ -150,6 +150,8 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         }
 
     clock = time.monotonic()  # of the last checkpoint, or this worker group's start
+    for callback in callbacks:
+        callback.on_train_begin(where, state)
     # max_steps reached: the stream may not have ended. Already at the start when the workers
     # restarted from a checkpoint of the last step (a failure after it): nothing left to train.
     stopped_early = spec.max_steps is not None and state.steps >= spec.max_steps

@@ -28,6 +28,8 @@ class StepResult(NamedTuple):
     every rank, and ``triples`` (their count)."""
     lr: float = 0.0
     """The learning rate this step used (the scheduler has moved on to the next one since)."""
+    global_tokens: int = 0
+    """Labelled tokens of the step's micro-batches on every rank."""
 
 
 def train_step(
@@ -56,7 +58,11 @@ def train_step(
     device = group[0]["input_ids"].device
     units = sum(objective.units(batch) for batch in group)
     tokens = sum(labelled_tokens(batch) for batch in group)
-    global_units = max(1, int(all_reduce(torch.tensor(units, device=device))))
+    # one all-reduce for both: the units weigh the loss, the tokens are reported
+    global_units, global_tokens = (
+        int(v) for v in all_reduce(torch.tensor([units, tokens], device=device))
+    )
+    global_units = max(1, global_units)
     sums = torch.zeros(len(objective.sums), dtype=torch.float64, device=device)
     for i, batch in enumerate(group):
         last = i == len(group) - 1
@@ -78,7 +84,7 @@ def train_step(
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     loss, metrics = objective.means(all_reduce(sums), global_units)
-    return StepResult(loss, tokens, grad_norm, metrics, lr)
+    return StepResult(loss, tokens, grad_norm, metrics, lr, global_tokens)
 
 
 def _forward(

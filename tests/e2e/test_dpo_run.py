@@ -1,7 +1,8 @@
 """task: dpo end to end on the bundled hh-rlhf preference triples: every packed row of a real
 streamed run holds whole triples, each exactly once (acceptance 4), and configs/dpo_demo.yaml
 (on its first 100 triples) trains with 2 workers, equal steps per rank, reward accuracy on the
-training triples above 0.5 (acceptance 3)."""
+training triples above 0.5 (acceptance 3), logging its rewards, evaluation and counts to
+TensorBoard (``train.report_to``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 from collections import Counter
 
 import numpy as np
+import pytest
 
 from conftest import ROOT
 from rayjobs.config import load_config
@@ -79,7 +81,7 @@ def test_dpo_demo_trains_with_two_workers_and_rewards_the_chosen(ray_local, tmp_
     first = tmp_path / "first100.jsonl"
     first.write_text("".join(DATA.read_text().splitlines(keepends=True)[:100]))
     overrides = [f"datasets.0.source={first}", "train.epochs=2", f"train.storage_path={tmp_path}"]
-    summary = run(load_config(CONFIG, overrides))
+    summary = run(load_config(CONFIG, [*overrides, "train.report_to=[tensorboard]"]))
     assert summary["task"] == "dpo"
     steps = summary["steps"]
     assert steps >= 8 and summary["steps_per_rank"] == [steps, steps]
@@ -105,6 +107,22 @@ def test_dpo_demo_trains_with_two_workers_and_rewards_the_chosen(ray_local, tmp_
     assert evaluation["rows"] == summary["eval"]["packed"]["num_packs"] >= 2
     assert evaluation["tokens"] == held_out["trained_tokens"]
     assert 0 <= evaluation["reward_accuracy"] <= 1 and evaluation["loss"] > 0
+    # TensorBoard (train.report_to): the DPO rewards every report_every steps and at the last
+    # step, the closing evaluation, and the per-dataset counts
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / summary["run_name"] / "tensorboard"))
+    events.Reload()
+    accuracy = events.Scalars("train/dpo/reward_accuracy")
+    assert [e.step for e in accuracy] == sorted({*range(10, steps + 1, 10), steps})
+    assert [(e.step, e.value) for e in events.Scalars("eval/loss")] == [
+        (steps, pytest.approx(evaluation["loss"], rel=1e-6))
+    ]
+    assert events.Scalars("eval/dpo/reward_accuracy")[-1].value == pytest.approx(
+        evaluation["reward_accuracy"], rel=1e-6
+    )
+    samples = summary["datasets"]["hh_harmless"]["samples"]
+    assert events.Scalars("data/hh_harmless/samples")[-1].value == samples
     print(json.dumps(result), json.dumps(evaluation))
 
 

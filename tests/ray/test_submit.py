@@ -465,10 +465,10 @@ def test_run_json_summary_is_the_last_line_whatever_ray_prints_on_shutdown(monke
     monkeypatch.setattr(ray, "shutdown", fake_shutdown)
     assert main(["run", str(DEMO.parent / "demo.yaml"), "--json"]) == 0
     out, err = capsys.readouterr()
-    lines = out.splitlines()
-    assert json.loads(lines[-1]) == SUMMARY
-    assert lines[0].startswith("steps 2 per rank") and not state["up"]  # the human summary
+    assert json.loads(out) == SUMMARY and out.count("\n") == 1  # stdout: the JSON alone
+    assert not state["up"]
     assert "(raylet) WARNING: a late raylet warning" in err  # Ray's lines: stderr
+    assert err.index("a late raylet warning") < err.index("steps 2 per rank")  # then the text
 
 
 # -- a real head (conftest.ray_head) ---------------------------------------------------------
