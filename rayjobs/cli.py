@@ -1,7 +1,8 @@
 """Command line (the same usage as README.md, "Command line").
 
 rayjobs run CONFIG [dotted.key=value ...] [--address ADDR] [--json] [--resume [RUN]]
-rayjobs export CONFIG [dotted.key=value ...] --out DIR [--epochs N] [--overwrite] [--address ADDR]
+rayjobs export CONFIG [dotted.key=value ...] --out DIR [--epochs N] [--overwrite]
+               [--labels hf|shifted] [--address ADDR]
 rayjobs inspect CONFIG [dotted.key=value ...] [--limit N] [--json] [--plot OUT.png] [--address ADDR]
                                                      (--plot needs pip install -e '.[plot]')
 rayjobs bench packing [--data NAME|FILE ...] [--data-dir DIR] [--seq-len N ...] [--window N]
@@ -77,6 +78,15 @@ def _parser() -> argparse.ArgumentParser:
         "--overwrite",
         action="store_true",
         help="empty --out first when it holds an earlier export (and nothing else)",
+    )
+    export.add_argument(
+        "--labels",
+        choices=["hf", "shifted"],
+        default="hf",
+        help="labels convention: hf (default; unshifted, -100 on prompts, padding and each "
+        "document's first token, as Hugging Face models, TRL, Axolotl and torchtune read them) "
+        "or shifted (labels[t] the target of position t, as rayjobs trains); manifest.json and "
+        "each Parquet file's metadata say which",
     )
     inspect.add_argument(
         "--limit",
@@ -461,11 +471,13 @@ def _main(argv: list[str]) -> int:
         if args.command == "export":
             from rayjobs.job.export import export
 
-            manifest = export(config, args.out, args.epochs, overwrite=args.overwrite)
+            manifest = export(
+                config, args.out, args.epochs, overwrite=args.overwrite, labels=args.labels
+            )
             packed = manifest["packed"]
             print(
                 f"wrote {packed['num_packs']} packs ({packed['efficiency']:.4f} efficiency) "
-                f"over {len(manifest['epochs'])} epoch(s) to {args.out}"
+                f"over {len(manifest['epochs'])} epoch(s) to {args.out}, labels {args.labels}"
             )
             return 0
         import ray
