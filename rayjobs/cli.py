@@ -5,6 +5,8 @@ rayjobs export CONFIG [dotted.key=value ...] --out DIR [--epochs N] [--overwrite
                [--labels hf|shifted] [--address ADDR]
 rayjobs inspect CONFIG [dotted.key=value ...] [--limit N] [--json] [--plot OUT.png] [--address ADDR]
                                                      (--plot needs pip install -e '.[plot]')
+rayjobs validate CONFIG [dotted.key=value ...] [--rows N]        (no Ray: config, files, first rows)
+rayjobs init [DIR]                       (writes the example configs and their data to DIR)
 rayjobs bench packing [--data NAME|FILE ...] [--data-dir DIR] [--seq-len N ...] [--window N]
                       [--window-tokens N] [--json OUT] [--no-pipeline]  (--data-dir: configs/data)
 rayjobs bench pipeline [--scales N ...] [--window-tokens N] [--tokenize-actors N] [--pace F]
@@ -20,6 +22,7 @@ rayjobs submit CONFIG [dotted.key=value ...] [--address URL] [--working-dir DIR]
 rayjobs status JOB [--address URL] [--json]
 rayjobs logs JOB [--address URL] [--follow]
 rayjobs stop JOB [--address URL]
+rayjobs --version
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import contextlib
 import json
 import logging
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -40,6 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rayjobs", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--version", action="version", version=f"rayjobs {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="build the packed pipeline and train on Ray")
     export = commands.add_parser("export", help="write the packed rows as Parquet + manifest.json")
@@ -104,6 +109,32 @@ def _parser() -> argparse.ArgumentParser:
         metavar="OUT.png",
         help="write histograms of sample lengths (one panel per dataset) and pack fill "
         "(needs matplotlib: pip install 'rayjobs[plot]')",
+    )
+    validate = commands.add_parser(
+        "validate",
+        help="check a config without Ray: keys, files and sizes, tokenizer, templates on the "
+        "first rows",
+    )
+    validate.add_argument("config", help="YAML config file")
+    validate.add_argument(
+        "overrides", nargs="*", metavar="dotted.key=value", help="config overrides, as for run"
+    )
+    validate.add_argument(
+        "--rows",
+        type=int,
+        default=32,
+        metavar="N",
+        help="rows of each dataset's first file to template and tokenize (default 32)",
+    )
+    init = commands.add_parser(
+        "init", help="write the example configs and the data they read (configs/ of the repo)"
+    )
+    init.add_argument(
+        "dir",
+        nargs="?",
+        default="rayjobs-examples",
+        metavar="DIR",
+        help="folder to write them to, new or empty (default: rayjobs-examples)",
     )
     bench = commands.add_parser("bench", help="benchmarks")
     bench.add_argument(
@@ -200,6 +231,32 @@ def _parser() -> argparse.ArgumentParser:
         if name == "logs":
             job.add_argument("--follow", action="store_true", help="follow until the job ends")
     return parser
+
+
+def _version() -> str:
+    """The installed package's version (its metadata), or ``unknown`` in a checkout that was
+    never installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("rayjobs")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def _validate(args: argparse.Namespace, config: Any) -> int:
+    """``rayjobs validate``: the report, and the wall time it took (no Ray is started)."""
+    from rayjobs.job.validate import validate
+
+    if args.rows < 1:
+        print(
+            f"rayjobs: --rows must be a positive number of rows, got {args.rows}", file=sys.stderr
+        )
+        return 2
+    for line in validate(config, args.rows):
+        print(line)
+    print(f"valid: {args.config} (no Ray started, {time.perf_counter() - args.started:.1f} s)")
+    return 0
 
 
 def _dataset_line(name: str, stats: dict[str, Any]) -> str:
@@ -433,6 +490,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
+    started = time.perf_counter()  # validate reports its wall time from here
     if argv[:2] == ["bench", "train"]:  # its own options (model shape, steps): bench_train.py
         from rayjobs.bench import train as bench_train
 
@@ -450,15 +508,27 @@ def _main(argv: list[str]) -> int:
         parser.parse_args(argv)  # reports what it does not recognise and exits 2
     if overrides:
         args.overrides = [*args.overrides, *overrides]
+    args.started = started
     if args.command == "bench":
         return _bench(args)
     if args.command == "submit":
         from rayjobs.job import submit
 
         return submit.submit_command(args)
+    if args.command == "init":
+        from rayjobs.job.examples import init
+
+        try:
+            written = init(args.dir)
+        except ConfigError as error:
+            print(f"rayjobs: {error}", file=sys.stderr)
+            return 2
+        print(f"wrote {len(written)} files to {args.dir}; next: rayjobs validate "
+              f"{args.dir}/demo.yaml && rayjobs run {args.dir}/demo.yaml")  # fmt: skip
+        return 0
     try:
         config = load_config(args.config, args.overrides)
-        if args.address:
+        if getattr(args, "address", None):
             config = config.model_copy(
                 update={"ray": config.ray.model_copy(update={"address": args.address})}
             )
@@ -466,6 +536,8 @@ def _main(argv: list[str]) -> int:
         print(f"rayjobs: {error}", file=sys.stderr)
         return 2
     try:
+        if args.command == "validate":
+            return _validate(args, config)
         if args.command == "inspect":
             return _inspect(args, config)
         if args.command == "export":
