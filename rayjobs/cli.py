@@ -1,10 +1,12 @@
 """Command line (the same usage as README.md, "Command line").
 
 rayjobs run CONFIG [dotted.key=value ...] [--address ADDR] [--json] [--resume [RUN]] [--quiet]
-rayjobs export CONFIG [dotted.key=value ...] --out DIR [--epochs N] [--overwrite] [--address ADDR]
-               [--quiet]
+rayjobs export CONFIG [dotted.key=value ...] --out DIR [--epochs N] [--overwrite]
+               [--labels hf|shifted] [--address ADDR] [--quiet]
 rayjobs inspect CONFIG [dotted.key=value ...] [--limit N] [--json] [--plot OUT.png] [--address ADDR]
                 [--quiet]                            (--plot needs pip install -e '.[plot]')
+rayjobs validate CONFIG [dotted.key=value ...] [--rows N]        (no Ray: config, files, first rows)
+rayjobs init [DIR]                       (writes the example configs and their data to DIR)
 rayjobs bench packing [--data NAME|FILE ...] [--data-dir DIR] [--seq-len N ...] [--window N]
                       [--window-tokens N] [--json OUT] [--no-pipeline]  (--data-dir: configs/data)
 rayjobs bench pipeline [--scales N ...] [--window-tokens N] [--tokenize-actors N] [--pace F]
@@ -21,6 +23,7 @@ rayjobs submit CONFIG [dotted.key=value ...] [--address URL] [--working-dir DIR]
 rayjobs status JOB [--address URL] [--json]
 rayjobs logs JOB [--address URL] [--follow]
 rayjobs stop JOB [--address URL]
+rayjobs --version
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -43,6 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rayjobs", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--version", action="version", version=f"rayjobs {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="build the packed pipeline and train on Ray")
     export = commands.add_parser("export", help="write the packed rows as Parquet + manifest.json")
@@ -90,6 +95,15 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="empty --out first when it holds an earlier export (and nothing else)",
     )
+    export.add_argument(
+        "--labels",
+        choices=["hf", "shifted"],
+        default="hf",
+        help="labels convention: hf (default; unshifted, -100 on prompts, padding and each "
+        "document's first token, as Hugging Face models, TRL, Axolotl and torchtune read them) "
+        "or shifted (labels[t] the target of position t, as rayjobs trains); manifest.json and "
+        "each Parquet file's metadata say which",
+    )
     inspect.add_argument(
         "--limit",
         type=int,
@@ -106,6 +120,32 @@ def _parser() -> argparse.ArgumentParser:
         metavar="OUT.png",
         help="write histograms of sample lengths (one panel per dataset) and pack fill "
         "(needs matplotlib: pip install 'rayjobs[plot]')",
+    )
+    validate = commands.add_parser(
+        "validate",
+        help="check a config without Ray: keys, files and sizes, tokenizer, templates on the "
+        "first rows",
+    )
+    validate.add_argument("config", help="YAML config file")
+    validate.add_argument(
+        "overrides", nargs="*", metavar="dotted.key=value", help="config overrides, as for run"
+    )
+    validate.add_argument(
+        "--rows",
+        type=int,
+        default=32,
+        metavar="N",
+        help="rows of each dataset's first file to template and tokenize (default 32)",
+    )
+    init = commands.add_parser(
+        "init", help="write the example configs and the data they read (configs/ of the repo)"
+    )
+    init.add_argument(
+        "dir",
+        nargs="?",
+        default="rayjobs-examples",
+        metavar="DIR",
+        help="folder to write them to, new or empty (default: rayjobs-examples)",
     )
     bench = commands.add_parser("bench", help="benchmarks")
     bench.add_argument(
@@ -213,6 +253,32 @@ def _parser() -> argparse.ArgumentParser:
         if name == "logs":
             job.add_argument("--follow", action="store_true", help="follow until the job ends")
     return parser
+
+
+def _version() -> str:
+    """The installed package's version (its metadata), or ``unknown`` in a checkout that was
+    never installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("rayjobs")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def _validate(args: argparse.Namespace, config: Any) -> int:
+    """``rayjobs validate``: the report, and the wall time it took (no Ray is started)."""
+    from rayjobs.job.validate import validate
+
+    if args.rows < 1:
+        print(
+            f"rayjobs: --rows must be a positive number of rows, got {args.rows}", file=sys.stderr
+        )
+        return 2
+    for line in validate(config, args.rows):
+        print(line)
+    print(f"valid: {args.config} (no Ray started, {time.perf_counter() - args.started:.1f} s)")
+    return 0
 
 
 def _dataset_line(name: str, stats: dict[str, Any]) -> str:
@@ -506,6 +572,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
+    started = time.perf_counter()  # validate reports its wall time from here
     if argv[:2] == ["bench", "train"]:  # its own options (model shape, steps): bench_train.py
         from rayjobs.bench import train as bench_train
 
@@ -523,12 +590,24 @@ def _main(argv: list[str]) -> int:
         parser.parse_args(argv)  # reports what it does not recognise and exits 2
     if overrides:
         args.overrides = [*args.overrides, *overrides]
+    args.started = started
     if args.command == "bench":
         return _bench(args)
     if args.command == "submit":
         from rayjobs.job import submit
 
         return submit.submit_command(args)
+    if args.command == "init":
+        from rayjobs.job.examples import init
+
+        try:
+            written = init(args.dir)
+        except ConfigError as error:
+            print(f"rayjobs: {error}", file=sys.stderr)
+            return 2
+        print(f"wrote {len(written)} files to {args.dir}; next: rayjobs validate "
+              f"{args.dir}/demo.yaml && rayjobs run {args.dir}/demo.yaml")  # fmt: skip
+        return 0
     with _signals():
         return _job_command(args)
 
@@ -576,7 +655,7 @@ def _checked_job_command(args: argparse.Namespace) -> int:
         logging.getLogger("rayjobs").setLevel(logging.WARNING)
     try:
         config = load_config(args.config, args.overrides)
-        if args.address:
+        if getattr(args, "address", None):
             config = config.model_copy(
                 update={"ray": config.ray.model_copy(update={"address": args.address})}
             )
@@ -584,17 +663,21 @@ def _checked_job_command(args: argparse.Namespace) -> int:
         print(f"rayjobs: {error}", file=sys.stderr)
         return 2
     try:
+        if args.command == "validate":
+            return _validate(args, config)
         if args.command == "inspect":
             return _inspect(args, config)
         if args.command == "export":
             from rayjobs.job.export import export
 
             _no_ray_data_progress_bars()
-            manifest = export(config, args.out, args.epochs, overwrite=args.overwrite)
+            manifest = export(
+                config, args.out, args.epochs, overwrite=args.overwrite, labels=args.labels
+            )
             packed = manifest["packed"]
             print(
                 f"wrote {packed['num_packs']} packs ({packed['efficiency']:.4f} efficiency) "
-                f"over {len(manifest['epochs'])} epoch(s) to {args.out}"
+                f"over {len(manifest['epochs'])} epoch(s) to {args.out}, labels {args.labels}"
             )
             return 0
         import ray

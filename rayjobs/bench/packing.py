@@ -402,7 +402,7 @@ def pipeline_config(data_dir: Path):
                     "format": fmt,
                     "template": template,
                     "column_map": column_map,
-                    "text_split": text_split,
+                    **({"text_split": text_split} if fmt == "text" else {}),
                 }
                 for name, relative, fmt, template, column_map, text_split in BENCH_SETS
                 if name != "hh_dpo_text" and template != "preference"

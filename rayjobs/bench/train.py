@@ -39,7 +39,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
-from rayjobs.data.rows import IGNORE_INDEX, PACKED_COLUMNS
+from rayjobs.data.rows import IGNORE_INDEX, PACKED_COLUMNS, export_convention, shifted_labels
 from rayjobs.errors import ConfigError
 from rayjobs.job.manifest import require_finished
 from rayjobs.train.model import Decoder, DecoderConfig, PackedLM
@@ -77,9 +77,16 @@ class TrainRow:
 
 def read_export(folder: str | Path) -> tuple[dict[str, np.ndarray], int]:
     """The packed rows of a finished export (all epochs, in order) as [rows, seq_len] int64
-    arrays, and ``seq_len``. Raises ``ConfigError`` where no finished export is."""
+    arrays, and ``seq_len``; labels shifted, as rayjobs trains on them, whatever convention the
+    export states (``rows.export_convention``: an ``hf`` export is converted back).
+
+    Raises:
+        ConfigError: no finished export there (no manifest, or no Parquet files).
+        ValueError: the export does not say how its labels are laid out, or says two things."""
     require_finished(folder)
     folder = Path(folder)
+    manifest_path = folder / "manifest.json"
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else None
     files = sorted(folder.glob("epoch=*/*.parquet"), key=lambda p: (len(p.parent.name), str(p)))
     if not files:
         raise ConfigError(
@@ -89,10 +96,16 @@ def read_export(folder: str | Path) -> tuple[dict[str, np.ndarray], int]:
     columns: dict[str, list[np.ndarray]] = {name: [] for name in (*PACKED_COLUMNS, "num_tokens")}
     for path in files:
         table = pq.read_table(path, columns=list(columns))
+        convention = export_convention(manifest, table.schema.metadata, str(path))
+        read = {}
         for name in PACKED_COLUMNS:
             array = table.column(name).combine_chunks()
             width = array.type.list_size
-            columns[name].append(array.values.to_numpy().reshape(-1, width).astype(np.int64))
+            read[name] = array.values.to_numpy().reshape(-1, width).astype(np.int64)
+        if convention == "hf":
+            read["labels"] = shifted_labels(read["labels"], read["document_ids"])
+        for name in PACKED_COLUMNS:
+            columns[name].append(read[name])
         columns["num_tokens"].append(table.column("num_tokens").to_numpy().astype(np.int64))
     rows = {name: np.concatenate(parts) for name, parts in columns.items()}
     return rows, rows["input_ids"].shape[1]
@@ -321,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         rows, seq_len = read_export(args.export)
-    except ConfigError as error:  # a usage error (no finished export there), no traceback
+    except (ConfigError, ValueError) as error:  # a usage error: no traceback
         print(f"rayjobs: {error}", file=sys.stderr)
         return 2
     vocab_size = vocab_size_of(rows)

@@ -20,6 +20,7 @@ any other) is refused, naming both, unless ``allow_duplicate_sources`` is set.
 from __future__ import annotations
 
 import glob
+import logging
 import os
 import re
 from pathlib import Path
@@ -28,10 +29,13 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from rayjobs.config.advice import describe, idle_keys
 from rayjobs.config.schema import Config, DatasetConfig, HFModelConfig, ModelConfig
 from rayjobs.config.user_templates import import_template_modules
 from rayjobs.data import files, formats
 from rayjobs.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 
 class _YamlLoader(yaml.SafeLoader):
@@ -98,13 +102,22 @@ def load_config(path: str | os.PathLike, overrides: list[str] = ()) -> Config:
 
 def config_from_dict(raw: dict[str, Any], base_dir: str | os.PathLike = ".") -> Config:
     """Validate a config mapping and resolve its paths against ``base_dir`` (the templates of
-    ``template_modules`` are imported first, from it: ``user_templates``)."""
+    ``template_modules`` are imported first, from it: ``user_templates``); warn (the
+    ``rayjobs`` logger) of the keys it sets that have no effect (``advice.idle_keys``)."""
     import_template_modules(raw.get("template_modules"), Path(base_dir).resolve())
     try:
         config = Config.model_validate(raw)
     except ValidationError as error:
-        raise ConfigError(_describe(error)) from None
-    base_dir = Path(base_dir).resolve()
+        raise ConfigError(describe(error, raw)) from None
+    resolved = _resolve(config, Path(base_dir).resolve())
+    for message in idle_keys(config, resolved):
+        logger.warning(message)
+    return resolved
+
+
+def _resolve(config: Config, base_dir: Path) -> Config:
+    """``config`` with its datasets' files, formats and every path resolved against
+    ``base_dir``."""
     datasets = [_resolve_dataset(d, i, base_dir) for i, d in enumerate(config.datasets)]
     held_out = [
         _resolve_dataset(spec, i, base_dir, "eval.datasets")
@@ -158,19 +171,6 @@ def _apply_override(raw: dict[str, Any], override: str) -> None:
         node[int(last)] = parsed
     else:
         node[last] = parsed
-
-
-def _describe(error: ValidationError) -> str:
-    lines = ["invalid config:"]
-    for item in error.errors():
-        where = ".".join(str(part) for part in item["loc"]) or "(top level)"
-        if item["type"] == "extra_forbidden":
-            lines.append(f"  {where}: unknown key")
-        elif item["type"] == "missing":
-            lines.append(f"  {where}: required key is missing")
-        else:
-            lines.append(f"  {where}: {item['msg']} (got {item.get('input')!r})")
-    return "\n".join(lines)
 
 
 def _resolve_dataset(

@@ -22,8 +22,10 @@ def _registered(value: str, registry, kind: str) -> str:
 
 
 class _Strict(BaseModel):
-    # allow_inf_nan: a weight or lr of .inf passes gt=0 (and NaN fails every check silently)
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    # allow_inf_nan: a weight or lr of .inf passes gt=0 (and NaN fails every check silently);
+    # strict: YAML's quoted '3e-4' is text, refused for a number (not coerced: a value the file
+    # says is text should not silently become one); an int is still taken for a float
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
 
 
 class StorageConfig(_Strict):
@@ -99,7 +101,7 @@ class DatasetConfig(_Strict):
     text_split: Literal["line", "paragraph", "file"] = "paragraph"
     """For ``format: text``: one document per line, per blank-line separated paragraph, or per
     file."""
-    files: tuple[str, ...] = ()
+    files: tuple[str, ...] = Field(default=(), strict=False)
     """Resolved file list, filled in by validation (a config that sets it is refused)."""
 
     @field_validator("format")

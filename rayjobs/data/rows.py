@@ -219,3 +219,74 @@ def assemble(
         "num_tokens": num_tokens.astype(DTYPE),
         "num_documents": np.asarray(documents_per_row, dtype=DTYPE),
     }
+
+
+LABEL_CONVENTIONS = ("hf", "shifted")
+"""How an export's ``labels`` are laid out (``rayjobs export --labels``). ``shifted``: as rows
+are everywhere in rayjobs (module note), ``labels[t]`` the target of position ``t``. ``hf``: as
+Hugging Face models, TRL, Axolotl and torchtune read them, unshifted: ``labels[t] = input_ids[t]``
+where token ``t`` is trained, -100 on prompts, padding and each document's first token, so the
+model's own shift (logits ``t - 1`` against ``labels[t]``) never crosses a document. The two hold
+the same information: each is the other moved by one position inside every document."""
+
+LABELS_METADATA = b"rayjobs.labels"
+"""The Parquet schema metadata key under which an export states its ``LABEL_CONVENTIONS``."""
+
+
+def _same_document(document_ids: np.ndarray) -> np.ndarray:
+    """[..., seq_len - 1]: whether positions ``t`` and ``t + 1`` are in one document."""
+    return document_ids[..., 1:] == document_ids[..., :-1]
+
+
+def hf_labels(labels: np.ndarray, document_ids: np.ndarray) -> np.ndarray:
+    """Shifted ``labels`` of packed rows [..., seq_len] → the ``hf`` convention.
+
+    >>> hf_labels(np.array([[6, -100, 9, -100, -100]]), np.array([[0, 0, 1, 1, 2]])).tolist()
+    [[-100, 6, -100, 9, -100]]
+    """
+    out = np.full_like(labels, IGNORE_INDEX)
+    out[..., 1:] = np.where(_same_document(document_ids), labels[..., :-1], IGNORE_INDEX)
+    return out
+
+
+def shifted_labels(labels: np.ndarray, document_ids: np.ndarray) -> np.ndarray:
+    """``hf`` labels of packed rows [..., seq_len] → shifted ones (the inverse of
+    ``hf_labels``).
+
+    >>> shifted_labels(np.array([[-100, 6, -100, 9, -100]]), np.array([[0, 0, 1, 1, 2]])).tolist()
+    [[6, -100, 9, -100, -100]]
+    """
+    out = np.full_like(labels, IGNORE_INDEX)
+    out[..., :-1] = np.where(_same_document(document_ids), labels[..., 1:], IGNORE_INDEX)
+    return out
+
+
+def export_convention(manifest: dict | None, metadata: dict | None, where: str) -> str:
+    """The ``LABEL_CONVENTIONS`` entry of an exported Parquet file, from its schema ``metadata``
+    and its export's ``manifest`` (either may be None): they must agree where both say. A
+    manifest without ``labels`` is of an export made before the convention was stated, when
+    every export was ``shifted``.
+
+    Raises:
+        ValueError: naming ``where``, when they disagree, name no known convention, or there is
+            neither (a reader that guessed would train on the wrong targets).
+    """
+    stated = (metadata or {}).get(LABELS_METADATA)
+    in_file = stated.decode() if isinstance(stated, bytes) else stated
+    in_manifest = None if manifest is None else manifest.get("labels", "shifted")
+    if in_file is not None and in_manifest is not None and in_file != in_manifest:
+        raise ValueError(
+            f"{where}: its labels are {in_file!r} but the manifest says {in_manifest!r}; "
+            "export again into a new folder"
+        )
+    found = in_file or in_manifest
+    if found is None:
+        raise ValueError(
+            f"{where}: no manifest.json and no {LABELS_METADATA.decode()} metadata say how its "
+            "labels are laid out (hf or shifted); read an export made by rayjobs export"
+        )
+    if found not in LABEL_CONVENTIONS:
+        raise ValueError(
+            f"{where}: labels convention {found!r} is none of {', '.join(LABEL_CONVENTIONS)}"
+        )
+    return found

@@ -9,6 +9,16 @@ counts of each epoch, and the eval sets' own counts (``eval``: datasets and pack
 summary's ``eval.datasets`` and ``eval.packed``), so exported data can be audited and reused by
 any trainer.
 
+Labels (``labels``, ``--labels``): ``hf`` by default, the Hugging Face convention every other
+trainer reads (``labels[t] = input_ids[t]`` where trained; -100 on prompts, padding and each
+document's first token), or ``shifted``, as rayjobs trains on them; the manifest's ``labels`` and
+each Parquet file's schema metadata (``rayjobs.labels``) say which (``rows.LABEL_CONVENTIONS``).
+Design note: rayjobs' own shifted rows, fed to a Hugging Face model's ``labels=`` (which shifts
+again), train every position to predict the token after next, silently; so the default is what
+the other trainers expect, and rayjobs' readers (``rayjobs bench train``) convert back. DPO rows
+follow the same rule: the conversion moves labels inside each document, and a response document
+starts with the prompt's last token, which is never trained.
+
 ``OUT`` is a folder or a URI of one on object storage (``s3://bucket/prefix``), new or empty;
 ``--overwrite`` replaces an earlier export there and nothing else (a mistyped ``--out`` must not
 be wiped). An export is finished when its manifest exists, and only then: a local one is written
@@ -33,7 +43,13 @@ import ray
 from rayjobs.config import Config
 from rayjobs.data import files
 from rayjobs.data.preference import PREFERENCE_COLUMNS
-from rayjobs.data.rows import PACKED_COLUMNS, STAT_COLUMNS
+from rayjobs.data.rows import (
+    LABEL_CONVENTIONS,
+    LABELS_METADATA,
+    PACKED_COLUMNS,
+    STAT_COLUMNS,
+    hf_labels,
+)
 from rayjobs.errors import ConfigError, Interrupted
 from rayjobs.job.manifest import MANIFEST
 
@@ -41,19 +57,25 @@ EVAL = "eval"
 """The folder of the packed ``eval.datasets``."""
 
 
-def to_arrow(batch: dict[str, np.ndarray], epoch: bool = True) -> pa.Table:
-    """Packed rows (2-D numpy columns) → Arrow with fixed-size list columns (and ``epoch``, when
-    the rows carry it and ``epoch`` is true)."""
+def to_arrow(batch: dict[str, np.ndarray], epoch: bool = True, labels: str = "hf") -> pa.Table:
+    """Packed rows (2-D numpy columns, labels shifted) → Arrow with fixed-size list columns (and
+    ``epoch``, when the rows carry it and ``epoch`` is true), the labels in the convention
+    ``labels`` (``rows.LABEL_CONVENTIONS``), which the schema's metadata states."""
+    if labels not in LABEL_CONVENTIONS:
+        raise ValueError(f"labels must be one of {', '.join(LABEL_CONVENTIONS)}, got {labels!r}")
     columns = {}
     for name in (*PACKED_COLUMNS, *PREFERENCE_COLUMNS):
         if name not in batch:  # the preference columns: task: dpo rows only
             continue
-        values = np.ascontiguousarray(batch[name], dtype=np.int32)
+        values = batch[name]
+        if name == "labels" and labels == "hf":
+            values = hf_labels(values, batch["document_ids"])
+        values = np.ascontiguousarray(values, dtype=np.int32)
         columns[name] = pa.FixedSizeListArray.from_arrays(values.reshape(-1), values.shape[1])
     for name in (*STAT_COLUMNS, *(("epoch",) if epoch else ())):
         if name in batch:
             columns[name] = pa.array(np.asarray(batch[name], dtype=np.int32))
-    return pa.table(columns)
+    return pa.table(columns).replace_schema_metadata({LABELS_METADATA: labels.encode()})
 
 
 @dataclass
@@ -201,15 +223,22 @@ def _export_entry(fs: pafs.FileSystem, entry: pafs.FileInfo) -> bool:
 
 
 def export(
-    config: Config, out: str | os.PathLike, epochs: int | None = None, overwrite: bool = False
+    config: Config,
+    out: str | os.PathLike,
+    epochs: int | None = None,
+    overwrite: bool = False,
+    labels: str = "hf",
 ) -> dict[str, Any]:
     """Write every epoch's packed rows under ``out`` (``epoch=<e>/*.parquet``; a folder or a URI
     of one on object storage) and return the manifest (also written). ``out`` must be new or
-    empty; ``overwrite`` first empties an earlier export there (see module note)."""
+    empty; ``overwrite`` first empties an earlier export there (see module note). ``labels``:
+    their convention (``rows.LABEL_CONVENTIONS``, module note)."""
     from rayjobs.job.pipeline import start_job
 
     if epochs is not None and epochs < 1:  # before anything is emptied
         raise ConfigError(f"--epochs must be at least 1, got {epochs}")
+    if labels not in LABEL_CONVENTIONS:
+        raise ConfigError(f"--labels must be one of {', '.join(LABEL_CONVENTIONS)}, got {labels!r}")
     target = prepare_out(out, overwrite)
     if epochs is not None:
         config = config.model_copy(
@@ -218,7 +247,7 @@ def export(
     try:
         job = start_job(config, prefix="export")
         try:
-            manifest = _write(config, job, target.fs, target.writing)
+            manifest = _write(config, job, target.fs, target.writing, labels)
         finally:
             job.close()
     except KeyboardInterrupt as interrupt:  # Ctrl-C, or SIGTERM (the command line's Interrupted)
@@ -230,21 +259,23 @@ def export(
     return manifest
 
 
-def _write(config: Config, job: Any, fs: pafs.FileSystem, out: str) -> dict[str, Any]:
+def _write(config: Config, job: Any, fs: pafs.FileSystem, out: str, labels: str) -> dict[str, Any]:
     """``export`` once its job is set up: the Parquet files, then the manifest, written last."""
+    arrow = {"batch_format": "numpy", "fn_kwargs": {"labels": labels}}
     if job.rows is not None:  # stream: one pass over every epoch, partitioned by epoch
-        job.rows.map_batches(to_arrow, batch_format="numpy").write_parquet(
+        job.rows.map_batches(to_arrow, **arrow).write_parquet(
             out, filesystem=fs, partition_cols=["epoch"]
         )
     else:
         for epoch in range(config.train.epochs):
-            rows = job.epochs.packed(epoch).map_batches(to_arrow, batch_format="numpy")
+            rows = job.epochs.packed(epoch).map_batches(to_arrow, **arrow)
             rows.write_parquet(f"{out}/epoch={epoch}", filesystem=fs)
     summary = job.accounting()
     packs = job.snapshot()["pack"]
     manifest = {
         "config": config.model_dump(mode="json"),
         "seq_len": config.packing.seq_len,
+        "labels": labels,
         "columns": [
             *PACKED_COLUMNS,
             *(PREFERENCE_COLUMNS if config.task == "dpo" else ()),
@@ -262,20 +293,23 @@ def _write(config: Config, job: Any, fs: pafs.FileSystem, out: str) -> dict[str,
         **summary,
     }
     if config.eval.datasets:
-        manifest["eval"] = _write_eval(config, job, fs, f"{out}/{EVAL}")
+        manifest["eval"] = _write_eval(config, job, fs, f"{out}/{EVAL}", labels)
     with fs.open_output_stream(f"{out}/{MANIFEST}", compression=None) as stream:
         stream.write(json.dumps(manifest, indent=1, default=str).encode())
     return manifest
 
 
-def _write_eval(config: Config, job: Any, fs: pafs.FileSystem, folder: str) -> dict[str, Any]:
+def _write_eval(
+    config: Config, job: Any, fs: pafs.FileSystem, folder: str, labels: str
+) -> dict[str, Any]:
     """The packed ``eval.datasets`` under ``folder`` (made even when no row is packed, so the
     manifest's path exists) and their counts."""
     from rayjobs.job.pipeline import eval_accounting, eval_rows
 
     rows, ledger = eval_rows(config, job)
     try:
-        rows = rows.map_batches(to_arrow, batch_format="numpy", fn_kwargs={"epoch": False})
+        arrow = {"epoch": False, "labels": labels}
+        rows = rows.map_batches(to_arrow, batch_format="numpy", fn_kwargs=arrow)
         rows.write_parquet(folder, filesystem=fs)
         fs.create_dir(folder)
         counts = eval_accounting(ledger)

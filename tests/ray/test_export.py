@@ -53,11 +53,13 @@ def test_parquet_rows_keep_the_data_contract(exported):
     assert (
         ids.shape == labels.shape == positions.shape == documents.shape == (table.num_rows, SEQ_LEN)
     )
-    trained = labels[:, :-1] != -100
-    assert (documents[:, :-1] == documents[:, 1:])[trained].all()
-    assert (labels[:, :-1] == ids[:, 1:])[trained].all()
-    assert (labels[:, -1] == -100).all()
+    # labels in the Hugging Face convention (the default), as the file and the manifest say
+    assert table.schema.metadata[b"rayjobs.labels"] == b"hf"
+    assert json.loads((out / MANIFEST).read_text())["labels"] == "hf"
+    trained = labels != -100
+    assert (labels[trained] == ids[trained]).all() and trained.sum() > 1000
     starts = np.diff(documents, axis=1, prepend=-1) != 0
+    assert (labels[starts] == -100).all()  # the model's own shift never crosses a document
     assert (positions[starts] == 0).all()
     assert (positions[~starts] == np.roll(positions, 1, axis=1)[~starts] + 1).all()
     assert (table.column("num_documents").to_numpy() >= 2).mean() > 0.25, "guard: packed rows"

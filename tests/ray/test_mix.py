@@ -126,7 +126,7 @@ def _mix_config(by: str, **extra) -> dict:
     [
         (
             {"mix": {"by": "tokens", "epoch_samples": 10}},
-            "mix: Value error, epoch_samples does not apply",
+            "mix: epoch_samples does not apply",
         ),
         ({"mix": {"by": "words"}}, "mix.by"),
         (

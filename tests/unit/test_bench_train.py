@@ -21,7 +21,14 @@ SEQ_LEN = 64
 ROWS = [[20, 30], [10, 11, 12, 13], [40, 24], [5, 50], [33, 17, 9], [60], [25, 25], [8, 8, 8]]
 
 
-def _write_export(folder):
+FINISHED = {"labels": "hf"}
+"""The manifest of a finished hf export."""
+
+
+def _write_export(folder, convention="hf", manifest=FINISHED):
+    """An export of ``ROWS`` in the ``convention`` (``None``: a file without the metadata
+    that states it), with ``manifest`` as its manifest.json (``None``: none, an unfinished
+    export); returns each document's tokens and shifted labels."""
     rng = np.random.default_rng(0)
     lengths = np.array([n for row in ROWS for n in row])
     tokens, labels = [], []
@@ -37,13 +44,24 @@ def _write_export(folder):
         tokens, labels, starts, lengths, np.array([len(r) for r in ROWS]), SEQ_LEN, pad_id=0
     )
     (folder / "epoch=0").mkdir()
-    pq.write_table(to_arrow(rows), folder / "epoch=0" / "part-0.parquet")
-    (folder / MANIFEST).write_text("{}")  # a finished export
+    table = to_arrow(rows, labels=convention or "shifted")
+    if convention is None:
+        table = table.replace_schema_metadata(None)
+    pq.write_table(table, folder / "epoch=0" / "part-0.parquet")
+    if manifest is not None:
+        (folder / MANIFEST).write_text(json.dumps(manifest))
     return tokens, labels
 
 
-def test_unpack_gives_every_document_once_with_its_own_labels(tmp_path):
-    tokens, labels = _write_export(tmp_path)
+@pytest.mark.parametrize(
+    "convention, manifest",
+    [("hf", {"labels": "hf"}), ("shifted", {"labels": "shifted"}), (None, {"seq_len": SEQ_LEN})],
+    ids=["hf", "shifted", "before_the_convention"],
+)
+def test_unpack_gives_every_document_once_with_its_own_labels(tmp_path, convention, manifest):
+    """Whatever convention the export states (an old manifest without ``labels``: shifted, as
+    every export was then), the rows read are as rayjobs trains on them."""
+    tokens, labels = _write_export(tmp_path, convention, manifest)
     rows, seq_len = bench_train.read_export(tmp_path)
     assert seq_len == SEQ_LEN and int(rows["num_tokens"][2]) == SEQ_LEN  # guard: a full row
     padded = bench_train.unpack(rows)
@@ -90,6 +108,23 @@ def test_the_command_refuses_a_missing_export_without_a_traceback(tmp_path, caps
     assert bench_train.main(["--export", str(tmp_path / "none")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("rayjobs: ") and "rayjobs export CONFIG --out" in err
+
+
+@pytest.mark.parametrize(
+    "labels, manifest, message",
+    [
+        (None, None, "is not a finished export (no manifest.json"),
+        ("shifted", {"labels": "hf"}, "its labels are 'shifted' but the manifest says 'hf'"),
+    ],
+    ids=["unstated", "contradicted"],
+)
+def test_an_export_that_does_not_say_its_labels_is_refused(
+    tmp_path, capsys, labels, manifest, message
+):
+    """A reader that guessed would train on the token after next, or on nothing trained."""
+    _write_export(tmp_path, labels, manifest)
+    assert bench_train.main(["--export", str(tmp_path)]) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_the_command_prints_the_table_and_writes_json(tmp_path, capsys):

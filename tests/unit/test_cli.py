@@ -108,7 +108,8 @@ def test_readme_usage_is_the_help_text_and_lists_every_flag():
                 if flag.startswith("--") and flag != "--help" and flag not in lines:
                     missing.append(f"{name} {flag}")
     assert missing == []
-    assert len(checked) == 9  # run export inspect submit status logs stop, bench, bench train
+    # run export inspect validate init submit status logs stop, bench, bench train
+    assert len(checked) == 11
 
 
 SUMMARY = {

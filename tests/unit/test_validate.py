@@ -1,0 +1,134 @@
+"""``rayjobs validate``: a config checked in seconds without Ray (keys, files and sizes, the
+tokenizer, the templates on each dataset's first rows), and ``rayjobs --version``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT
+from rayjobs.cli import main
+
+DEMO = ROOT / "configs" / "demo.yaml"
+SHIPPED = sorted(p for p in (ROOT / "configs").glob("*.yaml") if "s3" not in p.name)
+
+NO_RAY = """
+import sys
+
+import ray
+
+
+def refuse(*args, **kwargs):
+    raise SystemExit("ray.init was called")
+
+
+ray.init = refuse  # every way into Ray (ray.get, Ray Data, auto-init) goes through it
+from rayjobs.cli import main
+
+code = main(["validate", *sys.argv[1:]])
+print("ray initialized:", ray.is_initialized())
+sys.exit(code)
+"""
+
+
+def test_validate_the_demo_config_without_starting_ray():
+    """Acceptance 7: exit 0 on configs/demo.yaml with ``ray.init`` made to fail, and Ray still
+    not initialized at the end. The wall time (a new interpreter included) is printed for the
+    record, not checked."""
+    began = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-c", NO_RAY, str(DEMO)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    wall = time.perf_counter() - began
+    print(f"rayjobs validate configs/demo.yaml: {wall:.1f} s wall, {done.stdout.splitlines()[-2]}")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "ray initialized: False"
+    out = done.stdout
+    for part in (
+        "config: task sft, seq_len 512, stream mode, 2 dataset(s)",
+        "tokenizer: ",
+        "eos_token '<|endoftext|>'",
+        "dataset stdlib_alpaca: template alpaca, jsonl, 1 file(s), ",
+        "dataset stdlib_chat: template chat, jsonl, 1 file(s), ",
+        "  first 32 rows: 32 samples, ",
+        "valid: ",
+        "(no Ray started, ",
+    ):
+        assert part in out, out
+    assert "Started a local Ray instance" not in done.stderr
+
+
+def test_the_no_ray_check_sees_ray_start(tmp_path):
+    """Guard for the test above: a command that starts Ray fails under the same patch."""
+    code = NO_RAY.replace('main(["validate", *sys.argv[1:]])', "ray.get(ray.put(1))")
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode != 0 and "ray.init was called" in done.stderr
+
+
+@pytest.fixture
+def no_ray(monkeypatch):
+    import ray
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("validate started Ray")
+
+    monkeypatch.setattr(ray, "init", refuse)
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
+def test_every_shipped_config_validates(path, capsys, no_ray):
+    assert len(SHIPPED) >= 7, "guard: configs found"
+    assert main(["validate", str(path), "--rows", "8"]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert out.count("  first ") >= 1 and "valid: " in out
+
+
+# overrides, exit code, fragments of stderr
+REFUSED = {
+    "peer_key": (
+        ["train.learning_rate=1e-3"],
+        2,
+        ["train.learning_rate: unknown key; use train.lr"],
+    ),
+    "missing_field": (
+        ["datasets.0.template=chat"],
+        1,
+        ["dataset 'stdlib_alpaca'", "row 1", "[missing_field]"],
+    ),
+    "nothing_trained": (
+        ["packing.seq_len=8"],
+        1,
+        ["the first rows of every dataset has nothing to train", "32 with none left to train"],
+    ),
+    "rows_zero": (["--rows", "0"], 2, ["--rows must be a positive number of rows, got 0"]),
+}
+
+
+@pytest.mark.parametrize("overrides, code, expected", list(REFUSED.values()), ids=list(REFUSED))
+def test_validate_refuses_what_the_run_would(capsys, no_ray, overrides, code, expected):
+    assert main(["validate", str(DEMO), *overrides]) == code
+    err = capsys.readouterr().err
+    for fragment in expected:
+        assert fragment in err, err
+
+
+def test_version_comes_from_the_package_metadata():
+    from importlib.metadata import version
+
+    done = subprocess.run(
+        [sys.executable, "-m", "rayjobs.cli", "--version"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0 and done.stdout == f"rayjobs {version('rayjobs')}\n"
