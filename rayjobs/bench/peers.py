@@ -30,8 +30,8 @@ Reported for each (scale, path), from the process's start:
 - ``rows``, ``tokens``, ``efficiency``: packed rows, non-pad tokens and tokens / (rows ×
   seq_len), read back from the written Parquet files (rayjobs' ``num_tokens`` column; TRL's
   ``input_ids`` lengths: its rows are not padded, so each is counted as a full row of seq_len);
-- ``cpu_by_process``: CPU seconds of the tree's processes by kind (``tree_label``), the
-  breakdown without a profiler;
+- ``cpu_s``: CPU seconds of the whole tree, and ``cpu_by_process``: the same by kind of process
+  (``tree_label``), the breakdown without a profiler;
 - ``load``: the host's 1-minute load average before and after the run, and ``steal_share``: the
   CPU time its hypervisor took meanwhile. Other work on the host slows either path; the two paths
   of a scale run back to back, their order alternating between repeats (``--repeats``).
@@ -86,6 +86,12 @@ class PeerRun:
     peak_by_process: dict[str, float] = field(default_factory=dict)
     cpu_by_process: dict[str, float] = field(default_factory=dict)
 
+    @property
+    def cpu_s(self) -> float:
+        """CPU seconds of the whole tree: the path's work, which other load on the host slows
+        down less than its wall time."""
+        return sum(self.cpu_by_process.values())
+
 
 def missing_extras() -> list[str]:
     """The bench's modules that are not installed."""
@@ -107,6 +113,10 @@ def tree_label(cmdline: list[str], root: bool, root_cmdline: list[str]) -> str:
     'log_monitor.py'
     >>> tree_label(["ray-dashboard-NodeHead-0", "(/bin/python", "-c"], False, [])
     'dashboard modules'
+    >>> tree_label(["ray::MapWorker(MapBatches(Tokenize)).submit"], False, [])
+    'MapWorker(MapBatches(Tokenize))'
+    >>> tree_label(["/bin/python", "-B", "-c", "from multiprocessing import ..."], False, [])
+    'python -c'
     """
     if root:
         return "main process"
@@ -115,10 +125,14 @@ def tree_label(cmdline: list[str], root: bool, root_cmdline: list[str]) -> str:
     name = process_label(cmdline)
     if name.startswith("ray-dashboard-"):
         return "dashboard modules"
+    if ")." in name:  # an actor's method (``.submit``, ``.__init__``): the actor
+        return name[: name.rindex(")") + 1]
     if name.startswith("python"):
         arguments = cmdline[1:]
         if "-m" in arguments[:-1]:
             return arguments[arguments.index("-m") + 1]
+        if "-c" in arguments:
+            return "python -c"
         return next((Path(a).name for a in arguments if a.endswith(".py")), name)
     return name
 
@@ -345,6 +359,7 @@ def format_table(runs: list[PeerRun]) -> str:
         lines.append(
             f"{scale:>5}x  {path:<8}{_median(group, 'wall_s'):>8.1f}"
             f"{'-' if first is None else f'{first:.1f}':>12}{_median(group, 'exit_s'):>8.1f}"
+            f"{_median(group, 'cpu_s'):>8.1f}"
             f"{_median(group, 'peak_pss_mb'):>9,.0f}{_median(group, 'peak_rss_mb'):>8,.0f}"
             f"{_median(group, 'efficiency'):>11.4f}{group[0].rows:>7}{group[0].tokens:>12,}"
         )
@@ -354,15 +369,15 @@ def format_table(runs: list[PeerRun]) -> str:
         if not ours or not theirs:
             continue
         ratio = {n: _median(ours, n) / _median(theirs, n)
-                 for n in ("wall_s", "exit_s", "peak_pss_mb")}  # fmt: skip
+                 for n in ("wall_s", "exit_s", "cpu_s", "peak_pss_mb")}  # fmt: skip
         points = 100 * (_median(ours, "efficiency") - _median(theirs, "efficiency"))
         per_repeat = [a.wall_s / b.wall_s for a, b in zip(ours, theirs, strict=False)]
         spread = (f" (each repeat: {', '.join(f'{x:.2f}x' for x in per_repeat)})"
                   if len(per_repeat) > 1 else "")  # fmt: skip
         lines.append(
             f"{scale}x rayjobs / trl: wall {ratio['wall_s']:.2f}x{spread}, exit "
-            f"{ratio['exit_s']:.2f}x, peak memory {ratio['peak_pss_mb']:.2f}x, efficiency "
-            f"{points:+.2f} points"
+            f"{ratio['exit_s']:.2f}x, CPU {ratio['cpu_s']:.2f}x, peak memory "
+            f"{ratio['peak_pss_mb']:.2f}x, efficiency {points:+.2f} points"
         )
     mismatches = token_mismatches(runs)
     lines.append(
@@ -376,7 +391,7 @@ def format_table(runs: list[PeerRun]) -> str:
         steal = "" if r.steal_share is None else f", steal {r.steal_share:.1%}"
         lines.append(
             f"{r.scale}x {r.path} #{r.repeat}: load {r.load[0]:.1f} -> {r.load[1]:.1f}{steal}; "
-            f"CPU s {sum(r.cpu_by_process.values()):,.1f}: {top}; MB at the peak: {memory}"
+            f"CPU s {r.cpu_s:,.1f}: {top}; MB at the peak: {memory}"
         )
     return "\n".join(lines)
 

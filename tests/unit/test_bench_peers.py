@@ -123,11 +123,11 @@ def test_the_table_states_ratios_and_the_token_check():
             _run("trl", 100, 10.0, 0.98, 1), _run("rayjobs", 100, 30.0, 0.99, 1)]  # fmt: skip
     table = peers.format_table(runs)
     lines = table.splitlines()
-    assert lines[2].split() == ["1x", "rayjobs", "30.0", "2.0", "31.0", "800", "900", "0.9900",
-                                "7", "100"]  # fmt: skip
+    assert lines[2].split() == ["1x", "rayjobs", "30.0", "2.0", "31.0", "3.0", "800", "900",
+                                "0.9900", "7", "100"]  # fmt: skip
     assert lines[3].split()[:4] == ["1x", "trl", "15.0", "-"]  # the median of the repeats
     assert "1x rayjobs / trl: wall 2.00x (each repeat: 1.50x, 3.00x)" in table
-    assert "efficiency +1.00 points" in table
+    assert "exit 1.94x, CPU 1.00x, peak memory 1.00x, efficiency +1.00 points" in table
     assert "token totals: identical on both paths at every scale" in table
     assert "1x trl #1: load 8.0 -> 9.0, steal 1.0%" in table
     runs[1].tokens = 99
