@@ -85,6 +85,8 @@ class PeerRun:
     steal_share: float | None = None
     peak_by_process: dict[str, float] = field(default_factory=dict)
     cpu_by_process: dict[str, float] = field(default_factory=dict)
+    processes: int = 0
+    """Processes seen in the tree over the run (a Ray worker started and ended counts once)."""
 
     @property
     def cpu_s(self) -> float:
@@ -225,6 +227,7 @@ def run_measured(command: list[str], out: Path, log: Path, env: dict[str, str]) 
         "peak_rss_mb": tree.peak_rss_mb,
         "peak_by_process": tree.peak_by_process,
         "cpu_by_process": tree.cpu_by_process(),
+        "processes": len(tree.last_cpu),
         "load": (load_before, os.getloadavg()[0]),
         "steal_share": steal_between(ticks, cpu_ticks()),
     }
@@ -391,7 +394,7 @@ def format_table(runs: list[PeerRun]) -> str:
         steal = "" if r.steal_share is None else f", steal {r.steal_share:.1%}"
         lines.append(
             f"{r.scale}x {r.path} #{r.repeat}: load {r.load[0]:.1f} -> {r.load[1]:.1f}{steal}; "
-            f"CPU s {r.cpu_s:,.1f}: {top}; MB at the peak: {memory}"
+            f"{r.processes} processes, CPU s {r.cpu_s:,.1f}: {top}; MB at the peak: {memory}"
         )
     return "\n".join(lines)
 

@@ -92,7 +92,7 @@ def test_run_measured_samples_the_whole_process_tree(tmp_path):
                                   tmp_path / "log.txt", peers.child_env())  # fmt: skip
     assert measured["peak_pss_mb"] > 120 and measured["peak_rss_mb"] >= measured["peak_pss_mb"]
     assert 0 < measured["first_output_s"] < measured["wall_s"] <= measured["exit_s"]
-    assert "main process" in measured["cpu_by_process"]
+    assert "main process" in measured["cpu_by_process"] and measured["processes"] >= 2
     assert max(measured["peak_by_process"].values()) > 110  # the worker, under its own label
     assert peers.packed_counts(peers._parquet_files(out), 4) == (2, 3, 3 / 8)
 
@@ -129,7 +129,7 @@ def test_the_table_states_ratios_and_the_token_check():
     assert "1x rayjobs / trl: wall 2.00x (each repeat: 1.50x, 3.00x)" in table
     assert "exit 1.94x, CPU 1.00x, peak memory 1.00x, efficiency +1.00 points" in table
     assert "token totals: identical on both paths at every scale" in table
-    assert "1x trl #1: load 8.0 -> 9.0, steal 1.0%" in table
+    assert "1x trl #1: load 8.0 -> 9.0, steal 1.0%; 0 processes, CPU s 3.0" in table
     runs[1].tokens = 99
     assert "token totals differ, so the paths did not pack the same samples: 1x: rayjobs " \
            "100, trl 99/100" in peers.format_table(runs)  # fmt: skip
