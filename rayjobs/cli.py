@@ -10,8 +10,10 @@ rayjobs init [DIR]                       (writes the example configs and their d
 rayjobs bench packing [--data NAME|FILE ...] [--data-dir DIR] [--seq-len N ...] [--window N]
                       [--window-tokens N] [--json OUT] [--no-pipeline]  (--data-dir: configs/data)
 rayjobs bench pipeline [--scales N ...] [--window-tokens N] [--tokenize-actors N] [--pace F]
-                       [--data-dir DIR] [--json OUT]
+                       [--weights W W] [--data-dir DIR] [--json OUT]
                                                        (pipeline needs pip install -e '.[bench]')
+rayjobs bench peers [--scales N ...] [--num-proc N] [--repeats N] [--data-dir DIR] [--json OUT]
+                                        (rayjobs export beside TRL's path; needs '.[bench]')
 rayjobs bench read [--size-mb N] [--json OUT]       (peak memory of a read task; needs '.[bench]')
 rayjobs bench attention [--seq-len N ...] [--mean-length L] [--json OUT]        (needs a CUDA GPU)
 rayjobs bench train --export DIR [--rows N] [--variants V ...] [--steps N] [--warmup N]
@@ -150,17 +152,22 @@ def _parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmarks")
     bench.add_argument(
         "what",
-        choices=["packing", "pipeline", "attention", "read", "train"],
+        choices=["packing", "pipeline", "peers", "attention", "read", "train"],
         help="packing: efficiency and speed on real data; pipeline: the streaming path end to "
-        "end at growing data sizes; attention: the document mask on a CUDA GPU, FlexAttention "
-        "vs dense SDPA; read: peak memory of one read task on a large JSONL file; train: "
-        "training steps on an export's packed rows vs the same samples padded "
+        "end at growing data sizes; peers: rayjobs export beside the path a TRL user takes "
+        "(datasets map + trl.pack_dataset) on the same files; attention: the document mask on "
+        "a CUDA GPU, FlexAttention vs dense SDPA; read: peak memory of one read task on a large "
+        "JSONL file; train: training steps on an export's packed rows vs the same samples padded "
         "(`rayjobs bench train --help`)",
     )
     # No defaults here for options a bench has its own defaults for (applied in _bench): an
     # option given to a bench that does not take it is refused there, so it must show as given.
     bench.add_argument("--size-mb", type=int, help="read: the JSONL file's size (MiB)")
-    bench.add_argument("--scales", type=int, nargs="+", help="pipeline: copies of the data")
+    bench.add_argument("--scales", type=int, nargs="+", help="pipeline, peers: copies of the data")
+    bench.add_argument(
+        "--num-proc", type=int, help="peers: the TRL path's num_proc (default: the CPUs)"
+    )
+    bench.add_argument("--repeats", type=int, help="peers: runs of each path per scale")
     bench.add_argument(
         "--data",
         nargs="*",
@@ -336,6 +343,7 @@ BENCH_OPTIONS = {
         "json",
         "weights",
     ),  # fmt: skip
+    "peers": ("scales", "num_proc", "repeats", "data_dir", "json"),
     "read": ("size_mb", "json"),
     "attention": ("seq_len", "mean_length", "json"),
 }
@@ -405,6 +413,18 @@ def _bench(args: argparse.Namespace) -> int:
             argv += [flag, str(value)] if value is not None else []
         argv += ["--weights", *map(str, args.weights)] if args.weights else []
         return bench_pipeline.main(argv)
+    if args.what == "peers":
+        from rayjobs.bench import peers as bench_peers
+
+        argv = ["--scales", *map(str, args.scales)] if args.scales else []
+        for flag, value in (
+            ("--num-proc", args.num_proc),
+            ("--repeats", args.repeats),
+            ("--data-dir", args.data_dir),
+            ("--json", args.json),
+        ):
+            argv += [flag, str(value)] if value is not None else []
+        return bench_peers.main(argv)
     from pathlib import Path
 
     from rayjobs.bench import packing as bench
