@@ -7,7 +7,7 @@ rayjobs inspect CONFIG [dotted.key=value ...] [--limit N] [--json] [--plot OUT.p
 rayjobs bench packing [--data NAME|FILE ...] [--data-dir DIR] [--seq-len N ...] [--window N]
                       [--window-tokens N] [--json OUT] [--no-pipeline]  (--data-dir: configs/data)
 rayjobs bench pipeline [--scales N ...] [--window-tokens N] [--tokenize-actors N] [--pace F]
-                       [--data-dir DIR] [--json OUT]
+                       [--data-dir DIR] [--weights W W] [--json OUT]
                                                        (pipeline needs pip install -e '.[bench]')
 rayjobs bench read [--size-mb N] [--json OUT]       (peak memory of a read task; needs '.[bench]')
 rayjobs bench attention [--seq-len N ...] [--mean-length L] [--json OUT]        (needs a CUDA GPU)
