@@ -17,7 +17,8 @@ rayjobs bench peers [--scales N ...] [--num-proc N] [--repeats N] [--data-dir DI
 rayjobs bench read [--size-mb N] [--json OUT]       (peak memory of a read task; needs '.[bench]')
 rayjobs bench attention [--seq-len N ...] [--mean-length L] [--json OUT]        (needs a CUDA GPU)
 rayjobs bench train --export DIR [--rows N] [--variants V ...] [--steps N] [--warmup N]
-                    [--dim D --layers L --heads H] [--json OUT]    (packed vs padded train steps)
+                    [--dim D --layers L --heads H] [--vocab-size V] [--json OUT]
+                                                               (packed vs padded train steps)
 rayjobs submit CONFIG [dotted.key=value ...] [--address URL] [--working-dir DIR] [--no-wait]
                [--json] [--allow-absolute] [--max-upload-mib N] [--max-file-mib N]
                [--submission-id ID] [--runtime-env-json JSON] [--dry-run]

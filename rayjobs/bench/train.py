@@ -21,8 +21,8 @@ so it is not the same training; it is left out.
 Each variant's model is the demo decoder (``rayjobs.train.model``; the default shape has about 114M
 parameters with the GPT-2 vocabulary), AdamW, gradient clipping at 1.0, bf16 autocast on CUDA and
 the chunked loss: the job's training step for one micro-batch on one rank. The vocabulary is the
-largest token id + 1 rounded up to a multiple of 128. Needs only torch, numpy and pyarrow, so it
-runs on a GPU machine without Ray.
+largest token id + 1 rounded up to a multiple of 128, or ``--vocab-size`` (a run's model has its
+tokenizer's). Needs only torch, numpy and pyarrow, so it runs on a GPU machine without Ray.
 """
 
 from __future__ import annotations
@@ -228,10 +228,11 @@ def bench_rows(
     for variant in variants:
         if variant not in VARIANTS:
             raise ValueError(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
-    vocab_size = vocab_size_of(rows)
-    config = config or DecoderConfig(vocab_size=vocab_size, dim=768, n_layers=8, n_heads=12)
-    if config.vocab_size < vocab_size:
-        raise ValueError(f"vocab_size {config.vocab_size} < the export's {vocab_size}")
+    config = config or DecoderConfig(
+        vocab_size=vocab_size_of(rows), dim=768, n_layers=8, n_heads=12
+    )
+    if config.vocab_size <= (largest := int(rows["input_ids"].max())):
+        raise ValueError(f"vocab_size {config.vocab_size} holds no token id {largest}")
     results: list[TrainRow] = []
     baseline: list[float] = []
     for variant in variants:
@@ -306,6 +307,12 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dim", type=int, default=768)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        help="the decoder's vocabulary (default: the export's largest token id + 1, rounded up "
+        "to 128; a run's model has its tokenizer's, e.g. 50257 for GPT-2)",
+    )
     parser.add_argument("--json", metavar="OUT", help="also write the rows as JSON to OUT")
     return parser
 
@@ -317,6 +324,8 @@ def argument_error(args: argparse.Namespace) -> str | None:
     for flag in ("rows", "dim", "layers", "heads"):
         if getattr(args, flag) < 1:
             return f"--{flag} must be positive, got {getattr(args, flag)}"
+    if args.vocab_size is not None and args.vocab_size < 1:
+        return f"--vocab-size must be positive, got {args.vocab_size}"
     if args.warmup < 0:
         return f"--warmup must be 0 or more steps, got {args.warmup}"
     if args.steps is not None and args.steps <= args.warmup:
@@ -337,7 +346,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as error:  # a usage error: no traceback
         print(f"rayjobs: {error}", file=sys.stderr)
         return 2
-    vocab_size = vocab_size_of(rows)
+    vocab_size = args.vocab_size or vocab_size_of(rows)
+    if vocab_size <= (largest := int(rows["input_ids"].max())):
+        print(f"rayjobs: --vocab-size {vocab_size} holds no token id {largest}", file=sys.stderr)
+        return 2
     config = DecoderConfig(
         vocab_size=vocab_size, dim=args.dim, n_layers=args.layers, n_heads=args.heads
     )

@@ -81,6 +81,26 @@ def checkpoint_due(spec: Any, state: Any, clock: float, device: torch.device) ->
         return False
     late = not state.checkpoints or time.monotonic() - clock >= minutes * 60
     return bool(all_reduce(torch.tensor([int(late)], device=device), dist.ReduceOp.MAX)[0])
+def warmup_steps(steps: int) -> int:
+    """Steps left out of ``throughput``: the first tenth (at least one), as ``loss_first``."""
+    return min(steps, max(1, steps // 10))
+
+
+def throughput(step_ends: list[float], timed_tokens: int, began: float) -> dict[str, Any]:
+    """The summary's ``throughput``, from the ``time.perf_counter()`` at the end of each step
+    (everything the loop did for it: waiting for the batch, the step, reports, checkpoints,
+    evaluations), the non-pad tokens of every rank in the steps after ``warmup_steps``, and when
+    the loop began taking batches."""
+    skip = warmup_steps(len(step_ends))
+    timed = len(step_ends) - skip
+    seconds = step_ends[-1] - step_ends[skip - 1] if timed > 0 else 0.0
+    return {
+        "warmup_steps": skip,
+        "steps": timed,
+        "seconds": seconds,
+        "tokens_per_s": timed_tokens / seconds if seconds > 0 else None,
+        "first_step_s": step_ends[0] - began if step_ends else None,
+    }
 
 
 def train_loop(loop_config: dict[str, Any]) -> None:
@@ -157,6 +177,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     stopped_early = spec.max_steps is not None and state.steps >= spec.max_steps
     # one stream of every epoch, or one dataset per epoch
     names = loop_config.get("datasets") or [f"train_epoch_{e}" for e in range(spec.epochs)]
+    began, step_ends, step_tokens = time.perf_counter(), [], []  # this worker's, for throughput
     for index, name in enumerate([] if stopped_early else names):
         if index < state.dataset_index:
             continue  # consumed before the checkpoint this run resumed from
@@ -191,7 +212,8 @@ def train_loop(loop_config: dict[str, Any]) -> None:
                 state.series.setdefault(name, []).append(value)
             state.steps += 1
             state.rows += sum(len(b["input_ids"]) for b in group)
-            state.pack_tokens += sum(int(b["num_tokens"].sum()) for b in group)
+            step_tokens.append(sum(int(b["num_tokens"].sum()) for b in group))
+            state.pack_tokens += step_tokens[-1]
             state.rows_consumed += sum(len(b["input_ids"]) for b in group)
             state.trained_tokens += trained
             series.step(step_loss, trained, result.dpo)
@@ -228,6 +250,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
                     callback.on_report(where, state, metrics)
             for callback in callbacks:
                 callback.on_step(where, state, result)
+            step_ends.append(time.perf_counter())
             if spec.max_steps is not None and state.steps >= spec.max_steps:
                 stopped_early = True
                 break
@@ -236,10 +259,14 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             break
     if held_out is not None and (not state.evals or state.evals[-1]["step"] != state.steps):
         evaluation()  # the trained model's, once, unless its last step was just evaluated
+    timed_tokens = sum(step_tokens[warmup_steps(len(step_ends)) :])
     totals = torch.tensor(
-        [state.rows, state.pack_tokens, state.trained_tokens, state.guard_dropped], device=device
+        [state.rows, state.pack_tokens, state.trained_tokens, state.guard_dropped, timed_tokens],
+        device=device,
     )
-    rows, pack_tokens, trained_tokens, guard_dropped = (int(v) for v in all_reduce(totals))
+    rows, pack_tokens, trained_tokens, guard_dropped, timed_tokens = (
+        int(v) for v in all_reduce(totals)
+    )
     losses = state.losses
     tenth = max(1, len(losses) // 10)
     summary = {
@@ -252,6 +279,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         "packing_efficiency": pack_tokens / (rows * seq_len) if rows else 0.0,
         "guard_dropped_batches": guard_dropped,
         "stopped_early": stopped_early,
+        "throughput": throughput(step_ends, timed_tokens, began),
         "attention": packed.attention,
         "model": spec.model.kind,
         "precision": "bf16" if bf16 else "fp32",

@@ -139,6 +139,20 @@ def test_the_command_prints_the_table_and_writes_json(tmp_path, capsys):
     assert rows[1]["max_loss_diff"] < 1e-5
 
 
+def test_vocab_size_sets_the_decoders_vocabulary_and_must_hold_every_token_id(tmp_path, capsys):
+    """``--vocab-size``: the model a run builds has its tokenizer's vocabulary (GPT-2: 50257), not
+    the export's rounded one, and the bench can have the same; one without the export's largest
+    id is refused before any training."""
+    _write_export(tmp_path)
+    largest = int(bench_train.read_export(tmp_path)[0]["input_ids"].max())
+    argv = ["bench", "train", "--export", str(tmp_path), "--rows", "2", "--warmup", "1"]
+    argv += ["--dim", "32", "--layers", "1", "--heads", "2", "--variants", "packed_sdpa"]
+    assert cli.main([*argv, "--vocab-size", str(largest + 1)]) == 0
+    assert f"vocab {largest + 1})" in capsys.readouterr().out
+    assert cli.main([*argv, "--vocab-size", str(largest)]) == 2
+    assert f"--vocab-size {largest} holds no token id {largest}" in capsys.readouterr().err
+
+
 def test_a_variant_that_trains_otherwise_fails_the_command(tmp_path, capsys, monkeypatch):
     """Past the tolerance (here -1 on CPU: any Δloss crosses it) the bench prints the
     table, then says which variant trained unlike padded_sdpa, and exits 1."""

@@ -391,6 +391,32 @@ def test_groups_of_grad_accum_steps():
     assert list(_groups(iter(range(2)), 1)) == [[0], [1]]
 
 
+def test_throughput_leaves_out_the_first_tenth_of_the_steps():
+    """The summary's ``throughput``: the wall time from the end of the last warm-up step to the
+    end of the last step, over the tokens of the steps after it; the first step's wait (start-up,
+    the first batch, a compile) is its own figure."""
+    from rayjobs.train.loop import throughput, warmup_steps
+
+    assert [warmup_steps(n) for n in (0, 1, 2, 19, 20, 120)] == [0, 1, 1, 1, 2, 12]
+    ends = [10.0 + step for step in range(20)]  # 1 s a step, the first ending 10 s after began
+    got = throughput(ends, timed_tokens=18 * 500, began=0.0)
+    assert got == {
+        "warmup_steps": 2,
+        "steps": 18,
+        "seconds": 18.0,
+        "tokens_per_s": 500.0,
+        "first_step_s": 10.0,
+    }
+    assert throughput([], 0, 0.0)["tokens_per_s"] is None  # stopped before any step
+    assert throughput([3.0], 0, 1.0) == {
+        "warmup_steps": 1,
+        "steps": 0,
+        "seconds": 0.0,
+        "tokens_per_s": None,
+        "first_step_s": 2.0,
+    }
+
+
 def _gpt2(template: str = "alpaca", train_keys: dict | None = None, **extra):
     """A run's config training a tiny random GPT-2 (dropout 0.1, biases, LayerNorms) and its
     tokenizer; ``train_keys``: more ``train`` keys, ``extra``: more top-level config keys."""
