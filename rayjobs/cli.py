@@ -35,13 +35,14 @@ import argparse
 import contextlib
 import json
 import logging
-import os
 import signal
 import sys
 import time
 from collections.abc import Iterator
 from typing import Any
 
+from rayjobs import console
+from rayjobs.bench.command import bench_command
 from rayjobs.config import load_config
 from rayjobs.errors import ConfigError, Interrupted, user_error
 
@@ -333,181 +334,6 @@ def format_summary(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-BENCH_OPTIONS = {
-    "packing": ("data", "data_dir", "seq_len", "window", "window_tokens", "json", "no_pipeline"),
-    "pipeline": (
-        "scales",
-        "window_tokens",
-        "tokenize_actors",
-        "pace",
-        "data_dir",
-        "json",
-        "weights",
-    ),  # fmt: skip
-    "peers": ("scales", "num_proc", "repeats", "data_dir", "json"),
-    "read": ("size_mb", "json"),
-    "attention": ("seq_len", "mean_length", "json"),
-}
-"""The options of the ``bench`` parser each bench takes (``bench train`` has its own parser)."""
-
-
-def _bench_usage_error(args: argparse.Namespace) -> str | None:
-    """An option given that the chosen bench does not take (the benches share one parser, and
-    another bench's option was dropped without a word: ``bench pipeline --seq-len 8192`` ran at
-    2048), or a bad value of ``bench packing``'s; the other benches check their own values."""
-    if args.what == "train":  # only ``rayjobs bench train ...`` reaches bench_train's parser
-        return "bench train takes its options after `bench train` (rayjobs bench train --help)"
-    foreign = [
-        "--" + dest.replace("_", "-")
-        for dest, value in vars(args).items()
-        if dest not in (*BENCH_OPTIONS[args.what], "command", "what")
-        and value is not None
-        and value is not False
-    ]
-    if foreign:
-        return f"bench {args.what} does not take {', '.join(foreign)}"
-    if args.what != "packing":
-        return None
-    if args.seq_len is not None and not args.seq_len:
-        return "--seq-len needs at least one length"
-    if any(seq_len < 1 for seq_len in args.seq_len or ()):
-        return f"--seq-len must be positive, got {args.seq_len}"
-    for flag, value in (("--window", args.window), ("--window-tokens", args.window_tokens)):
-        if value is not None and value < 1:
-            return f"{flag} must be positive, got {value}"
-    return None
-
-
-def _bench(args: argparse.Namespace) -> int:
-    if error := _bench_usage_error(args):
-        print(f"rayjobs: {error}", file=sys.stderr)
-        return 2
-    if args.what == "attention":
-        from rayjobs.bench import attention as bench_attention
-
-        if args.seq_len is None:
-            args.seq_len = list(bench_attention.SEQ_LENS)
-        if args.mean_length is None:
-            args.mean_length = bench_attention.MEAN_LENGTH
-        if error := bench_attention.argument_error(args.seq_len, args.mean_length):
-            print(f"rayjobs: {error}", file=sys.stderr)  # before asking for a GPU
-            return 2
-        return _bench_attention(args)
-    if args.what == "read":
-        from rayjobs.bench import read as bench_read
-
-        argv = ["--size-mb", str(args.size_mb)] if args.size_mb is not None else []
-        return bench_read.main(argv + (["--json", args.json] if args.json else []))
-    if args.what == "pipeline":
-        from rayjobs.bench import pipeline as bench_pipeline
-
-        # Every value given is passed on, 0 too (bench_pipeline refuses what it cannot run):
-        # a 0 was dropped, and the bench ran with the job's default instead.
-        argv = ["--scales", *map(str, args.scales)] if args.scales else []
-        for flag, value in (
-            ("--window-tokens", args.window_tokens),
-            ("--tokenize-actors", args.tokenize_actors),
-            ("--pace", args.pace),
-            ("--data-dir", args.data_dir),
-            ("--json", args.json),
-        ):
-            argv += [flag, str(value)] if value is not None else []
-        argv += ["--weights", *map(str, args.weights)] if args.weights else []
-        return bench_pipeline.main(argv)
-    if args.what == "peers":
-        from rayjobs.bench import peers as bench_peers
-
-        argv = ["--scales", *map(str, args.scales)] if args.scales else []
-        for flag, value in (
-            ("--num-proc", args.num_proc),
-            ("--repeats", args.repeats),
-            ("--data-dir", args.data_dir),
-            ("--json", args.json),
-        ):
-            argv += [flag, str(value)] if value is not None else []
-        return bench_peers.main(argv)
-    from pathlib import Path
-
-    from rayjobs.bench import packing as bench
-
-    data_dir = Path(args.data_dir) if args.data_dir else bench.DEFAULT_DATA_DIR
-    if not data_dir.is_dir():
-        print(
-            f"rayjobs: --data-dir {data_dir} is not a folder (the bench reads real data there)",
-            file=sys.stderr,
-        )
-        return 2
-    try:
-        names = bench.select_sets(args.data)
-    except ValueError as error:
-        print(f"rayjobs: {error}", file=sys.stderr)
-        return 2
-    seq_lens = bench.SEQ_LENS if args.seq_len is None else args.seq_len
-    window = bench.DEFAULT_WINDOW if args.window is None else args.window
-    window_tokens = args.window_tokens or bench.DEFAULT_WINDOW_TOKENS  # (0 is refused above)
-    lengths = bench.load_lengths(data_dir, names)
-    rows = bench.bench_packing(lengths, seq_lens, window, window_tokens)
-    print(bench.format_table(rows))
-    speed = bench.packing_function_speed(lengths, window=window)
-    print(bench.format_verdict(rows, window, speed, window_tokens))
-    if args.json:
-        bench.write_json(rows, args.json)
-    if not args.no_pipeline:
-        print(bench.format_stage_times(bench.time_pipeline(data_dir)))
-    return 0
-
-
-def _bench_attention(args: argparse.Namespace) -> int:
-    import torch
-
-    from rayjobs.bench import attention as bench_attention
-
-    if not torch.cuda.is_available():
-        print(
-            "rayjobs: bench attention needs a CUDA GPU (FlexAttention's training path)",
-            file=sys.stderr,
-        )
-        return 2
-    argv = ["--seq-len", *map(str, args.seq_len), "--mean-length", str(args.mean_length)]
-    bench_attention.main(argv + (["--json", args.json] if args.json else []))
-    return 0
-
-
-@contextlib.contextmanager
-def _ray_output_to_stderr() -> Iterator[None]:
-    """While a job runs, whatever Ray prints in this process (workers' log lines, raylet
-    warnings such as "N PYTHON worker processes have been started") goes to stderr: stdout holds
-    the report alone, so ``--json`` output parses whatever Ray says. Ray looks ``sys.stdout`` up
-    on every print, from its own threads too; file descriptor 1 points at stderr as well, for
-    what writes to it directly (a handler that kept the stdout it was created with, native code,
-    child processes)."""
-    sys.stdout.flush()
-    try:
-        saved = os.dup(1)
-        os.dup2(2, 1)
-    except OSError:  # no descriptor 1 or 2 (a daemon): sys.stdout alone
-        saved = None
-    try:
-        with contextlib.redirect_stdout(sys.stderr):
-            yield
-    finally:
-        sys.stderr.flush()
-        if saved is not None:
-            os.dup2(saved, 1)
-            os.close(saved)
-
-
-def _no_ray_data_progress_bars() -> None:
-    """Ray Data's progress bars off (thousands of lines in a job's log, around the progress
-    lines that say the same from exact counts), unless ``RAY_DATA_DISABLE_PROGRESS_BARS`` says
-    otherwise. The datasets a job builds take the setting with them to the actors that run
-    them."""
-    if "RAY_DATA_DISABLE_PROGRESS_BARS" not in os.environ:
-        import ray.data
-
-        ray.data.DataContext.get_current().enable_progress_bars = False
-
-
 def _inspect(args: argparse.Namespace, config: Any) -> int:
     """``rayjobs inspect``: the report as text, then (``--json``) as one JSON object on the last
     line of stdout, printed after Ray is shut down (as ``run --json``), so no Ray log line can
@@ -534,8 +360,8 @@ def _inspect(args: argparse.Namespace, config: Any) -> int:
             print(f"rayjobs: --plot {args.plot}: no such folder", file=sys.stderr)
             return 2
     owns_ray = not ray.is_initialized()
-    with _ray_output_to_stderr():
-        _no_ray_data_progress_bars()
+    with console.ray_output_to_stderr():
+        console.no_ray_data_progress_bars()
         report = inspect(config, limit=args.limit, plot_path=args.plot)
         if owns_ray:  # Ray's last lines (raylet warnings, log dedup) come out before the report
             ray.shutdown()
@@ -546,49 +372,8 @@ def _inspect(args: argparse.Namespace, config: Any) -> int:
     return 0
 
 
-class _Lines(logging.Formatter):
-    """``rayjobs: warning: ...`` for warnings and errors, ``rayjobs: ...`` for progress."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        warning = "warning: " if record.levelno >= logging.WARNING else ""
-        return f"rayjobs: {warning}{record.getMessage()}"
-
-
-class _Stderr(logging.StreamHandler):
-    """A handler writing to the ``sys.stderr`` of the moment (a test's capture, a redirect)."""
-
-    @property
-    def stream(self):
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, value) -> None:
-        pass
-
-
-@contextlib.contextmanager
-def _log_on_stderr() -> Iterator[None]:
-    """rayjobs' log lines (``logging.getLogger("rayjobs")``) on stderr while a command runs:
-    warnings (columns no template reads, samples lost to seq_len, ...) as ``rayjobs: warning:
-    ...``, and progress (INFO: the data side's start-up and counts, ``rayjobs.data``) as
-    ``rayjobs: ...``; ``--quiet`` sets the level back to WARNING (``_main``)."""
-    handler = _Stderr()
-    handler.setFormatter(_Lines())
-    logger = logging.getLogger("rayjobs")
-    logger.addHandler(handler)
-    propagate, logger.propagate = logger.propagate, False
-    level = logger.level
-    logger.setLevel(logging.INFO)
-    try:
-        yield
-    finally:
-        logger.removeHandler(handler)
-        logger.propagate = propagate
-        logger.setLevel(level)
-
-
 def main(argv: list[str] | None = None) -> int:
-    with _log_on_stderr():
+    with console.log_on_stderr():
         return _main(sys.argv[1:] if argv is None else argv)
 
 
@@ -613,7 +398,7 @@ def _main(argv: list[str]) -> int:
         args.overrides = [*args.overrides, *overrides]
     args.started = started
     if args.command == "bench":
-        return _bench(args)
+        return bench_command(args)
     if args.command == "submit":
         from rayjobs.job import submit
 
@@ -691,7 +476,7 @@ def _checked_job_command(args: argparse.Namespace) -> int:
         if args.command == "export":
             from rayjobs.job.export import export
 
-            _no_ray_data_progress_bars()
+            console.no_ray_data_progress_bars()
             manifest = export(
                 config, args.out, args.epochs, overwrite=args.overwrite, labels=args.labels
             )
@@ -706,8 +491,8 @@ def _checked_job_command(args: argparse.Namespace) -> int:
         from rayjobs.job.pipeline import run
 
         owns_ray = not ray.is_initialized()
-        with _ray_output_to_stderr():
-            _no_ray_data_progress_bars()
+        with console.ray_output_to_stderr():
+            console.no_ray_data_progress_bars()
             summary = run(config, resume=args.resume)
             if owns_ray:  # Ray's last lines (raylet warnings, log dedup) come before the summary
                 ray.shutdown()

@@ -1,14 +1,13 @@
 """The run configuration: typed sections (``schema``) and the loader (``load``)."""
 
 from rayjobs.config.load import _apply_override, config_from_dict, load_config, yaml_load
+from rayjobs.config.models import HFModelConfig, ModelConfig
 from rayjobs.config.schema import (
     Config,
     DatasetConfig,
     DPOConfig,
     EvalConfig,
-    HFModelConfig,
     MixConfig,
-    ModelConfig,
     PackingConfig,
     RayConfig,
     StorageConfig,

@@ -30,7 +30,8 @@ import yaml
 from pydantic import ValidationError
 
 from rayjobs.config.advice import describe, idle_keys
-from rayjobs.config.schema import Config, DatasetConfig, HFModelConfig, ModelConfig
+from rayjobs.config.models import HFModelConfig, ModelConfig
+from rayjobs.config.schema import Config, DatasetConfig
 from rayjobs.config.user_templates import import_template_modules
 from rayjobs.data import files, formats
 from rayjobs.errors import ConfigError

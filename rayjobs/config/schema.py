@@ -8,27 +8,14 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
+from rayjobs.config.base import Strict, registered
+from rayjobs.config.models import MODEL_KINDS, HFModelConfig, ModelConfig
 from rayjobs.data import formats, pack, templates
 
 
-def _registered(value: str, registry, kind: str) -> str:
-    """``value`` if it names an entry of ``registry``; else a message listing the entries."""
-    if value not in registry:
-        choices = ", ".join(repr(name) for name in sorted(registry))
-        raise ValueError(f"unknown {kind} {value!r}; registered: {choices}")
-    return value
-
-
-class _Strict(BaseModel):
-    # allow_inf_nan: a weight or lr of .inf passes gt=0 (and NaN fails every check silently);
-    # strict: YAML's quoted '3e-4' is text, refused for a number (not coerced: a value the file
-    # says is text should not silently become one); an int is still taken for a float
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
-
-
-class StorageConfig(_Strict):
+class StorageConfig(Strict):
     """A dataset's object-store settings (``rayjobs.data.files``); credentials never go here:
     they come from each node's environment."""
 
@@ -41,7 +28,7 @@ class StorageConfig(_Strict):
     """Read a public bucket without credentials."""
 
 
-class DatasetConfig(_Strict):
+class DatasetConfig(Strict):
     name: str = Field(min_length=1)
     """Unique name; used in metrics, the run summary and error messages."""
     source: str | list[str]
@@ -108,14 +95,14 @@ class DatasetConfig(_Strict):
     @classmethod
     def _known_format(cls, value: str | None) -> str | None:
         return (
-            value if value is None else _registered(value, [*formats.FORMATS, formats.HF], "format")
+            value if value is None else registered(value, [*formats.FORMATS, formats.HF], "format")
         )
 
     @field_validator("template")
     @classmethod
     def _known_template(cls, value: str) -> str:
         try:
-            return _registered(value, templates.TEMPLATES, "template")
+            return registered(value, templates.TEMPLATES, "template")
         except ValueError as error:
             raise ValueError(f"{error} (a template of your own: name its module in "
                              "template_modules)") from None  # fmt: skip
@@ -162,7 +149,7 @@ class DatasetConfig(_Strict):
         return self
 
 
-class TokenizerConfig(_Strict):
+class TokenizerConfig(Strict):
     path: str
     """A tokenizer.json file, a local tokenizer directory, or a Hugging Face tokenizer name."""
     chat_template: str | None = None
@@ -179,7 +166,7 @@ class TokenizerConfig(_Strict):
     ``tokenizer(text)`` gives at inference."""
 
 
-class MixConfig(_Strict):
+class MixConfig(Strict):
     by: Literal["tokens", "samples"] = "tokens"
     """What each dataset's ``weight`` is a share of: the epoch's tokens or its samples."""
     epoch_samples: int | None = Field(default=None, gt=0)
@@ -196,7 +183,7 @@ class MixConfig(_Strict):
         return self
 
 
-class PackingConfig(_Strict):
+class PackingConfig(Strict):
     seq_len: int = Field(default=2048, gt=1)
     """Length of every packed row (at least 2: a one-token row has nothing to predict)."""
     mode: Literal["stream", "planned"] = "stream"
@@ -233,69 +220,10 @@ class PackingConfig(_Strict):
     @field_validator("strategy")
     @classmethod
     def _known_strategy(cls, value: str) -> str:
-        return _registered(value, pack.STRATEGIES, "packing strategy")
+        return registered(value, pack.STRATEGIES, "packing strategy")
 
 
-class ModelConfig(_Strict):
-    """``train.model`` with ``kind: demo`` (the default): the small decoder of
-    ``rayjobs.train.model``."""
-
-    kind: Literal["demo"] = "demo"
-    dim: int = Field(default=128, gt=0)
-    n_layers: int = Field(default=2, gt=0)
-    n_heads: int = Field(default=4, gt=0)
-
-    @model_validator(mode="after")
-    def _heads_divide_dim(self) -> ModelConfig:
-        if self.dim % self.n_heads or (self.dim // self.n_heads) % 2:
-            raise ValueError(
-                f"dim ({self.dim}) must be n_heads ({self.n_heads}) heads of even width "
-                f"(RoPE rotates pairs of dimensions)"
-            )
-        return self
-
-
-class HFModelConfig(_Strict):
-    """``train.model`` with ``kind: hf``: a Hugging Face causal LM, pretrained (``path``) or an
-    architecture initialised at random with the run's seed (``config_path`` or
-    ``config.model_type``)."""
-
-    kind: Literal["hf"]
-    path: str | None = None
-    """Pretrained weights: a local checkpoint directory or a Hub name (from the local cache unless
-    ``allow_download``), loaded with ``AutoModelForCausalLM.from_pretrained``."""
-    config_path: str | None = None
-    """An architecture from a local ``config.json`` (or a folder holding one), random init."""
-    config: dict[str, Any] = Field(default_factory=dict)
-    """Config values: overrides of the loaded config; without ``path`` or ``config_path`` the
-    whole architecture, ``model_type`` included (``AutoConfig.for_model``). ``vocab_size`` and the
-    bos/eos/pad token ids default to the tokenizer's for a random init."""
-    attn_implementation: Literal["sdpa", "eager", "flex_attention"] | None = None
-    """Attention backend; default from ``train.attention`` (flex: ``flex_attention``, sdpa:
-    ``sdpa``). ``flex_attention`` trains on CUDA only."""
-    allow_download: bool = False
-    """Let ``path`` (a Hub name) download; by default only the local cache is read."""
-
-    @model_validator(mode="after")
-    def _one_source(self) -> HFModelConfig:
-        if self.path is not None and self.config_path is not None:
-            raise ValueError("set path (pretrained weights) or config_path (random init), not both")
-        has_type = "model_type" in self.config
-        if (self.path is not None or self.config_path is not None) and has_type:
-            raise ValueError("config.model_type comes from path / config_path; remove it")
-        if self.path is None and self.config_path is None and not has_type:
-            raise ValueError(
-                "set path (pretrained weights), config_path (a config.json) or "
-                "config.model_type (an architecture, e.g. llama) to say which model to build"
-            )
-        return self
-
-
-MODEL_KINDS = {"demo": ModelConfig, "hf": HFModelConfig}
-"""``train.model.kind`` → its section."""
-
-
-class TrainConfig(_Strict):
+class TrainConfig(Strict):
     num_workers: int = Field(default=2, ge=0)
     """Ray Train workers (0 runs the loop in the driver process: Ray Train's local mode, which
     rayjobs' loop persists checkpoints for itself; no restarts, no ``--resume``)."""
@@ -468,7 +396,7 @@ class TrainConfig(_Strict):
         return MODEL_KINDS[kind].model_validate(value)
 
 
-class RayConfig(_Strict):
+class RayConfig(Strict):
     address: str | None = None
     """Cluster to connect to; default: $RAY_ADDRESS, else an embedded local Ray."""
     num_cpus: float | None = Field(default=None, gt=0)
@@ -487,7 +415,7 @@ class RayConfig(_Strict):
     anywhere with free CPUs."""
 
 
-class DPOConfig(_Strict):
+class DPOConfig(Strict):
     min_prompt_tokens: int = Field(default=64, ge=1)
     """A triple longer than ``seq_len`` keeps at least this many tokens of its prompt (its end,
     where the turn the responses answer is): its responses are cut first, and a triple that
@@ -502,7 +430,7 @@ class DPOConfig(_Strict):
     not log 2)."""
 
 
-class EvalConfig(_Strict):
+class EvalConfig(Strict):
     """Held-out evaluation: the loss (DPO: loss and rewards) over datasets never trained on, as
     HF's ``eval_dataset`` / ``eval_steps`` and torchtune's ``dataset_val``."""
 
@@ -547,7 +475,7 @@ def _unique(datasets: list[DatasetConfig]) -> list[DatasetConfig]:
     return datasets
 
 
-class Config(_Strict):
+class Config(Strict):
     template_modules: list[str] = Field(default_factory=list)
     """Python modules that register templates of the user's own (``@register_template``),
     imported by name before the datasets are validated: from the config's folder first, then the

@@ -19,10 +19,8 @@ import contextlib
 import logging
 import math
 import os
-import signal
-import threading
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +36,7 @@ from rayjobs.data.planned import Epochs
 from rayjobs.data.sources import read_dataset
 from rayjobs.data.tokenizer import Tokenizer
 from rayjobs.errors import AccountingError, ConfigError, Interrupted, RunFailed, user_error
+from rayjobs.job.connect import init_ray
 from rayjobs.job.ledger import Ledger
 from rayjobs.job.monitor import DataMonitor
 from rayjobs.train import trackers
@@ -46,72 +45,6 @@ from rayjobs.train.names import EVAL_DATASET, FINAL_SUMMARY
 from rayjobs.train.progress import Progress, planned_steps
 
 logger = logging.getLogger("rayjobs.data")
-
-
-def init_ray(config: Config) -> None:
-    """Connect to ``ray.address`` / ``$RAY_ADDRESS``, or start an embedded local Ray."""
-    if ray.is_initialized():
-        return
-    address = config.ray.address or os.environ.get("RAY_ADDRESS")
-    if address:
-        with _own_sigterm():
-            ray.init(address=address, log_to_driver=True)
-        return
-    num_cpus = config.ray.num_cpus or max(4, 2 * (os.cpu_count() or 1))
-    # address "local": a new Ray of its own even where a `ray start` cluster runs on the machine
-    # (ray.init() alone would join that one and refuse num_cpus).
-    with _own_sigterm(), _loopback_only():
-        ray.init(
-            address="local",
-            num_cpus=num_cpus,
-            log_to_driver=True,
-            dashboard_host="127.0.0.1",  # the dashboard: metrics, and Ray's default
-        )
-
-
-SINGLE_MACHINE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
-"""Ray's switch of single-machine mode (its default on macOS and Windows): ``0`` takes 127.0.0.1
-as the node's address, which every Ray server of the node then binds to."""
-
-
-@contextlib.contextmanager
-def _loopback_only() -> Iterator[None]:
-    """While the embedded Ray starts, Ray's single-machine mode: every server it starts (GCS,
-    raylet, object manager, each worker's gRPC, the dashboard agent, the runtime-env agent)
-    listens on 127.0.0.1 only, not on every interface of a shared network (docs/cluster.md,
-    "Network exposure"). The node's processes take it from the environment; this process read
-    it when it imported Ray, so it is set there too, for ``ray.init`` only: a later connection to a
-    cluster needs this machine's own address. ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1`` in the
-    environment keeps Ray's default."""
-    from ray._private import ray_constants
-
-    if os.environ.get(SINGLE_MACHINE, "0") not in ("0", "false", "False"):
-        yield
-        return
-    saved = os.environ.get(SINGLE_MACHINE), ray_constants.ENABLE_RAY_CLUSTER
-    os.environ[SINGLE_MACHINE] = "0"
-    ray_constants.ENABLE_RAY_CLUSTER = False
-    try:
-        yield
-    finally:
-        if saved[0] is None:
-            os.environ.pop(SINGLE_MACHINE, None)
-        else:
-            os.environ[SINGLE_MACHINE] = saved[0]
-        ray_constants.ENABLE_RAY_CLUSTER = saved[1]
-
-
-@contextlib.contextmanager
-def _own_sigterm() -> Iterator[None]:
-    """Keep the caller's SIGTERM handler (the command line's: say what was left where, exit
-    143) across ``ray.init``, which installs its own (``sys.exit(15)``); a process that set none
-    keeps Ray's."""
-    previous = signal.getsignal(signal.SIGTERM)
-    try:
-        yield
-    finally:
-        if callable(previous) and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, previous)
 
 
 def load_tokenizer(config: Config) -> Tokenizer:

@@ -81,6 +81,8 @@ def checkpoint_due(spec: Any, state: Any, clock: float, device: torch.device) ->
         return False
     late = not state.checkpoints or time.monotonic() - clock >= minutes * 60
     return bool(all_reduce(torch.tensor([int(late)], device=device), dist.ReduceOp.MAX)[0])
+
+
 def warmup_steps(steps: int) -> int:
     """Steps left out of ``throughput``: the first tenth (at least one), as ``loss_first``."""
     return min(steps, max(1, steps // 10))

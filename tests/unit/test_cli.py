@@ -48,11 +48,11 @@ def test_ray_log_lines_go_to_stderr_while_a_job_runs(capsys):
     ``run``/``inspect`` work, through Ray's own printer: stdout holds the report alone."""
     from ray._private.worker import print_to_stdstream
 
-    from rayjobs.cli import _ray_output_to_stderr
+    from rayjobs.console import ray_output_to_stderr
 
     line = {"ip": "127.0.0.1", "pid": "raylet", "is_err": False, "job": "01000000"}
     line |= {"task_name": None, "actor_name": None}
-    with _ray_output_to_stderr():
+    with ray_output_to_stderr():
         print_to_stdstream({**line, "lines": ["WARNING: 12 PYTHON worker processes"]}, False)
     print("the report")
     out, err = capsys.readouterr()
