@@ -32,7 +32,7 @@ def usage_error(args: argparse.Namespace) -> str | None:
     foreign = [
         "--" + dest.replace("_", "-")
         for dest, value in vars(args).items()
-        if dest not in (*BENCH_OPTIONS[args.what], "command", "what")
+        if dest not in (*BENCH_OPTIONS[args.what], "command", "what", "started")
         and value is not None
         and value is not False
     ]

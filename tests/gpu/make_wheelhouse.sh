@@ -23,7 +23,7 @@
 # PYTHON_VERSION: the GPU machine's Python (3.12; `python3 --version` there). Needs pip and
 # network here. Ends by printing the folder's size and the working tree's beside the limit.
 set -euo pipefail
-root=$(cd "$(dirname "$0")/../.." && pwd)
+root=$(dirname "$(dirname "$(cd "$(dirname "$0")" && pwd)")") # the repository root
 out=${1:-$root/gpu-wheels}
 py=${PYTHON_VERSION:-3.12}
 abi=cp${py/./}

@@ -26,7 +26,7 @@
 #   PYTHON        the interpreter (default python3); WHEELS: the wheelhouse (default gpu-wheels;
 #                 not a folder: no install, Ray must be there already); BUDGET_S: seconds in all.
 set -uo pipefail
-cd "$(dirname "$0")/../.." || exit 1 # the repository root
+cd "$(dirname "$(dirname "$(cd "$(dirname "$0")" && pwd)")")" || exit 1 # the repository root
 out=${1:-gpu-ray}
 mode=${RAY_GPU_MODE:-gpu}
 python=${PYTHON:-python3}
