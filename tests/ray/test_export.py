@@ -212,7 +212,7 @@ def test_cli_passes_overwrite_to_export(tmp_path, monkeypatch, flag, overwrite):
 
     seen = {}
 
-    def fake_export(config, out, epochs=None, overwrite=False):
+    def fake_export(config, out, epochs=None, overwrite=False, labels="hf"):
         seen.update(out=out, overwrite=overwrite)
         return {"packed": {"num_packs": 0, "efficiency": 0.0}, "epochs": []}
 

@@ -339,7 +339,7 @@ def test_a_dataset_left_without_samples_is_a_config_error(fake_ledger):
 def test_max_delay_is_the_largest_over_the_epochs_planned(fake_ledger):
     epochs = _epochs(_samples(), fake_ledger)
     delays = iter([2, 0])
-    epochs._pack_plan = lambda epoch: ({}, next(delays))
+    epochs._pack_plan = lambda epoch: ({"pack": np.zeros(0, np.int64)}, next(delays))
     epochs.pack_plan(0), epochs.pack_plan(1)
     assert epochs.max_delay_windows == 2
 

@@ -98,7 +98,7 @@ def _config(tmp: Path, spec: dict, seq_len: int) -> str:
             {
                 "datasets": [spec],
                 "tokenizer": {"path": str(GPT2)},
-                "packing": {"seq_len": seq_len, "window": 64},
+                "packing": {"seq_len": seq_len},
                 "ray": {"min_actors": 1, "tokenize_concurrency": 1, "pack_concurrency": 1},
             }
         )
