@@ -21,7 +21,8 @@ Reported for each (scale, path), from the process's start:
 
 - ``wall_s``: until the last packed row was written (the latest modification of an output
   Parquet file); ``exit_s``: until the process ended (Ray's shutdown included);
-  ``first_output_s``: until the first Parquet file appeared (polled every ``WATCH_S``);
+  ``first_output_s``: until the first Parquet file appeared (polled every ``WATCH_S``, in
+  ``rayjobs export``'s staging folder too);
 - ``peak_pss_mb``: the peak of the process tree's proportional set size (PSS: a page shared
   between processes, such as forked workers' inherited pages or Ray's object store, is split
   between them, so it counts once), sampled every ``SAMPLE_S``; ``peak_rss_mb``: the tree's RSS
@@ -54,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from rayjobs.bench.pipeline import LABEL_SWEEPS, _Memory, cpu_ticks, process_label, steal_between
+from rayjobs.job.export import staging
 
 PATHS = ("rayjobs", "trl")
 SEQ_LEN = 2048
@@ -205,7 +207,8 @@ def run_measured(command: list[str], out: Path, log: Path, env: dict[str, str]) 
         tree.start()
         first = None
         while process.poll() is None:
-            if first is None and _parquet_files(out):
+            # a local export writes beside ``out`` and renames its folder into place at the end
+            if first is None and (_parquet_files(out) or _parquet_files(Path(staging(str(out))))):
                 first = time.time() - started
             if time.time() - started > RUN_TIMEOUT_S:
                 os.killpg(process.pid, 9)  # the group this bench started, and only it

@@ -192,7 +192,7 @@ def test_a_submitted_jobs_log_holds_the_data_and_training_lines(ray_head):
     assert steps == [5, 10, 12]
     data = [tuple(map(int, m.groups())) for m in DATA.finditer(logs)]
     assert data and data[-1][2] > 0 and data[-1][3] > 0  # tokens and packs
-    assert "rayjobs: data: stdlib_chat: counting its rows" in logs
+    assert "rayjobs: data: stdlib_chat: estimating sample lengths from its first rows" in logs
     summary_at = logs.index('{"steps": 12')  # the --json line the job's run printed
     assert logs.index("rayjobs: step 12/12") < summary_at
     assert logs.index("rayjobs: data: rows") < summary_at
