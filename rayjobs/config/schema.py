@@ -164,6 +164,14 @@ class TokenizerConfig(Strict):
     does (a chat template writing ``{{ bos_token }}``); default: as the tokenizer's own
     post-processor does (Llama, Gemma: yes; GPT-2: no), so fine-tuning sees what
     ``tokenizer(text)`` gives at inference."""
+    backend: Literal["auto", "tokenizers", "fastokens"] = "auto"
+    """The library that encodes text: ``tokenizers`` (Hugging Face's, which also loads the
+    tokenizer, its special tokens and chat template either way) or ``fastokens`` (a faster
+    encoder of the same ``tokenizer.json``; refused when it cannot load the tokenizer or
+    encodes the run's first rows otherwise). ``auto``: fastokens where it is installed, loads
+    the tokenizer and makes samples identical to tokenizers' from the head of every dataset,
+    checked once by the driver at start-up; else tokenizers, with the reason (a warning, and
+    the summary's ``tokenizer``)."""
 
 
 class MixConfig(Strict):
