@@ -64,7 +64,7 @@ def choose(
     heads: dict[str, pa.Table | None] | None = None,
 ) -> tuple[Config, Choice]:
     """The run's encoder, decided on the datasets' ``heads`` (their raw-row tables, by name;
-    default: each dataset's first ``HEAD_ROWS`` good rows, parsed in the driver), and the config
+    default: each dataset's first ``HEAD_ROWS`` good rows), and the config
     the Tokenize actors get (``tokenizer.backend`` set to it).
 
     Raises:
@@ -79,7 +79,7 @@ def choose(
     specs = [*config.datasets, *config.eval.datasets]
     if problem is None:
         if heads is None:
-            heads = {spec.name: _head(spec) for spec in specs}
+            heads = {spec.name: _head(config, spec) for spec in specs}
         problem, rows, straddles = _compare(config, specs, heads)
     if problem is None:
         said = "" if wanted == "fastokens" else "fastokens is installed, loads the tokenizer and "
@@ -96,10 +96,13 @@ def choose(
     return decided(config, "tokenizers"), Choice("tokenizers", reason, rows, straddles)
 
 
-def _head(spec: DatasetConfig) -> pa.Table | None:
+def _head(config: Config, spec: DatasetConfig) -> pa.Table | None:
+    """The dataset's first ``HEAD_ROWS`` good rows (parsed in the driver; a Hugging Face
+    dataset's read through Ray, on the data nodes, as ``estimate`` reads them)."""
     from rayjobs.data.estimate import _head as head
+    from rayjobs.data.placement import on_data_nodes
 
-    return head(spec, None, HEAD_ROWS).table
+    return head(spec, on_data_nodes(config), HEAD_ROWS).table
 
 
 def _compare(
