@@ -41,8 +41,11 @@ class Choice:
     """Texts of those rows fastokens could not place by parts alone (a token straddling the start
     of a trained part), encoded again by tokenizers for their offsets (``encode_parts``)."""
 
+    warning: str | None = None
+    """The fallback's warning (``auto`` only), also the summary's ``warnings``."""
+
     def summary(self) -> dict[str, Any]:
-        return asdict(self)
+        return {key: value for key, value in asdict(self).items() if key != "warning"}
 
 
 def decided(config: Config, backend: str) -> Config:
@@ -64,8 +67,8 @@ def choose(
     heads: dict[str, pa.Table | None] | None = None,
 ) -> tuple[Config, Choice]:
     """The run's encoder, decided on the datasets' ``heads`` (their raw-row tables, by name;
-    default: each dataset's first ``HEAD_ROWS`` good rows), and the config
-    the Tokenize actors get (``tokenizer.backend`` set to it).
+    default: each dataset's first ``HEAD_ROWS`` good rows), and the config the Tokenize actors
+    get (``tokenizer.backend`` set to it).
 
     Raises:
         ConfigError: ``tokenizer.backend: fastokens`` where fastokens is not installed, cannot
@@ -82,7 +85,11 @@ def choose(
             heads = {spec.name: _head(config, spec) for spec in specs}
         problem, rows, straddles = _compare(config, specs, heads)
     if problem is None:
-        said = "" if wanted == "fastokens" else "fastokens is installed, loads the tokenizer and "
+        said = (
+            "tokenizer.backend: fastokens, which "
+            if wanted == "fastokens"
+            else "fastokens is installed, loads the tokenizer and "
+        )
         reason = (
             f"{said}gives the same ids and samples as tokenizers on {rows} head rows of "
             f"{len(specs)} dataset(s) ({straddles} text(s) placed by tokenizers' offsets, a "
@@ -92,8 +99,9 @@ def choose(
     if wanted == "fastokens":
         raise refusal(problem)
     reason = f"fastokens {problem}"
-    logger.warning("tokenizer.backend auto: using tokenizers (%s)", reason)
-    return decided(config, "tokenizers"), Choice("tokenizers", reason, rows, straddles)
+    warning = f"tokenizer.backend auto: using tokenizers ({reason})"
+    logger.warning(warning)
+    return decided(config, "tokenizers"), Choice("tokenizers", reason, rows, straddles, warning)
 
 
 def _head(config: Config, spec: DatasetConfig) -> pa.Table | None:

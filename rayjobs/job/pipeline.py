@@ -168,6 +168,8 @@ class Job:
             for spec in self.config.datasets
             if self.unused_columns.get(spec.name)
         ]
+        if self.encoder is not None and self.encoder.warning:
+            summary["warnings"].append(self.encoder.warning)  # warned of once, at start-up
         # (an epoch cut short by max_steps holds what was packed by then, in no set shares)
         for warning in checks.share_warnings(self.config, mixes if complete else mixes[:-1]):
             checks.logger.warning(warning)

@@ -153,6 +153,7 @@ def _fallback(config, caplog, heads=None):
     assert decided.tokenizer.backend == "tokenizers" == choice.backend
     [record] = [r for r in caplog.records if r.name == "rayjobs"]
     assert record.getMessage() == f"tokenizer.backend auto: using tokenizers ({choice.reason})"
+    assert choice.warning == record.getMessage()  # the summary's warnings hold it too
     return choice
 
 
