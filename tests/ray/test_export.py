@@ -240,10 +240,16 @@ def test_preference_rows_export_their_mask_columns():
     assert "parent_ids" not in to_arrow(sft).column_names
 
 
-def test_fastokens_and_tokenizers_export_the_same_packed_rows(ray_local, tmp_path):
+DETERMINISTIC = {  # docs/cli.md: the data side packs the same samples the same way
+    "stream": {"mode": "stream", "window_tokens": 1 << 22, "warmup_tokens": 0},  # one window
+    "planned": {"mode": "planned"},
+}
+
+
+@pytest.mark.parametrize("mode", list(DETERMINISTIC))
+def test_fastokens_and_tokenizers_export_the_same_packed_rows(ray_local, tmp_path, mode):
     """tokenizer.backend auto (fastokens, decided at start-up on the heads) and tokenizers give
-    the same packed rows (planned mode packs the same samples the same way), and each manifest
-    says which library encoded."""
+    the same packed rows, and each manifest says which library encoded."""
     rows, encoders = {}, {}
     for backend in ("auto", "tokenizers"):
         config = config_from_dict(
@@ -253,7 +259,7 @@ def test_fastokens_and_tokenizers_export_the_same_packed_rows(ray_local, tmp_pat
                     {"name": "hh_chat", "source": str(HH_CHAT), "template": "chat"},
                 ],
                 "tokenizer": {"path": str(GPT2), "backend": backend},
-                "packing": {"seq_len": SEQ_LEN, "mode": "planned"},
+                "packing": {"seq_len": SEQ_LEN, **DETERMINISTIC[mode]},
                 "train": {"epochs": 1},
             },
             base_dir=ROOT,
