@@ -233,3 +233,18 @@ def test_fastokens_set_where_it_cannot_load_the_tokenizer_is_refused_before_ray(
     )
     assert main(["validate", str(path)]) == 2
     assert "tokenizer.backend: fastokens cannot load this tokenizer" in capsys.readouterr().err
+
+
+def test_validate_says_which_library_would_encode(tmp_path, capsys):
+    assert main(["validate", str(ROOT / "configs" / "demo.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "tokenizer: encoded by fastokens (fastokens is installed, loads the tokenizer" in out
+    path = tmp_path / "spm.yaml"
+    path.write_text(
+        f"datasets: [{{name: alpaca, source: {ALPACA}, template: alpaca}}]\n"
+        f"tokenizer: {{path: {SPM_BPE}}}\n"
+    )
+    assert main(["validate", str(path)]) == 0
+    captured = capsys.readouterr()
+    assert "tokenizer: encoded by tokenizers (fastokens cannot load this" in captured.out
+    assert "tokenizer.backend auto: using tokenizers (fastokens cannot load" in captured.err
