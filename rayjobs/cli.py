@@ -330,6 +330,10 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"resumed from step {resume['step']} (skipped {resume['rows_skipped_per_rank']} "
             "rows per rank of the stream it re-read)"
         )
+    if summary.get("tokenizer"):
+        from rayjobs.job.report import tokenizer_line
+
+        lines.append(tokenizer_line(summary["tokenizer"]))
     lines.append(f"run {summary['run_name']}  checkpoint {summary['checkpoint']}")
     return "\n".join(lines)
 

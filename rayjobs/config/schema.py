@@ -164,6 +164,14 @@ class TokenizerConfig(Strict):
     does (a chat template writing ``{{ bos_token }}``); default: as the tokenizer's own
     post-processor does (Llama, Gemma: yes; GPT-2: no), so fine-tuning sees what
     ``tokenizer(text)`` gives at inference."""
+    backend: Literal["auto", "tokenizers", "fastokens"] = "auto"
+    """The library that encodes text: ``tokenizers`` (Hugging Face's, which loads the tokenizer,
+    its special tokens and chat template whichever encodes) or ``fastokens`` (a core dependency:
+    a faster encoder of the same ``tokenizer.json``, no offsets; refused, before Ray starts, where
+    it cannot load the tokenizer, and where it encodes the head of a dataset otherwise).
+    ``auto``: fastokens where it is installed, loads the tokenizer and gives the same ids and
+    samples as tokenizers on the head of every dataset, checked once by the driver at start-up;
+    else tokenizers, with the reason (a warning, and the summary's ``tokenizer``)."""
 
 
 class MixConfig(Strict):

@@ -321,10 +321,10 @@ def encode_triples(
     texts = [
         t
         for row in rows
-        for t in (row.content.prompt, row.content.prompt + row.content.chosen,
-                  row.content.prompt + row.content.rejected)
+        for t in ([row.content.prompt], [row.content.prompt, row.content.chosen],
+                  [row.content.prompt, row.content.rejected])
     ]  # fmt: skip
-    encoded = iter(tokenizer.encode_with_starts(texts))
+    encoded = iter(tokenizer.encode_parts(texts))
     eos = [tokenizer.eos_id]
 
     def response(prompt_ids: list[int], at: int, text: str) -> tuple[list[int], int]:
@@ -333,7 +333,7 @@ def encode_triples(
         inside = sum(start < at for start in starts)
         alone = int(ids[:inside] != prompt_ids)
         if alone:  # a token straddles the boundary (rare): the response on its own
-            [(ids, _)] = tokenizer.encode_with_starts([text])
+            [ids] = tokenizer.encode_batch([text])
             inside = 0
         tokens = ids[inside:]
         return (tokens if tokenizer.ends_with_eos(text) else [*tokens, *eos]), alone

@@ -93,6 +93,25 @@ def encode_segments(
     return input_ids, shift_labels(input_ids, trained)
 
 
+def trained_parts(segments: Sequence[Segment], train_on_input: bool) -> list[str]:
+    """The texts of a sample's runs of consecutive segments trained alike (one run with
+    ``train_on_input``): where the tokenizer must tell which part a token starts in.
+
+    >>> trained_parts([Segment("Q: ", False), Segment("hi ", False), Segment("A", True)], False)
+    ['Q: hi ', 'A']
+    """
+    parts: list[str] = []
+    last = None
+    for segment in segments:
+        trained = train_on_input or segment.trainable
+        if parts and trained == last:
+            parts[-1] += segment.text
+        else:
+            parts.append(segment.text)
+        last = trained
+    return parts
+
+
 def apply_overflow(
     input_ids: np.ndarray, labels: np.ndarray, seq_len: int, policy: str
 ) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
@@ -149,8 +168,9 @@ def encode_samples(
     each fitted to ``fit.seq_len`` by the overflow policy and counted (what overflow drops, cuts
     or leaves with nothing to train too); and, per sample, the index of the row it came from (a
     split row makes several)."""
-    texts = ["".join(s.text for s in row.content) for row in rows]
-    encoded = tokenizer.encode_with_starts(texts)
+    parts = [trained_parts(row.content, row.spec.train_on_input) for row in rows]
+    texts = ["".join(text) for text in parts]
+    encoded = tokenizer.encode_parts(parts)
     input_ids, labels, sources, uids, kept = [], [], [], [], []
     for row, text, (ids, starts) in zip(rows, texts, encoded, strict=True):
         has_eos = tokenizer.ends_with_eos(text)

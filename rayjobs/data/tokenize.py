@@ -27,7 +27,7 @@ from rayjobs.data.counts import StageTimer, TokenizeCounts, batch_key, report, r
 from rayjobs.data.formats import HF, HF_PLACE, bad_row_error, bad_row_place, hf_label
 from rayjobs.data.samples import Fit, Templated
 from rayjobs.data.tasks import TASKS, Task
-from rayjobs.data.templates import RowError, Segment
+from rayjobs.data.templates import Preference, RowError, Segment
 from rayjobs.data.tokenizer import Tokenizer
 from rayjobs.errors import DataError
 
@@ -108,6 +108,31 @@ class Tokenize:
             tally.seconds = timer.seconds / len(counts)
             tally.cpu_seconds = timer.cpu_seconds / len(counts)
         return table, dict(counts)
+
+    def texts(self, batch: pa.Table) -> list[str]:
+        """The texts the batch's good rows are encoded as, whole (a sample's joined segments; a
+        triple's prompt, and its prompt followed by each response): what ``backends`` compares
+        the two libraries' ids on. Bad rows are left out, uncounted."""
+        texts = []
+        skips = (
+            batch.column("_skip").to_pylist()
+            if "_skip" in batch.column_names
+            else [None] * batch.num_rows
+        )
+        names, records = (batch.column(c).to_pylist() for c in ("_dataset", "_record"))
+        for name, record, skip in zip(names, records, skips, strict=True):
+            if skip is not None:
+                continue
+            try:
+                content = self._template(self.datasets[name], record)
+            except _BadRow:
+                continue
+            if isinstance(content, Preference):
+                prompt = content.prompt
+                texts += [prompt, prompt + content.chosen, prompt + content.rejected]
+            else:
+                texts.append("".join(segment.text for segment in content))
+        return texts
 
     def _task(self, batch: pa.Table) -> Task:
         """The task of the batch's datasets (a job's datasets share one, as the config checks; a

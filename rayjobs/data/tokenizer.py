@@ -1,11 +1,14 @@
 """The run's tokenizer: the Rust ``tokenizers`` backend, the special-token ids rayjobs needs, and
-chat rendering, loaded without torch (Tokenize actors on CPU nodes never import it)."""
+chat rendering, loaded without torch (Tokenize actors on CPU nodes never import it); where
+``tokenizer.backend`` says so, text is encoded by ``fastokens`` instead (``encode_parts``)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from rayjobs.config import TokenizerConfig
 from rayjobs.data import spm, templates
@@ -27,6 +30,12 @@ class Tokenizer:
     """
 
     def __init__(self, config: TokenizerConfig):
+        # ``auto`` is the driver's to decide (``backends.choose``) and reaches the Tokenize actors
+        # decided; left undecided, it encodes with tokenizers, the reference.
+        self.encoder = "fastokens" if config.backend == "fastokens" else "tokenizers"
+        self._fast: Any = None
+        self.straddles = 0
+        """Texts ``encode_parts`` encoded again by tokenizers (a token straddling two parts)."""
         path = Path(config.path)
         settings = _folder_settings(path) if path.is_dir() else {}
         kind, file, proto = _source(path)
@@ -132,13 +141,75 @@ class Tokenizer:
             return ids, starts
         return [self.bos_id, *ids], [0, *starts]
 
+    @property
+    def fast(self) -> Any:
+        """The fastokens encoder where the run encodes with it (loaded on first use: a train
+        worker that never encodes never loads it), else None.
+
+        Raises:
+            ConfigError: fastokens is not installed or cannot load this tokenizer.
+        """
+        if self._fast is None and self.encoder == "fastokens":
+            self._fast, problem = load_fast(self.backend)
+            if problem:
+                raise ConfigError(
+                    f"tokenizer.backend: fastokens {problem}; set tokenizer.backend to auto or "
+                    "tokenizers"
+                )
+        return self._fast
+
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [ids for ids, _ in self.encode_with_starts(texts)]
+        """Each text's token ids, by the run's encoder."""
+        if self.fast is not None:
+            ids, offsets = _flat(self.fast, texts)
+            return [ids[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
+        return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)]
 
     def encode_with_starts(self, texts: list[str]) -> list[tuple[list[int], list[int]]]:
-        """Each text's token ids and where each token starts (a character offset in the text)."""
+        """Each text's token ids and where each token starts (a character offset in the text),
+        by ``tokenizers`` (fastokens has no offsets)."""
         encodings = self.backend.encode_batch(texts, add_special_tokens=False)
         return [(e.ids, [start for start, _ in e.offsets]) for e in encodings]
+
+    def encode_parts(self, texts: list[list[str]]) -> list[tuple[list[int], list[int]]]:
+        """Each text, given as its parts, as one text's token ids, and for each token a
+        character offset in the text that lies in the part the token starts in: where the token
+        starts (``encode_with_starts``), or, encoded by fastokens, where its part starts.
+
+        fastokens tracks no offsets. It encodes each text whole and each of its parts alone;
+        where the parts' ids, one after another, are the whole text's, every token lies inside
+        one part, and the part's start stands for the token's. Where they are not (a token
+        straddles two parts: GPT-2's " 4" after a part ending in a space; a SentencePiece
+        tokenizer's space before a part), the text is encoded again by ``tokenizers``, with its
+        offsets. Either way each token is placed in the part it starts in.
+        """
+        if self.fast is None:
+            return self.encode_with_starts(["".join(parts) for parts in texts])
+        whole = ["".join(parts) for parts in texts]
+        split = [p for parts in texts if len(parts) > 1 for p in parts]
+        ids, offsets = _flat(self.fast, whole + split)
+        out: list[Any] = []
+        straddled = []
+        at = len(whole)  # the next text's first part, in offsets
+        for index, parts in enumerate(texts):
+            text_ids = ids[offsets[index] : offsets[index + 1]]
+            if len(parts) < 2:
+                out.append((text_ids.tolist(), [0] * len(text_ids)))
+                continue
+            ends = offsets[at : at + len(parts) + 1]
+            at += len(parts)
+            if not np.array_equal(ids[ends[0] : ends[-1]], text_ids):
+                straddled.append(index)
+                out.append(None)
+                continue
+            part_starts = np.cumsum([0, *(len(p) for p in parts[:-1])])
+            out.append((text_ids.tolist(), np.repeat(part_starts, np.diff(ends)).tolist()))
+        if straddled:
+            self.straddles += len(straddled)
+            again = self.encode_with_starts([whole[i] for i in straddled])
+            for index, encoded in zip(straddled, again, strict=True):
+                out[index] = encoded
+        return out
 
     def ends_with_eos(self, text: str) -> bool:
         """Whether ``text`` already ends with the EOS token, whitespace aside (a chat template
@@ -188,6 +259,27 @@ class Tokenizer:
                 reason="template_error",
             ) from None
         return rendered[0]
+
+
+def load_fast(backend: Any) -> tuple[Any, str | None]:
+    """``backend`` (a ``tokenizers.Tokenizer``) as a fastokens tokenizer, or None and why not, in a
+    few words (what a fallback or a refusal says)."""
+    try:
+        import fastokens
+    except ImportError:
+        return None, "is not installed (pip install fastokens)"
+    try:
+        return fastokens.Tokenizer.from_json_str(backend.to_str()), None
+    except Exception as error:  # noqa: BLE001 - whatever it raises on a tokenizer it cannot read
+        said = (str(error).strip().splitlines() or [""])[0][:200]
+        return None, f"cannot load this tokenizer ({type(error).__name__}: {said})"
+
+
+def _flat(fast: Any, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """``texts`` encoded by fastokens in one call: every token id, one text after another, and
+    where each text's ids start in them (and, last, their count)."""
+    ids, offsets = fast.encode_batch_flat(texts, add_special_tokens=False)
+    return np.frombuffer(ids, np.uint32), np.frombuffer(offsets, np.uint64).astype(np.int64)
 
 
 def _source(path: Path) -> tuple[str, Path | None, Any]:

@@ -111,6 +111,7 @@ def _report(
             }
             for entry in summary["mix"]
         ],
+        "tokenizer": summary.get("tokenizer"),
         "actors": summary["actors"],
         "repeated_reports": summary["repeated_reports"],
         "preview": None

@@ -29,12 +29,12 @@ import ray.data
 import ray.train
 
 from rayjobs.config import Config, MixConfig
-from rayjobs.data import checks, estimate, placement, stream
+from rayjobs.data import backends, checks, estimate, placement, stream
 from rayjobs.data.counts import check_accounting, packing_efficiency, unpacked
 from rayjobs.data.mix import with_shares
 from rayjobs.data.planned import Epochs
 from rayjobs.data.sources import read_dataset
-from rayjobs.data.tokenizer import Tokenizer
+from rayjobs.data.tokenizer import Tokenizer, load_fast
 from rayjobs.errors import AccountingError, ConfigError, Interrupted, RunFailed, user_error
 from rayjobs.job.connect import init_ray
 from rayjobs.job.ledger import Ledger
@@ -48,9 +48,10 @@ logger = logging.getLogger("rayjobs.data")
 
 
 def load_tokenizer(config: Config) -> Tokenizer:
-    """The run's tokenizer; a tokenizer that cannot be loaded is a ``ConfigError``."""
+    """The run's tokenizer; a tokenizer that cannot be loaded, or ``tokenizer.backend:
+    fastokens`` where fastokens cannot load it, is a ``ConfigError``."""
     try:
-        return Tokenizer(config.tokenizer)
+        tokenizer = Tokenizer(config.tokenizer)
     except ConfigError:  # a setting the tokenizer refused (eos_token, add_bos) names itself
         raise
     except Exception as error:  # noqa: BLE001 - tokenizers raises a bare Exception on a corrupt file
@@ -59,6 +60,11 @@ def load_tokenizer(config: Config) -> Tokenizer:
         raise ConfigError(
             f"tokenizer.path: cannot load a tokenizer from {config.tokenizer.path!r} ({error})"
         ) from None
+    if config.tokenizer.backend == "fastokens":
+        _, problem = load_fast(tokenizer.backend)  # refused here, before Ray starts
+        if problem:
+            raise backends.refusal(problem)
+    return tokenizer
 
 
 def tokenize(config: Config, ledger: Any = None) -> ray.data.Dataset:
@@ -88,6 +94,9 @@ class Job:
     """Each dataset's columns its template does not read (``estimate.columns``)."""
     monitor: DataMonitor | None = None
     """The data side's progress lines (``rayjobs.job.monitor``), stopped by ``close``."""
+    encoder: backends.Choice | None = None
+    """The encoder ``tokenizer.backend`` came to (``backends.choose``) and why: the summary's
+    ``tokenizer``."""
 
     def snapshot(self) -> dict[str, Any]:
         return ray.get(self.ledger.snapshot.remote())
@@ -144,6 +153,8 @@ class Job:
             stats["share"] = sum(mix[name]["share"] for mix in mixes) / max(1, len(mixes))
         summary["mix"] = [{"epoch": epoch, "datasets": mix} for epoch, mix in enumerate(mixes)]
         summary["actors"] = snapshot["actors"]
+        if self.encoder is not None:
+            summary["tokenizer"] = self.encoder.summary()
         summary["repeated_reports"] = snapshot["repeated_reports"]
         if self.epochs is not None:
             summary["packed"]["max_delay_windows"] = self.epochs.max_delay_windows
@@ -157,6 +168,8 @@ class Job:
             for spec in self.config.datasets
             if self.unused_columns.get(spec.name)
         ]
+        if self.encoder is not None and self.encoder.warning:
+            summary["warnings"].append(self.encoder.warning)  # warned of once, at start-up
         # (an epoch cut short by max_steps holds what was packed by then, in no set shares)
         for warning in checks.share_warnings(self.config, mixes if complete else mixes[:-1]):
             checks.logger.warning(warning)
@@ -222,6 +235,7 @@ def eval_rows(config: Config, job: Job) -> tuple[ray.data.Dataset, Any]:
     ``Ledger`` (run ``<run>-eval``: their counts are not the training data's), which the caller
     ends. ``held_out`` trains with them; ``export`` and ``inspect`` write and report them."""
     names = [spec.name for spec in config.eval.datasets]
+    config = backends.decided(config, job.config.tokenizer.backend)  # as the job's: decided once
     ledger = Ledger.remote(f"{job.name}-eval", names)
     try:
         return stream.packed_rows(eval_config(config), job.tokenizer.pad_id, ledger), ledger
@@ -269,6 +283,8 @@ def start_job(
     tokenizer = tokenizer or load_tokenizer(config)
     init_ray(config)
     unused = estimate.columns(config)  # a column that changes what a row means: refused here
+    # tokenizer.backend decided once, here: the Tokenize actors get the config that names it
+    config, encoder = backends.choose(config, tokenizer)
     name = name or f"{prefix}-{uuid.uuid4().hex[:8]}"
     rereads = config.packing.mode == "stream"  # a restarted worker group reads it again
     ledger = Ledger.remote(name, [spec.name for spec in config.datasets], rereads)
@@ -279,7 +295,7 @@ def start_job(
             monitor.start()
             epochs = Epochs(config, tokenize(config, ledger), tokenizer.pad_id, ledger)
             job = Job(config, name, tokenizer, ledger, epochs=epochs, unused_columns=unused)
-            job.monitor = monitor
+            job.monitor, job.encoder = monitor, encoder
             checks.require_training(job.snapshot()["tokenize"])  # every sample is tokenized
             return job
         rows = stream.packed_rows(config, tokenizer.pad_id, ledger)
@@ -288,7 +304,10 @@ def start_job(
         ray.kill(ledger)  # nothing will read or close it
         raise
     monitor.start()
-    return Job(config, name, tokenizer, ledger, rows=rows, unused_columns=unused, monitor=monitor)
+    return Job(
+        config, name, tokenizer, ledger, rows=rows, unused_columns=unused, monitor=monitor,
+        encoder=encoder,
+    )  # fmt: skip
 
 
 RUN_SNAPSHOT = "checkpoint_manager_snapshot.json"

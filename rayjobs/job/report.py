@@ -249,6 +249,11 @@ def _number(value: float) -> str:
     return f"{value:g}" if float(value).is_integer() else f"{value:.1f}"
 
 
+def tokenizer_line(encoder: dict[str, Any]) -> str:
+    """The run's encoder and why, in a line (``backends.Choice``)."""
+    return f"tokenizer: encoded by {encoder['backend']} ({encoder['reason']})"
+
+
 def format_report(report: dict[str, Any]) -> str:
     """The report as text (what ``rayjobs inspect`` prints before its JSON line)."""
     epochs = report["epochs"]
@@ -258,6 +263,8 @@ def format_report(report: dict[str, Any]) -> str:
         f"inspect: {len(epochs)} epoch(s), seq_len {report['seq_len']}, {report['mode']} mode, "
         f"{scope}",
     ]
+    if report.get("tokenizer"):
+        lines.append(tokenizer_line(report["tokenizer"]))
     header = ["dataset", "rows", "skipped", "samples", "tokens", "trained", "truncated"]
     header += ["dropped", "split", "length p50", "p95", "max"]
     rows = []

@@ -5,7 +5,8 @@ the tokenizer loaded (and a Hugging Face model's config read, without weights), 
 dataset's template tried on its first rows: the driver's head parse (``estimate._parse_head``,
 bounded reads of the first file) and the Tokenize stage in this process, so a missing field, a
 column that changes what a row means or a head that trains nothing shows here, as the run would
-report it once Ray and the data had started. No Ray is started or joined: a Hugging Face dataset
+report it once Ray and the data had started; ``tokenizer.backend`` is decided on those rows as a
+run decides it (``backends.choose``). No Ray is started or joined: a Hugging Face dataset
 that is not a set of files (a ``save_to_disk`` folder, a dataset ``datasets`` builds) is listed,
 not read.
 """
@@ -15,11 +16,14 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
+import pyarrow as pa
+
 from rayjobs.config import Config, DatasetConfig
-from rayjobs.data import checks, files
+from rayjobs.data import backends, checks, files
 from rayjobs.data.estimate import _parse_head
 from rayjobs.data.sources import record_table
 from rayjobs.data.tokenize import Tokenize
+from rayjobs.job.report import tokenizer_line
 
 ROWS = 32
 """Rows of each dataset's first file tried by default (``--rows``)."""
@@ -37,9 +41,11 @@ def _size(spec: DatasetConfig) -> str:
     return f"{spec.format}, {len(spec.files)} file(s), {total / 2**20:.2f} MiB ({where})"
 
 
-def _try(spec: DatasetConfig, tokenize: Tokenize, rows: int) -> dict[str, Any] | None:
+def _try(
+    spec: DatasetConfig, tokenize: Tokenize, rows: int
+) -> tuple[dict[str, Any], pa.Table] | None:
     """The template and tokenizer on the first ``rows`` good rows of a dataset's first file:
-    its counts (``TokenizeCounts``); None for a dataset without files.
+    its counts (``TokenizeCounts``) and those rows; None for a dataset without files.
 
     Raises:
         DataError: a bad row under ``on_bad_row: error``, or a column that changes what a row
@@ -51,11 +57,12 @@ def _try(spec: DatasetConfig, tokenize: Tokenize, rows: int) -> dict[str, Any] |
     numbers, records, _, bad = _parse_head(spec, path, rows)
     numbers, records = numbers[:rows], records[:rows]
     checks.warn_unused(spec, checks.column_findings(spec, records))
-    _, counts = tokenize.counted(record_table(spec.name, [path] * len(records), numbers, records))
+    head = record_table(spec.name, [path] * len(records), numbers, records)
+    _, counts = tokenize.counted(head)
     found = asdict(counts[spec.name]) if spec.name in counts else {"samples": 0, "tokens": 0}
     found["skipped_rows"] = found.get("skipped_rows", 0) + bad.total()
     found["rows"] = len(records) + bad.total()
-    return found
+    return found, head
 
 
 def validate(config: Config, rows: int = ROWS) -> list[str]:
@@ -92,14 +99,15 @@ def validate(config: Config, rows: int = ROWS) -> list[str]:
         specs, config.tokenizer, packing.seq_len, packing.overflow,
         min_prompt_tokens=config.dpo.min_prompt_tokens,
     )  # fmt: skip
-    heads = {}
+    heads, tables = {}, {}
     for index, spec in enumerate(specs):
         held_out = index >= len(config.datasets)
         name = f"{spec.name} (held out)" if held_out else spec.name
         lines.append(f"dataset {name}: template {spec.template}, {_size(spec)}")
-        found = _try(spec, tokenize, rows)
-        if found is None:
+        tried = _try(spec, tokenize, rows)
+        if tried is None:
             continue
+        found, tables[spec.name] = tried
         if not held_out:
             heads[spec.name] = found
         lines.append(
@@ -109,4 +117,7 @@ def validate(config: Config, rows: int = ROWS) -> list[str]:
     checks.require_training(heads, "the first rows of every dataset")
     for warning in checks.lost_warnings(config, heads):
         checks.logger.warning("in the first rows: %s", warning)
+    # tokenizer.backend on these rows, as a run decides it on its first HEAD_ROWS
+    _, choice = backends.choose(config, tokenizer, tables)
+    lines.append(tokenizer_line(choice.summary()))
     return lines

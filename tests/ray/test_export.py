@@ -238,3 +238,38 @@ def test_preference_rows_export_their_mask_columns():
     assert table.column("response_role").to_pylist() == [[0, 1, 1, 2, 2, 2, 0, 0]]
     sft = {k: v for k, v in rows.items() if k not in preference.PREFERENCE_COLUMNS}
     assert "parent_ids" not in to_arrow(sft).column_names
+
+
+DETERMINISTIC = {  # docs/cli.md: the data side packs the same samples the same way
+    "stream": {"mode": "stream", "window_tokens": 1 << 22, "warmup_tokens": 0},  # one window
+    "planned": {"mode": "planned"},
+}
+
+
+@pytest.mark.parametrize("mode", list(DETERMINISTIC))
+def test_fastokens_and_tokenizers_export_the_same_packed_rows(ray_local, tmp_path, mode):
+    """tokenizer.backend auto (fastokens, decided at start-up on the heads) and tokenizers give
+    the same packed rows, and each manifest says which library encoded."""
+    rows, encoders = {}, {}
+    for backend in ("auto", "tokenizers"):
+        config = config_from_dict(
+            {
+                "datasets": [
+                    {"name": "alpaca", "source": str(ALPACA), "template": "alpaca"},
+                    {"name": "hh_chat", "source": str(HH_CHAT), "template": "chat"},
+                ],
+                "tokenizer": {"path": str(GPT2), "backend": backend},
+                "packing": {"seq_len": SEQ_LEN, **DETERMINISTIC[mode]},
+                "train": {"epochs": 1},
+            },
+            base_dir=ROOT,
+        )
+        manifest = export(config, tmp_path / backend)
+        encoders[backend] = manifest["tokenizer"]
+        table = _epoch(tmp_path / backend, 0)
+        columns = [table.column(name).to_pylist() for name in ("input_ids", "labels")]
+        rows[backend] = sorted(map(tuple, zip(*columns, strict=True)))
+    assert encoders["auto"]["backend"] == "fastokens" and encoders["auto"]["rows"] > 0
+    assert encoders["tokenizers"]["backend"] == "tokenizers"
+    assert len(rows["auto"]) > 50, "guard: a real epoch of packs"
+    assert rows["auto"] == rows["tokenizers"]

@@ -134,6 +134,10 @@ def test_inspect_json_equals_export(inspected, exported):
     documents = sum(s["samples"] for s in report["datasets"].values())
     assert packed["samples_per_pack"]["mean"] == pytest.approx(documents / packed["num_packs"])
     assert packed["fill"]["mean"] == pytest.approx(packed["efficiency"])
+    # the encoder tokenizer.backend auto came to at start-up, reported by both and shown
+    assert report["tokenizer"]["backend"] == manifest["tokenizer"]["backend"] == "fastokens"
+    assert report["tokenizer"]["rows"] > 0
+    assert "tokenizer: encoded by fastokens (fastokens is installed, loads" in stdout
 
 
 @pytest.mark.e2e
