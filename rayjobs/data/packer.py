@@ -45,6 +45,20 @@ def lane_tokens(epoch_tokens: float, warmup_tokens: int, seq_len: int) -> int:
     return 0 if not warmup_tokens or epoch_tokens <= small else warmup_tokens
 
 
+LANE_BLOCKS_PER_RANK = 8
+"""Blocks per rank the warm-up lane's packed rows are cut into (``lane_block_rows``)."""
+
+
+def lane_block_rows(lane_tokens: int, seq_len: int, ranks: int) -> int:
+    """Rows per block of the warm-up lane's packed rows: about ``LANE_BLOCKS_PER_RANK`` blocks
+    for each of ``ranks`` consumers, so an equal split can hand every rank some at once.
+
+    >>> lane_block_rows(262_144, 2048, 2), lane_block_rows(262_144, 8192, 8)
+    (8, 1)
+    """
+    return max(1, lane_tokens // seq_len // (LANE_BLOCKS_PER_RANK * ranks))
+
+
 def window_rows(window_tokens: int, mean_tokens: float) -> int:
     """Samples per packer call: ``window_tokens`` over the mean sample length (the bench sizes its
     windows with this too)."""

@@ -22,7 +22,7 @@ from rayjobs.config import Config
 from rayjobs.data import templates
 from rayjobs.data.estimate import estimate, progress
 from rayjobs.data.mix import MIX_MARGIN, budgets, epoch_fractions, sized
-from rayjobs.data.packer import PackStream, window_rows
+from rayjobs.data.packer import PackStream, lane_block_rows, window_rows
 from rayjobs.data.placement import cluster_cpus, on_data_nodes
 from rayjobs.data.reads import _head_read, _run_stream, passes, warmup_heads
 from rayjobs.data.sources import read_file_list
@@ -181,7 +181,15 @@ def packed_rows(config: Config, pad_id: int, ledger: Any = None) -> ray.data.Dat
         # one packer call over the whole lane (at least a row's worth: long seq_len)
         window = window_rows(max(config.packing.warmup_tokens, config.packing.seq_len), mean_tokens)
         warm = tokenized(warm, config, ledger, tasks=True)
-        packed = _packed(warm, config, pad_id, ledger, window, 0).union(packed)
+        warm = _packed(warm, config, pad_id, ledger, window, 0)
+        # in blocks small enough that every rank's first batch comes from the lane: the
+        # trainers' streaming_split(equal=True) holds a block back while the others cannot even
+        # the ranks out, so a lane of one or two blocks fed one rank and left the rest waiting
+        # for the first main window (seconds to minutes on large data)
+        ranks = max(1, config.train.num_workers)
+        block = lane_block_rows(config.packing.warmup_tokens, config.packing.seq_len, ranks)
+        warm = warm.repartition(target_num_rows_per_block=block)
+        packed = warm.union(packed)
     # Every task's output cut into blocks of about BLOCK_BYTES. The setting is the plan's (Ray Data
     # plans a dataset with one context): it shapes the packers' output, and caps the raw-row and
     # tokenized blocks before them too (a zero-copy slice of a larger one).

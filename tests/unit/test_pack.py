@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rayjobs.data import pack
+from rayjobs.data import pack, packer
 from rayjobs.data.pack import STRATEGIES, StreamPacker, pack_lengths
 from rayjobs.data.rows import IGNORE_INDEX
 from support.packed import PAD_ID, assemble_bins, random_window
@@ -401,3 +401,32 @@ def test_waiting_sample_is_placed_first_in_the_next_window():
     # full; 2#3 waits. Placed with the others (8, 2, 1, 1) it would be [1|2] + [0, 3].
     assert [sorted(b.tolist()) for b in emitted] == [[0, 1, 2]]
     assert [sorted(b.tolist()) for b in packer.flush()] == [[3]]
+
+
+# (warmup_tokens, seq_len, ranks) -> rows per block of the warm-up lane's packed rows
+LANE_BLOCKS = {
+    "default lane, 2 ranks": ((262_144, 2048, 2), 8),
+    "default lane, 8 ranks": ((262_144, 2048, 8), 2),
+    "long rows, 8 ranks": ((262_144, 8192, 8), 1),
+    "lane under a row": ((1000, 2048, 1), 1),
+}
+
+
+@pytest.mark.parametrize("name", LANE_BLOCKS)
+def test_the_lane_is_cut_so_an_equal_split_feeds_every_rank_at_once(name):
+    """Ray's streaming_split(equal=True) hands a block to a rank only if the blocks left can even
+    the ranks out: a lane of one or two blocks fed one rank while the others waited for the main
+    window. At ``LANE_BLOCKS_PER_RANK`` blocks per rank every rank gets rows from the lane."""
+    (tokens, seq_len, ranks), rows = LANE_BLOCKS[name]
+    assert packer.lane_block_rows(tokens, seq_len, ranks) == rows
+    blocks = [rows] * (max(1, tokens // seq_len) // rows)
+    handed = [0] * ranks  # Ray's rule (OutputSplitter._can_safely_dispatch), block by block
+    left = sum(blocks)
+    for block in blocks:
+        target = handed.index(min(handed))
+        after = handed.copy()
+        after[target] += block
+        if left - block < sum(max(after) - n for n in after):
+            break
+        handed, left = after, left - block
+    assert min(handed) > 0
