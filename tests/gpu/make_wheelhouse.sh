@@ -8,7 +8,7 @@
 #     workers' jar (31 MB of its 79 MB; a Python job never reads it), repacked as a valid wheel
 #     (tests/gpu/strip_wheel.py: the jar's RECORD line goes, every hash is checked);
 #   - what `ray[data,train]` and rayjobs need beyond that image: jsonschema and its three,
-#     tensorboardX, pydantic and its three;
+#     tensorboardX, pydantic and its three, and fastokens (the tokenizer backend `auto` picks);
 #   - packaging and typing-extensions, which that image has, in case its versions are older than
 #     Ray (packaging>=24.2) or pydantic-core (typing-extensions>=4.14.1) need: pip installs them
 #     only then.
@@ -33,8 +33,9 @@ deps=(
   tensorboardx==2.6.5
   pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
   packaging==26.4 typing-extensions==4.16.0
+  fastokens==0.3.5
 )
-platform=(--only-binary=:all: --python-version "$py" --implementation cp --abi "$abi")
+platform=(--only-binary=:all: --python-version "$py" --implementation cp --abi "$abi" --abi abi3)
 for tag in manylinux2014_x86_64 manylinux_2_17_x86_64 manylinux_2_28_x86_64; do
   platform+=(--platform "$tag")
 done

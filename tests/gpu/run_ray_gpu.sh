@@ -119,7 +119,7 @@ install() {
     # if pip finds no set that fits, every wheel without dependency checks (the import below
     # says whether that is enough)
     "$python" -m pip install -q --no-index --no-compile --no-cache-dir --find-links "$wheels" \
-      "ray[data,train]==$ray_version" pydantic ||
+      "ray[data,train]==$ray_version" pydantic fastokens ||
       "$python" -m pip install -q --no-index --no-compile --no-cache-dir --no-deps \
         "$wheels"/*.whl || return 1
   else
