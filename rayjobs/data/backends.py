@@ -105,12 +105,14 @@ def choose(
 
 
 def _head(config: Config, spec: DatasetConfig) -> pa.Table | None:
-    """The dataset's first ``HEAD_ROWS`` good rows (parsed in the driver; a Hugging Face
-    dataset's read through Ray, on the data nodes, as ``estimate`` reads them)."""
+    """Up to ``HEAD_ROWS`` good rows from the head of the dataset's first file (parsed in the
+    driver, which opens no other file of the dataset; a Hugging Face dataset's read through Ray,
+    on the data nodes, as ``estimate`` reads them)."""
     from rayjobs.data.estimate import _head as head
     from rayjobs.data.placement import on_data_nodes
 
-    return head(spec, on_data_nodes(config), HEAD_ROWS).table
+    first = spec.model_copy(update={"files": spec.files[:1]}) if spec.files else spec
+    return head(first, on_data_nodes(config), HEAD_ROWS).table
 
 
 def _compare(
