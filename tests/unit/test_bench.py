@@ -442,6 +442,18 @@ def test_bench_refuses_bad_arguments_before_it_runs(argv, message, benches_never
     assert err.startswith("rayjobs: ") and message in err, err
 
 
+def test_bench_takes_its_own_options_from_the_cli(monkeypatch):
+    """The CLI's own start time (``args.started``, for validate) is not a bench option: it made
+    every ``rayjobs bench pipeline`` refuse to run ("does not take --started")."""
+    from rayjobs.bench import pipeline as bench_pipeline
+
+    ran = []
+    monkeypatch.setattr(bench_pipeline, "bench_pipeline", lambda *a, **k: ran.append(a) or [])
+    monkeypatch.setattr(bench_pipeline, "format_rows", lambda rows: "")
+    assert main(["bench", "pipeline", "--scales", "1"]) == 0
+    assert ran
+
+
 @pytest.mark.parametrize(
     ("chunk_mb", "message"),
     [
