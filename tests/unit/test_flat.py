@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
+import re
 
 import pyarrow as pa
 import pytest
@@ -99,11 +99,16 @@ def test_the_flat_encoder_gives_the_reference_samples_on_every_bundled_set(
             _same(*_both(stage, batch, monkeypatch))
 
 
-def test_train_on_input_and_texts_that_end_with_eos(monkeypatch, tmp_path: Path):
-    """Every token trained (``train_on_input``), texts that already end with EOS (none added),
-    an empty prompt's row and a chat row, in one batch."""
+def _record_batch(name: str, records: list[dict]) -> pa.Table:
     from rayjobs.data.sources import record_table
 
+    rows = list(range(1, len(records) + 1))
+    return record_table(name, ["/x.jsonl"] * len(rows), rows, [json.dumps(r) for r in records])
+
+
+def test_train_on_input_and_texts_that_end_with_eos(monkeypatch):
+    """Every token trained (``train_on_input``), texts that already end with EOS (none added),
+    in one batch of two datasets."""
     records = [
         {"instruction": "Say hi.", "output": "Hello<|endoftext|>"},
         {"instruction": "Count.", "input": "1 2", "output": "3 4 5"},
@@ -113,12 +118,61 @@ def test_train_on_input_and_texts_that_end_with_eos(monkeypatch, tmp_path: Path)
         DatasetConfig(name="a", source="unused", template="alpaca", train_on_input=True),
         DatasetConfig(name="b", source="unused", template="alpaca"),
     ]
-    batch = pa.concat_tables(
-        [
-            record_table(spec.name, ["/x.jsonl"] * 3, [1, 2, 3], [json.dumps(r) for r in records])
-            for spec in specs
-        ]
-    )
+    batch = pa.concat_tables([_record_batch(spec.name, records) for spec in specs])
     config = TokenizerConfig(path=str(DATA / "tokenizers/gpt2"))
     for seq_len in (8, 4096):
         _same(*_both(Tokenize(specs, config, seq_len, "split"), batch, monkeypatch))
+
+
+def _chat_rows() -> list[dict]:
+    """Every bundled conversation, and a few of tools beside a system turn or none."""
+    rows = [json.loads(line) for line in (DATA / "chat/hh_rlhf_harmless_chosen.messages.jsonl")
+            .read_text().splitlines()]  # fmt: skip
+    rows += json.loads((DATA / "chat/glaive_toolcall.sharegpt.json").read_text())
+    rows += [json.loads(line) for line in (DATA / "eval/hh_rlhf_harmless_chosen.last60.messages"
+             ".jsonl").read_text().splitlines()]  # fmt: skip
+    tool = {"name": "get_time", "description": "The time", "parameters": {}}
+    turns = [
+        {"role": "user", "content": "Time?"},
+        {"role": "assistant", "content": "Noon."},
+        {"role": "user", "content": "Sure?"},
+        {"role": "assistant", "content": "Yes."},
+    ]
+    rows += [
+        {"messages": turns, "tools": [tool]},
+        {"messages": [{"role": "system", "content": "Be brief."}, *turns], "tools": [tool]},
+        {"messages": [{"role": "assistant", "content": "Hi."}, *turns], "tools": [tool]},
+        {"messages": [{"role": "assistant", "content": "Hi."}, *turns]},
+        {"messages": turns, "system": "Be brief.", "tools": json.dumps([tool])},
+    ]
+    return rows
+
+
+def test_chatml_renders_each_turn_once_and_the_same_text(monkeypatch):
+    """Without a chat template the chat template renders ChatML prefix by prefix from each turn's
+    text rendered once (``_chatml_prefixes``): the same segments as ChatML rendered whole at every
+    prefix, on every bundled conversation; the Tokenize actor hands ChatML over so."""
+    from rayjobs.data.templates import chatml, dialogue
+
+    taken = []
+    prefixes = dialogue._chatml_prefixes
+    monkeypatch.setattr(dialogue, "_chatml_prefixes", lambda *a: taken.append(1) or prefixes(*a))
+    rows = _chat_rows()
+    rendered = 0
+    for row in rows:
+        try:
+            expected = dialogue.chat(row, {}, lambda *a: chatml(*a))
+        except ValueError as error:
+            with pytest.raises(type(error), match=re.escape(str(error))):
+                dialogue.chat(row, {}, chatml)
+            continue
+        assert dialogue.chat(row, {}, chatml) == expected
+        assert dialogue.chat(row, {}, None) == expected
+        rendered += 1
+    assert rendered > len(rows) - 10 and len(taken) == 2 * rendered, "no ChatML prefix path"
+    config = TokenizerConfig(path=str(DATA / "tokenizers/gpt2"))
+    stage = Tokenize([DatasetConfig(name="c", source="unused", template="chat")], config, 4096,
+                     "truncate")  # fmt: skip
+    before = len(taken)
+    stage(_record_batch("c", rows[:3]))
+    assert len(taken) == before + 3
