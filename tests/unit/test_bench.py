@@ -218,6 +218,14 @@ def test_pipeline_bench_shards_and_report(tmp_path):
         "CPU time taken by the host (steal): 2.0% during 1x, 11.5% during 30x, 3.1% during the "
         "reference" in report
     )
+    assert "per data CPU" not in report  # no tokenizer-alone reference
+    rows[-1].data_cpus, rows[-1].tokenizer = 2, "fastokens"
+    rows[-1].tokenizer_tokens_per_s, rows[-1].tokenizer_cpu_tokens_per_s = 1600.0, 2000.0
+    assert (
+        "steady at 30x per data CPU: 400 tokens/s (2 cores) = 25.0% of the tokenizer alone on "
+        "the same texts (fastokens, one core: 1,600 tokens/s, 2,000 per CPU second)"
+        in bench_pipeline.format_rows(rows)
+    )
     rows[-1].cpu_by_process = {"MapWorker(MapBatches(Tokenize))": 30.5, "raylet": 4.25}
     assert (
         "    CPU s by process (34.8 in all): MapWorker(MapBatches(Tokenize)) 30.5, raylet 4.2"
@@ -265,9 +273,12 @@ def test_pipeline_bench_examples():
     import doctest
 
     from rayjobs.bench import pipeline as bench_pipeline
+    from rayjobs.bench import reference
 
     results = doctest.testmod(bench_pipeline)
     assert results.attempted >= 5 and results.failed == 0
+    results = doctest.testmod(reference)
+    assert results.attempted >= 2 and results.failed == 0
 
 
 def test_pipeline_memory_sampler_counts_only_the_drivers_process_tree(monkeypatch):
@@ -533,6 +544,7 @@ def test_pipeline_reference_is_one_copy_of_the_data_whatever_the_first_scale(mon
     measured |= {"tokens": 1, "median_batch_s": 0.1, "epoch_gap_s": 0.1, "peak_rss_mb": 1.0}
     measured |= {"tokenize_cpu_s": 1.0, "pack_cpu_s": 1.0, "cpu_by_process": {}}
     monkeypatch.setattr(bench_pipeline, "measure_reference", measure_reference)
+    monkeypatch.setattr(bench_pipeline, "tokenizer_rates", lambda config: ("x", [(1.0, 1.0)]))
     monkeypatch.setattr(bench_pipeline, "run_scale", lambda *a, **k: {**measured})
     monkeypatch.setattr(rayjobs.job.pipeline, "init_ray", lambda config: None)
     monkeypatch.setattr(rayjobs.job.pipeline, "load_tokenizer", lambda config: None)
