@@ -116,8 +116,9 @@ class PipelineRow:
     tokenizer: str = ""
     """The library of the tokenizer-alone reference (``reference.tokenizer_rates``)."""
     tokenizer_tokens_per_s: float = 0.0
-    """That reference: the median of its passes, tokens per second on one core."""
+    """That reference: the median of its passes, tokens per second of wall time."""
     tokenizer_cpu_tokens_per_s: float = 0.0
+    """The same per CPU second (all its threads): what the report compares with."""
 
 
 def write_shards(data_dir: Path, out: Path, scale: int) -> dict[str, Path]:
@@ -479,13 +480,13 @@ def format_rows(rows: list[PipelineRow]) -> str:
             f"({last.reference_min:,.0f}-{last.reference_max:,.0f}); "
             f"{last.reference_cpu_tokens_per_s:,.0f} per CPU second"
         )
-    if last.tokenizer_tokens_per_s and last.data_cpus:
+    if last.tokenizer_cpu_tokens_per_s and last.data_cpus:  # (per CPU s: fastokens may thread)
         per_cpu = last.steady_tokens_per_s / last.data_cpus
         lines.append(
             f"steady at {last.scale}x per data CPU: {per_cpu:,.0f} tokens/s ({last.data_cpus} "
-            f"cores) = {per_cpu / last.tokenizer_tokens_per_s:.1%} of the tokenizer alone on the "
-            f"same texts ({last.tokenizer}, one core: {last.tokenizer_tokens_per_s:,.0f} tokens/s, "
-            f"{last.tokenizer_cpu_tokens_per_s:,.0f} per CPU second)"
+            f"cores) = {per_cpu / last.tokenizer_cpu_tokens_per_s:.1%} of the tokenizer alone on "
+            f"the same texts ({last.tokenizer}: {last.tokenizer_cpu_tokens_per_s:,.0f} tokens per "
+            f"CPU second; {last.tokenizer_tokens_per_s:,.0f} tokens/s of wall time in a 1-CPU task)"
         )
     steals = [(f"{r.scale}x", r.steal_share) for r in rows]
     steals.append(("the reference", last.reference_steal_share))
