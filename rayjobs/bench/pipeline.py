@@ -140,11 +140,10 @@ SAMPLE_S = 0.5
 
 LABEL_SWEEPS = 4
 """A process's title is read again every this many sweeps (a Ray worker's title names the task it
-runs, so it changes; reading every title at every sweep cost the driver a twentieth of a core), and
-the process tree walked again (``children`` reads every process of the host: on a host shared with
-other Ray sessions the walk at every sweep was most of the driver's CPU beside the consumers', and
-the sampler, in the driver, took a core's time from the pipeline it measures). A process that
-starts and ends between two walks is not seen."""
+runs, so it changes; reading every title at every sweep cost the driver a twentieth of a core).
+The tree is walked at every sweep (walked every 4th, a worker's start-up CPU went to the task it
+was first seen running, and short read tasks to ``IDLE``); its processes are kept from sweep to
+sweep (a ``psutil.Process`` made anew reads its start time: a quarter of the sampler's samples)."""
 
 
 class _Memory(threading.Thread):
@@ -171,13 +170,12 @@ class _Memory(threading.Thread):
         sweep, processes = 0, [me]
         while self.running:
             rss = 0
-            if sweep % LABEL_SWEEPS == 0:  # the tree: a walk over every process of the host
-                try:
-                    known = {process.pid: process for process in processes}
-                    found = [me, *me.children(recursive=True)]
-                    processes = [known.get(process.pid, process) for process in found]
-                except psutil.Error:  # a child ended while the tree was walked: next time
-                    pass
+            try:  # the same Process objects from sweep to sweep (a new one reads its start time)
+                known = {process.pid: process for process in processes}
+                found = [me, *me.children(recursive=True)]
+                processes = [known.get(process.pid, process) for process in found]
+            except psutil.Error:  # a child ended while the tree was walked: next sweep
+                pass
             for process in processes:
                 try:
                     if process.pid not in self.labels or sweep % LABEL_SWEEPS == 0:
