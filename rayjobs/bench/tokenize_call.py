@@ -4,8 +4,8 @@ The pipeline bench's data (the bundled alpaca and hh chat sets, one copy: ``pipe
 read in-process into the actors' 256-row batches, then, in this process with the tokenizer at one
 thread, the best of ``--repeats`` passes in CPU time of: the whole ``Tokenize.__call__``; the call
 with the tokenizer's encodings cached (what the call costs besides the tokenizer); and the
-tokenizers and fastokens encoders alone on the same texts (docs/benchmarks.md, "Where the CPU
-goes").
+tokenizers and fastokens encoders alone on the same texts (docs/benchmarks.md, "Streaming
+pipeline").
 """
 
 from __future__ import annotations
