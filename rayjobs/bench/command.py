@@ -29,6 +29,7 @@ def usage_error(args: argparse.Namespace) -> str | None:
     2048), or a bad value of ``bench packing``'s; the other benches check their own values."""
     if args.what == "train":  # only ``rayjobs bench train ...`` reaches bench_train's parser
         return "bench train takes its options after `bench train` (rayjobs bench train --help)"
+    # (``started``: the CLI's clock for validate's wall time, set on every command's args)
     foreign = [
         "--" + dest.replace("_", "-")
         for dest, value in vars(args).items()

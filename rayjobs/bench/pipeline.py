@@ -41,6 +41,11 @@ start:
   time (``steal``, in ``/proc/stat``), from the pipeline and the reference alike, and CPU time
   leaves that out; ``steal_share`` (during the run) and ``reference_steal_share`` (during the
   reference's passes) say how much it took.
+- ``tokenizer_tokens_per_s``: the fast tokenizer alone (fastokens where installed, else
+  tokenizers; ``tokenizer`` says which) on one core over the same rows' texts, rendered beforehand
+  (``reference.tokenizer_rates``); the report sets the steady rate per data CPU (``data_cpus``: the
+  cores the whole path ran on) against it: the share of a core the rest of the path leaves the
+  tokenizer.
 
 Ratios between scales are measured in the same run, on the same machine.
 """
@@ -57,6 +62,15 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from rayjobs.bench.reference import (
+    REFERENCE_REPEATS,
+    cpu_ticks,
+    data_cpus,
+    measure_reference,
+    reference,
+    steal_between,
+    tokenizer_rates,
+)
 from rayjobs.train.ahead import read_ahead
 
 BATCH_ROWS = 4
@@ -97,6 +111,14 @@ class PipelineRow:
     """The same during the reference's passes (the mean of the passes before and after)."""
     cpu_by_process: dict[str, float] = field(default_factory=dict)
     """CPU seconds of each kind of process from job start to the last batch (``process_label``)."""
+    data_cpus: int = 0
+    """Cores the whole data path ran on (``reference.data_cpus``)."""
+    tokenizer: str = ""
+    """The library of the tokenizer-alone reference (``reference.tokenizer_rates``)."""
+    tokenizer_tokens_per_s: float = 0.0
+    """That reference: the median of its passes, tokens per second of wall time."""
+    tokenizer_cpu_tokens_per_s: float = 0.0
+    """The same per CPU second (all its threads): what the report compares with."""
 
 
 def write_shards(data_dir: Path, out: Path, scale: int) -> dict[str, Path]:
@@ -118,7 +140,10 @@ SAMPLE_S = 0.5
 
 LABEL_SWEEPS = 4
 """A process's title is read again every this many sweeps (a Ray worker's title names the task it
-runs, so it changes; reading every title at every sweep cost the driver a twentieth of a core)."""
+runs, so it changes; reading every title at every sweep cost the driver a twentieth of a core).
+The tree is walked at every sweep (walked every 4th, a worker's start-up CPU went to the task it
+was first seen running, and short read tasks to ``IDLE``); its processes are kept from sweep to
+sweep (a ``psutil.Process`` made anew reads its start time: a quarter of the sampler's samples)."""
 
 
 class _Memory(threading.Thread):
@@ -142,13 +167,15 @@ class _Memory(threading.Thread):
         import psutil
 
         me = psutil.Process()
-        sweep = 0
+        sweep, processes = 0, [me]
         while self.running:
             rss = 0
-            try:
-                processes = [me, *me.children(recursive=True)]
+            try:  # the same Process objects from sweep to sweep (a new one reads its start time)
+                known = {process.pid: process for process in processes}
+                found = [me, *me.children(recursive=True)]
+                processes = [known.get(process.pid, process) for process in found]
             except psutil.Error:  # a child ended while the tree was walked: next sweep
-                processes = [me]
+                pass
             for process in processes:
                 try:
                     if process.pid not in self.labels or sweep % LABEL_SWEEPS == 0:
@@ -270,28 +297,6 @@ def first_tokens(stamps: list[list], tokens: list[list]) -> int:
     return tokens[first][0] if tokens[first] else 0
 
 
-def cpu_ticks() -> tuple[int, int] | None:
-    """(stolen, all) CPU ticks of this host since boot (``/proc/stat``; None where there is none):
-    the time a hypervisor ran something else on this machine's vCPUs."""
-    try:
-        with open("/proc/stat") as stat:
-            ticks = [int(v) for v in stat.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    return (ticks[7] if len(ticks) > 7 else 0), sum(ticks[:8])
-
-
-def steal_between(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
-    """The share of CPU time stolen between two ``cpu_ticks``.
-
-    >>> steal_between((10, 1000), (40, 1200))
-    0.15
-    """
-    if before is None or after is None or after[1] <= before[1]:
-        return None
-    return (after[0] - before[0]) / (after[1] - before[1])
-
-
 def run_scale(config, scale: int, step_s: float = 0.0) -> dict:
     """Stream two epochs of the config into two consumers; timings from job start."""
     from rayjobs.job.pipeline import start_job
@@ -337,61 +342,6 @@ def run_scale(config, scale: int, step_s: float = 0.0) -> dict:
     }
 
 
-REFERENCE_REPEATS = 5
-"""Passes over the 1× data of each reference measurement (one pass is about half a CPU second)."""
-
-
-def reference_rates(config, repeats: int = REFERENCE_REPEATS) -> list[tuple[float, float]]:
-    """The job's templates and tokenizer alone on one core: a 1-CPU Ray task whose tokenizer runs
-    one thread (``tokenize.THREADS_ENV``), ``repeats`` passes over one copy of the data, each
-    pass's (tokens per second, tokens per CPU second). Nothing else runs meanwhile (the pipeline
-    is not started or has ended), so the first is what one core delivers on this machine, the
-    time its host takes from it included, as it is from the pipeline."""
-    import ray
-
-    from rayjobs.data.tokenize import THREADS_ENV
-
-    @ray.remote(num_cpus=1, runtime_env={"env_vars": {THREADS_ENV: "1"}})
-    def measure(config, repeats: int) -> list[float]:
-        import pyarrow as pa
-
-        from rayjobs.data.sources import read_dataset
-        from rayjobs.data.tokenize import Tokenize
-
-        tokenize = Tokenize(config.datasets, config.tokenizer, config.packing.seq_len, "truncate")
-        tables = [
-            pa.concat_tables(ray.get(read_dataset(spec).to_arrow_refs()))
-            for spec in config.datasets
-        ]
-        tokenize(tables[0].slice(0, 8))  # the tokenizer's thread pool is built here
-        rates = []
-        for _ in range(repeats):
-            wall, cpu = time.perf_counter(), time.process_time()
-            tokens = sum(int(tokenize(t).column("num_tokens").to_numpy().sum()) for t in tables)
-            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-            rates.append((tokens / wall, tokens / cpu))
-        return rates
-
-    return ray.get(measure.remote(config, repeats))
-
-
-def reference(rates: list[float]) -> float:
-    """The reference rate: the median of every pass measured before and after the runs (this
-    machine's speed drifts by a third over minutes; one short pass was as likely an outlier).
-
-    >>> reference([250.0, 240.0, 400.0, 260.0, 255.0, 245.0])
-    252.5
-    """
-    return statistics.median(rates)
-
-
-def measure_reference(config, repeats: int = REFERENCE_REPEATS) -> tuple[list[tuple], float | None]:
-    """``reference_rates`` and the share of CPU time stolen while they ran."""
-    ticks = cpu_ticks()
-    rates = reference_rates(config, repeats)
-    return rates, steal_between(ticks, cpu_ticks())
-
-
 def bench_pipeline(
     data_dir: Path,
     scales: list[int],
@@ -406,6 +356,7 @@ def bench_pipeline(
     import ray.data
 
     from rayjobs.config import config_from_dict
+    from rayjobs.data import backends
     from rayjobs.data.placement import cluster_cpus
     from rayjobs.data.stream import TOKENIZE_CPUS
     from rayjobs.job.pipeline import init_ray, load_tokenizer
@@ -441,7 +392,10 @@ def bench_pipeline(
                 # the first scale: the first scale's own data was `scale` copies, so with
                 # --scales 30 each pass took 30 times as long (and its steal share was of that).
                 reference_config = config if scale == 1 else scale_config(Path(tmp) / "1x", 1)
+                # with the encoder the job decides (tokenizer.backend auto), as its actors do
+                reference_config, _ = backends.choose(reference_config, load_tokenizer(config))
                 rates, steal_before = measure_reference(reference_config)
+                library, alone = tokenizer_rates(reference_config)
             actors = config.ray.tokenize_concurrency or max(1, int(cluster_cpus(config)) // 2)
             runs.append((scale, actors * TOKENIZE_CPUS, run_scale(config, scale)))
         if pace:
@@ -456,13 +410,17 @@ def bench_pipeline(
             }
         after, steal_after = measure_reference(reference_config)
         rates += after
+        alone += tokenizer_rates(reference_config)[1]
     wall, cpu = [rate for rate, _ in rates], [rate for _, rate in rates]
     steals = [share for share in (steal_before, steal_after) if share is not None]
     return [
         PipelineRow(scale, reference_tokens_per_s=reference(wall), tokenize_cpus=cpus,
                     reference_min=min(wall), reference_max=max(wall),
                     reference_cpu_tokens_per_s=reference(cpu),
-                    reference_steal_share=statistics.mean(steals) if steals else None, **measured)
+                    reference_steal_share=statistics.mean(steals) if steals else None,
+                    data_cpus=data_cpus(), tokenizer=library,
+                    tokenizer_tokens_per_s=reference([rate for rate, _ in alone]),
+                    tokenizer_cpu_tokens_per_s=reference([rate for _, rate in alone]), **measured)
         for scale, cpus, measured in runs
     ]  # fmt: skip
 
@@ -522,6 +480,14 @@ def format_rows(rows: list[PipelineRow]) -> str:
             f"{2 * REFERENCE_REPEATS} passes before and after the runs "
             f"({last.reference_min:,.0f}-{last.reference_max:,.0f}); "
             f"{last.reference_cpu_tokens_per_s:,.0f} per CPU second"
+        )
+    if last.tokenizer_cpu_tokens_per_s and last.data_cpus:  # (per CPU s: fastokens may thread)
+        per_cpu = last.steady_tokens_per_s / last.data_cpus
+        lines.append(
+            f"steady at {last.scale}x per data CPU: {per_cpu:,.0f} tokens/s ({last.data_cpus} "
+            f"cores) = {per_cpu / last.tokenizer_cpu_tokens_per_s:.1%} of the tokenizer alone on "
+            f"the same texts ({last.tokenizer}: {last.tokenizer_cpu_tokens_per_s:,.0f} tokens per "
+            f"CPU second; {last.tokenizer_tokens_per_s:,.0f} tokens/s of wall time in a 1-CPU task)"
         )
     steals = [(f"{r.scale}x", r.steal_share) for r in rows]
     steals.append(("the reference", last.reference_steal_share))

@@ -39,6 +39,13 @@ trainers' ``streaming_split(equal=True)`` hands a block to one rank only while t
 holds can even the ranks out: one block per window would hold the first batch back until a second
 window is packed (or the stream ends)."""
 
+OUTPUT_BUFFER_BLOCKS = 16
+"""Blocks a Ray Data task or actor call may emit ahead of the executor taking them (Ray's default,
+2, is ``DataContext._max_num_blocks_in_streaming_gen_buffer``). A packer call emits its whole
+window at once, a window is dozens of ``BLOCK_BYTES`` blocks, and at 2 the call paused after every
+2 until the executor's next round took them: the consumers drained a window at about 8 blocks a
+second (0.5 M tokens/s on the bench's 2 cores, `rayjobs bench pipeline`), 4x that at 16, and a
+run's last window is drained after everything else. At most this many blocks wait per task."""
 
 MIX_BLOCKS = 16
 """Raw-row blocks per packer window at least, when datasets are mixed (see ``packed_rows``)."""
@@ -194,6 +201,8 @@ def packed_rows(config: Config, pad_id: int, ledger: Any = None) -> ray.data.Dat
     # plans a dataset with one context): it shapes the packers' output, and caps the raw-row and
     # tokenized blocks before them too (a zero-copy slice of a larger one).
     packed.context.target_max_block_size = BLOCK_BYTES
+    if hasattr(packed.context, "_max_num_blocks_in_streaming_gen_buffer"):  # a private setting
+        packed.context._max_num_blocks_in_streaming_gen_buffer = OUTPUT_BUFFER_BLOCKS
     first = (
         f"a warm-up lane of {config.packing.warmup_tokens} tokens"
         if heads

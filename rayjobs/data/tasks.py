@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from rayjobs.data.flat import encode_flat
 from rayjobs.data.preference import (
     DPO_COLUMNS,
     TRIPLE_COLUMNS,
@@ -18,7 +19,7 @@ from rayjobs.data.preference import (
     encode_triples,
 )
 from rayjobs.data.rows import PACKED_COLUMNS
-from rayjobs.data.samples import assemble_samples, encode_samples
+from rayjobs.data.samples import assemble_samples
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class Task:
 
 TASKS = {
     "sft": Task(
-        "sft", ("input_ids", "labels"), PACKED_COLUMNS, 1, encode_samples, assemble_samples,
+        "sft", ("input_ids", "labels"), PACKED_COLUMNS, 1, encode_flat, assemble_samples,
         ("truncate", "drop", "split"),
     ),
     "dpo": Task(

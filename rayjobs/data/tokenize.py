@@ -91,7 +91,11 @@ class Tokenize:
 
     def _segments(self, spec: DatasetConfig, record: dict[str, Any]) -> list[Segment]:
         render = self.templates[spec.name].render
-        return render(record, self.columns[spec.name], self.tokenizer.render_chat)
+        # Without a chat template the tokenizer renders ChatML: handed over as such, the chat
+        # template renders each turn of a conversation once (``dialogue._chatml_prefixes``).
+        plain = self.tokenizer.chat_template is None
+        chat = templates.chatml if plain else self.tokenizer.render_chat
+        return render(record, self.columns[spec.name], chat)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         table, counts = self.counted(batch)

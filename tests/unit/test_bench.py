@@ -218,6 +218,14 @@ def test_pipeline_bench_shards_and_report(tmp_path):
         "CPU time taken by the host (steal): 2.0% during 1x, 11.5% during 30x, 3.1% during the "
         "reference" in report
     )
+    assert "per data CPU" not in report  # no tokenizer-alone reference
+    rows[-1].data_cpus, rows[-1].tokenizer = 2, "fastokens"
+    rows[-1].tokenizer_tokens_per_s, rows[-1].tokenizer_cpu_tokens_per_s = 1600.0, 2000.0
+    assert (
+        "steady at 30x per data CPU: 400 tokens/s (2 cores) = 20.0% of the tokenizer alone on "
+        "the same texts (fastokens: 2,000 tokens per CPU second; 1,600 tokens/s of wall time in a "
+        "1-CPU task)" in bench_pipeline.format_rows(rows)
+    )
     rows[-1].cpu_by_process = {"MapWorker(MapBatches(Tokenize))": 30.5, "raylet": 4.25}
     assert (
         "    CPU s by process (34.8 in all): MapWorker(MapBatches(Tokenize)) 30.5, raylet 4.2"
@@ -265,9 +273,12 @@ def test_pipeline_bench_examples():
     import doctest
 
     from rayjobs.bench import pipeline as bench_pipeline
+    from rayjobs.bench import reference
 
     results = doctest.testmod(bench_pipeline)
     assert results.attempted >= 5 and results.failed == 0
+    results = doctest.testmod(reference)
+    assert results.attempted >= 2 and results.failed == 0
 
 
 def test_pipeline_memory_sampler_counts_only_the_drivers_process_tree(monkeypatch):
@@ -442,6 +453,18 @@ def test_bench_refuses_bad_arguments_before_it_runs(argv, message, benches_never
     assert err.startswith("rayjobs: ") and message in err, err
 
 
+def test_bench_takes_its_own_options_from_the_cli(monkeypatch):
+    """The CLI's own start time (``args.started``, for validate) is not a bench option: it made
+    every ``rayjobs bench pipeline`` refuse to run ("does not take --started")."""
+    from rayjobs.bench import pipeline as bench_pipeline
+
+    ran = []
+    monkeypatch.setattr(bench_pipeline, "bench_pipeline", lambda *a, **k: ran.append(a) or [])
+    monkeypatch.setattr(bench_pipeline, "format_rows", lambda rows: "")
+    assert main(["bench", "pipeline", "--scales", "1"]) == 0
+    assert ran
+
+
 @pytest.mark.parametrize(
     ("chunk_mb", "message"),
     [
@@ -521,6 +544,7 @@ def test_pipeline_reference_is_one_copy_of_the_data_whatever_the_first_scale(mon
     measured |= {"tokens": 1, "median_batch_s": 0.1, "epoch_gap_s": 0.1, "peak_rss_mb": 1.0}
     measured |= {"tokenize_cpu_s": 1.0, "pack_cpu_s": 1.0, "cpu_by_process": {}}
     monkeypatch.setattr(bench_pipeline, "measure_reference", measure_reference)
+    monkeypatch.setattr(bench_pipeline, "tokenizer_rates", lambda config: ("x", [(1.0, 1.0)]))
     monkeypatch.setattr(bench_pipeline, "run_scale", lambda *a, **k: {**measured})
     monkeypatch.setattr(rayjobs.job.pipeline, "init_ray", lambda config: None)
     monkeypatch.setattr(rayjobs.job.pipeline, "load_tokenizer", lambda config: None)

@@ -273,6 +273,15 @@ def chatml(
 ) -> str:
     """The ChatML layout used when the tokenizer has no chat template; tools go in the system
     turn and calls after the assistant's text, in the Hermes ``<tool_call>`` convention."""
+    rendered = "".join(_chatml_blocks(messages, tools))
+    return rendered + (CHATML_GENERATION if add_generation_prompt else "")
+
+
+CHATML_GENERATION = "<|im_start|>assistant\n"
+
+
+def _chatml_blocks(messages: list[Message], tools: list[Tool] | None) -> list[str]:
+    """``chatml``'s text turn by turn (a tools block first where there is no system turn)."""
     turns = list(messages)
     if tools:
         listing = "\n".join(json.dumps(tool) for tool in tools)
@@ -285,7 +294,7 @@ def chatml(
             turns[0] = {**turns[0], "content": f"{turns[0]['content']}\n\n{block}"}
         else:
             turns.insert(0, {"role": "system", "content": block})
-    rendered = ""
+    blocks = []
     for message in turns:
         content = message["content"]
         if message.get("reasoning_content"):
@@ -294,8 +303,27 @@ def chatml(
             f"<tool_call>\n{_call_json(c)}\n</tool_call>" for c in message.get("tool_calls", [])
         ]
         content = "\n".join(([content] if content else []) + calls)
-        rendered += f"<|im_start|>{message['role']}\n{content}<|im_end|>\n"
-    return rendered + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+        blocks.append(f"<|im_start|>{message['role']}\n{content}<|im_end|>\n")
+    return blocks
+
+
+def _chatml_prefixes(messages: list[Message], tools: list[Tool] | None) -> Callable[..., str]:
+    """``chatml`` over the prefixes of one conversation, each turn rendered once: (``messages[:k]``,
+    add_generation_prompt) → what ``chatml`` renders of them (the ``chat`` template renders every
+    prefix that ends before an assistant turn: each turn was rendered once per later assistant
+    turn, the template's largest cost on multi-turn data)."""
+    blocks = _chatml_blocks(messages, tools)
+    head = 1 if tools and not (messages and messages[0]["role"] == "system") else 0
+    done = [""]
+    for block in blocks:
+        done.append(done[-1] + block)
+
+    def rendered(prefix: list[Message], add_generation_prompt: bool) -> str:
+        if tools and not prefix and not head:  # tools alone, before the system turn they join
+            return chatml(prefix, add_generation_prompt, tools)
+        return done[len(prefix) + head] + (CHATML_GENERATION if add_generation_prompt else "")
+
+    return rendered
 
 
 def _renderer(
@@ -373,7 +401,10 @@ def chat(
         raise RowError(
             field, "the conversation has no assistant turn to learn from", reason="missing_field"
         )
-    render = _renderer(render_chat, tools, field)
+    if render_chat is None or render_chat is chatml:  # ChatML: each turn rendered once
+        render = _chatml_prefixes(messages, tools)
+    else:
+        render = _renderer(render_chat, tools, field)
     segments: list[Segment] = []
     done = ""
     for index, message in enumerate(messages):
