@@ -529,6 +529,7 @@ def test_pipeline_reference_is_one_copy_of_the_data_whatever_the_first_scale(mon
     """The 1-core reference is over the 1x data at every first scale (``--scales 3 5`` measured
     it over the first scale's 3 copies): the pipeline, Ray and the reference's passes are
     stand-ins here, and what each reference pass was given is counted in shard files."""
+    import rayjobs.data.backends
     import rayjobs.data.placement
     import rayjobs.job.pipeline
     from rayjobs.bench import pipeline as bench_pipeline
@@ -548,6 +549,7 @@ def test_pipeline_reference_is_one_copy_of_the_data_whatever_the_first_scale(mon
     monkeypatch.setattr(bench_pipeline, "run_scale", lambda *a, **k: {**measured})
     monkeypatch.setattr(rayjobs.job.pipeline, "init_ray", lambda config: None)
     monkeypatch.setattr(rayjobs.job.pipeline, "load_tokenizer", lambda config: None)
+    monkeypatch.setattr(rayjobs.data.backends, "choose", lambda config, tokenizer: (config, None))
     monkeypatch.setattr(rayjobs.data.placement, "cluster_cpus", lambda config: 2)
     for scales in ([3, 5], [1, 3]):
         given.clear()

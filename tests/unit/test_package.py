@@ -8,6 +8,7 @@ import ast
 import re
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -239,3 +240,11 @@ def test_the_packages_references_into_the_docs_resolve():
         if heading and not any(heading.lower().strip("`") in h for h in headings):
             broken.append(f'{doc}, "{heading}"')
     assert broken == []
+
+
+def test_no_two_test_modules_share_a_name():
+    """pytest imports test modules by basename (rootdir-relative, no packages): a second
+    ``test_x.py`` in another folder stops the collection of the whole suite."""
+    names = Counter(Path(f).name for f in _tracked_files() if re.match(r"tests/.*test_\w+\.py$", f))
+    assert len(names) > 50  # the suite's modules were found
+    assert [name for name, n in names.items() if n > 1] == []
