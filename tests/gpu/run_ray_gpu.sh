@@ -22,7 +22,7 @@
 # the figures, each step's exit code and seconds, the run's summary, bench train's rows); the
 # work files (the export, checkpoints, per-step JSON) stay in a temporary folder. Environment:
 #   RAY_GPU_MODE  gpu (default) or cpu: use_gpu false, SDPA, fp32, a dim-128 2-layer decoder at
-#                 seq_len 1024, 30 steps, one epoch, 1 and 2 Tokenize actors at 2 copies each;
+#                 seq_len 1024, 10 steps, one epoch, 1 and 2 Tokenize actors at 2 copies each;
 #   PYTHON        the interpreter (default python3); WHEELS: the wheelhouse (default gpu-wheels;
 #                 not a folder: no install, Ray must be there already); BUDGET_S: seconds in all.
 set -uo pipefail
@@ -46,7 +46,7 @@ if [ "$mode" = gpu ]; then
   limits=(install=150 run=240 export=120 bench_train=200 pipeline=75)
 elif [ "$mode" = cpu ]; then
   budget=${BUDGET_S:-1500}
-  dim=128 layers=2 heads=4 seq_len=1024 rows=4 steps=30 cpus=1 epochs=1
+  dim=128 layers=2 heads=4 seq_len=1024 rows=4 steps=10 cpus=1 epochs=1
   precision=fp32 attention=sdpa use_gpu=false variant=packed_sdpa
   actors=(1 2) per_actor=2
   limits=(install=300 run=420 export=300 bench_train=300 pipeline=300)
