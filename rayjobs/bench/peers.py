@@ -21,8 +21,8 @@ Reported for each (scale, path), from the process's start:
 
 - ``wall_s``: until the last packed row was written (the latest modification of an output
   Parquet file); ``exit_s``: until the process ended (Ray's shutdown included);
-  ``first_output_s``: until the first Parquet file appeared (polled every ``WATCH_S``, in
-  ``rayjobs export``'s staging folder too);
+  ``first_output_s``: until the first Parquet file was written (its modification time, which
+  ``rayjobs export``'s rename of its staging folder into place keeps);
 - ``peak_pss_mb``: the peak of the process tree's proportional set size (PSS: a page shared
   between processes, such as forked workers' inherited pages or Ray's object store, is split
   between them, so it counts once), sampled every ``SAMPLE_S``; ``peak_rss_mb``: the tree's RSS
@@ -55,14 +55,13 @@ from pathlib import Path
 from typing import Any
 
 from rayjobs.bench.pipeline import LABEL_SWEEPS, _Memory, cpu_ticks, process_label, steal_between
-from rayjobs.job.export import staging
 
 PATHS = ("rayjobs", "trl")
 SEQ_LEN = 2048
 SAMPLE_S = 0.5
 """Seconds between the sampler's sweeps over the process tree."""
 WATCH_S = 0.1
-"""Seconds between looks for the first output file."""
+"""Seconds between looks at whether the path has ended."""
 RUN_TIMEOUT_S = 3600
 """A path still running after this long is stopped (its process group) and the bench fails."""
 
@@ -205,11 +204,7 @@ def run_measured(command: list[str], out: Path, log: Path, env: dict[str, str]) 
         )
         tree = _Tree(process.pid)
         tree.start()
-        first = None
         while process.poll() is None:
-            # a local export writes beside ``out`` and renames its folder into place at the end
-            if first is None and (_parquet_files(out) or _parquet_files(Path(staging(str(out))))):
-                first = time.time() - started
             if time.time() - started > RUN_TIMEOUT_S:
                 os.killpg(process.pid, 9)  # the group this bench started, and only it
                 break
@@ -225,7 +220,7 @@ def run_measured(command: list[str], out: Path, log: Path, env: dict[str, str]) 
     return {
         "wall_s": max(f.stat().st_mtime for f in files) - started,
         "exit_s": exit_s,
-        "first_output_s": first,
+        "first_output_s": min(f.stat().st_mtime for f in files) - started,
         "peak_pss_mb": tree.peak_mb,
         "peak_rss_mb": tree.peak_rss_mb,
         "peak_by_process": tree.peak_by_process,

@@ -85,7 +85,7 @@ sys.exit(worker.wait())
 
 def test_run_measured_samples_the_whole_process_tree(tmp_path):
     """A process that starts a worker holding 120 MiB and writes two Parquet files: the tree's
-    peak memory holds the worker's, the first file is seen before the last is written, and CPU
+    peak memory holds the worker's, the first file is written before the last, and CPU
     time is labelled by process."""
     out = tmp_path / "out"
     measured = peers.run_measured([sys.executable, "-c", CHILD, str(out)], out,
