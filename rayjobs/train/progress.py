@@ -53,6 +53,19 @@ def planned_steps(packs_per_epoch: list[int], workers: int, spec: Any) -> int:
     return min(steps, spec.max_steps) if spec.max_steps is not None else steps
 
 
+FIELDS = (
+    ("loss", "loss", ".4f"),
+    ("lr", "lr", ".3g"),
+    ("grad_norm", "grad_norm", ".3f"),
+    ("dpo/reward_accuracy", "reward_accuracy", ".3f"),
+    ("dpo/reward_margin", "reward_margin", ".3f"),
+    ("eval_loss", "eval_loss", ".4f"),
+    ("tokens_per_s", "tokens/s", ".0f"),
+    ("packing_efficiency", "packing", ".3f"),
+)
+"""The progress line's scalars after step and epoch, in order: (key, label, format)."""
+
+
 def format_line(step: int, scalars: dict[str, float], total: int | None, epochs: int | None,
                 elapsed: float, eta: float | None) -> str:  # fmt: skip
     """One progress line (without the ``rayjobs:`` prefix)."""
@@ -60,21 +73,7 @@ def format_line(step: int, scalars: dict[str, float], total: int | None, epochs:
     if "epoch" in scalars:
         epoch = int(scalars["epoch"])
         parts.append(f"epoch {epoch}/{epochs}" if epochs else f"epoch {epoch}")
-    if "loss" in scalars:
-        parts.append(f"loss {scalars['loss']:.4f}")
-    if "lr" in scalars:
-        parts.append(f"lr {scalars['lr']:.3g}")
-    if "grad_norm" in scalars:
-        parts.append(f"grad_norm {scalars['grad_norm']:.3f}")
-    for name in ("dpo/reward_accuracy", "dpo/reward_margin"):
-        if name in scalars:
-            parts.append(f"{name.removeprefix('dpo/')} {scalars[name]:.3f}")
-    if "eval_loss" in scalars:
-        parts.append(f"eval_loss {scalars['eval_loss']:.4f}")
-    if "tokens_per_s" in scalars:
-        parts.append(f"tokens/s {scalars['tokens_per_s']:.0f}")
-    if "packing_efficiency" in scalars:
-        parts.append(f"packing {scalars['packing_efficiency']:.3f}")
+    parts += [f"{label} {scalars[key]:{form}}" for key, label, form in FIELDS if key in scalars]
     parts.append(f"elapsed {duration(elapsed)}")
     if eta is not None:
         parts.append(f"eta {duration(eta)}")
