@@ -294,8 +294,9 @@ def test_chunked_loss_halves_peak_memory():
         before, peak, loss = out.split()
         results[chunk] = int(before) / 1024, int(peak) / 1024, float(loss)  # MiB (Linux: KiB)
     (full_before, full_peak, full_loss), (_, chunked_peak, chunked_loss) = results.values()
-    # guard: the full-logits peak holds at least the [4, 2048, 50257] fp32 logits (1.5 GiB) twice
-    assert full_peak - full_before > 2 * 1536, results
+    # guard: the full-logits process held the [4, 2048, 50257] fp32 logits (1.5 GiB) and more;
+    # how many copies the allocator keeps resident at once varies between runs (2.8-3.5 GiB seen)
+    assert full_peak - full_before > 1.5 * 1536, results
     assert chunked_peak <= full_peak / 2, results
     assert abs(chunked_loss - full_loss) <= 1e-5, results
 
