@@ -24,6 +24,7 @@ from rayjobs.data.rows import IGNORE_INDEX, STAT_COLUMNS
 from rayjobs.train import dpo, masks
 from rayjobs.train.hf import build_hf_model
 from rayjobs.train.model import Decoder, DecoderConfig, PackedLM, token_logps
+from support.models import tiny_llama
 from support.tiles import tiles_from_block_mask, tiles_from_dense
 
 HH_DPO = DATA / "dpo" / "hh_rlhf_harmless.dpo.jsonl"
@@ -31,16 +32,7 @@ EOS_ID = 50256  # GPT-2's <|endoftext|>, also the pad token here
 VOCAB_SIZE = 50257
 SEQ_LEN = 512
 BETA = 0.5
-TINY_LLAMA = {
-    "model_type": "llama",
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": SEQ_LEN,
-    "initializer_range": 0.2,  # random weights that make attention matter
-}
+TINY_LLAMA = tiny_llama(SEQ_LEN)
 
 A = preference.Triple(np.array([11, 12, 13]), np.array([21, 22]), np.array([31]))  # P=3, C=2, R=1
 B = preference.Triple(np.array([41]), np.array([51]), np.array([61, 62]))  # P=1, C=1, R=2

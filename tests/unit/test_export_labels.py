@@ -33,18 +33,10 @@ from rayjobs.job.export import to_arrow
 from rayjobs.train.hf import build_hf_model
 from rayjobs.train.model import PackedLM
 from rayjobs.train.objectives import TokenLoss
+from support.models import tiny_llama
 
 SEQ_LEN = 256
-LLAMA = {
-    "model_type": "llama",
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": SEQ_LEN,
-    "initializer_range": 0.2,
-}
+LLAMA = tiny_llama(SEQ_LEN)
 PREFERENCE = DATA / "dpo" / "hh_rlhf_harmless.dpo.jsonl"
 
 

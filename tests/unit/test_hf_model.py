@@ -25,18 +25,10 @@ from rayjobs.data.samples import encode_segments
 from rayjobs.data.tokenizer import Tokenizer
 from rayjobs.train.hf import build_hf_model
 from rayjobs.train.model import Decoder, DecoderConfig, PackedLM, chunked_loss_sum
+from support.models import tiny_llama
 
 ARCHITECTURES = {
-    "llama": {
-        "model_type": "llama",
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 512,
-        "initializer_range": 0.2,  # random weights that make attention matter (the guard below)
-    },
+    "llama": tiny_llama(512),  # initializer_range 0.2: attention matters (the guard below)
     "gpt2": {
         "model_type": "gpt2",
         "n_embd": 32,

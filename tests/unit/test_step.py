@@ -26,18 +26,11 @@ from rayjobs.train.collate import collate
 from rayjobs.train.hf import build_hf_model
 from rayjobs.train.model import Decoder, DecoderConfig, PackedLM
 from rayjobs.train.step import train_step
+from support.models import tiny_llama
 
 VOCAB = 97
 SEQ = 32
-LLAMA = {
-    "model_type": "llama",
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 64,
-}
+LLAMA = tiny_llama(64, initializer_range=0.02)  # the transformers default
 
 
 def _rows(num_rows: int, seed: int) -> dict[str, np.ndarray]:
