@@ -1,6 +1,8 @@
 """``rayjobs run`` on data in a bucket: a training job whose datasets are ``s3://`` URIs on a real
 S3-protocol server on loopback, credentials and endpoint from the environment as on a cluster
-node. Its per-dataset counts are those of the same rows tokenized here from the bundled files."""
+node. Its per-dataset counts are those of the same rows tokenized here from the same bytes: the
+first 100 rows of two bundled files, an epoch of about ten steps (each step at the GPT-2 vocabulary
+costs seconds on a CPU; more rows would test nothing more)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,6 @@ import os
 import subprocess
 import sys
 from collections import defaultdict
-from pathlib import Path
 
 import yaml
 
@@ -28,8 +29,16 @@ def _datasets(root: str) -> list[dict]:
     ]
 
 
-def _expected(seq_len: int) -> dict[str, dict[str, int]]:
-    """The counts of one epoch of the bundled files, tokenized here (no Ray)."""
+def _files() -> dict[str, tuple[str, bytes]]:
+    """What the bucket holds: the first 100 rows of the bundled alpaca (JSON) and hh chat (JSONL)
+    files, by the key each is put at."""
+    alpaca = json.dumps(json.loads(ALPACA.read_text())[:100]).encode()
+    chat = b"".join(HH_CHAT.read_bytes().splitlines(keepends=True)[:100])
+    return {"alpaca": ("sft/alpaca_en_demo.json", alpaca), "chat": ("chat/hh.jsonl", chat)}
+
+
+def _expected(seq_len: int, files: dict[str, tuple[str, bytes]]) -> dict[str, dict[str, int]]:
+    """The counts of one epoch of the bucket's files, tokenized here from their bytes (no Ray)."""
     config = config_from_dict(
         {
             "datasets": [
@@ -42,11 +51,9 @@ def _expected(seq_len: int) -> dict[str, dict[str, int]]:
     counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for spec in config.datasets:
         tokenize = Tokenize([spec], config.tokenizer, seq_len, "truncate")
-        [path] = spec.files
-        rows, records = parse_file(
-            Path(path).read_bytes(), path, format=spec.format, dataset=spec.name
-        )
-        table = tokenize(record_table(spec.name, [path] * len(rows), rows, records))
+        key, data = files[spec.name]
+        rows, records = parse_file(data, key, format=spec.format, dataset=spec.name)
+        table = tokenize(record_table(spec.name, [key] * len(rows), rows, records))
         counts[spec.name]["rows"] += len(rows)
         counts[spec.name]["samples"] += table.num_rows
         counts[spec.name]["tokens"] += int(sum(table.column("num_tokens").to_pylist()))
@@ -55,9 +62,10 @@ def _expected(seq_len: int) -> dict[str, dict[str, int]]:
 
 def test_a_run_on_s3_data_trains_and_counts_what_the_files_hold(tmp_path):
     seq_len = 512
+    files = _files()
     with s3_server() as s3:
-        s3.put("data/sft/alpaca_en_demo.json", ALPACA.read_bytes())
-        s3.put("data/chat/hh.jsonl", HH_CHAT.read_bytes())
+        for key, data in files.values():
+            s3.put(f"data/{key}", data)
         config = {
             "datasets": _datasets("s3://data"),
             "tokenizer": {"path": str(GPT2)},
@@ -81,6 +89,7 @@ def test_a_run_on_s3_data_trains_and_counts_what_the_files_hold(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["steps"] > 0 and summary["tokens_trained"] > 0
-    expected = _expected(seq_len)
+    expected = _expected(seq_len, files)
+    assert {name: c["rows"] for name, c in expected.items()} == {"alpaca": 100, "chat": 100}
     for name, counts in summary["datasets"].items():
         assert {k: counts[k] for k in ("rows", "samples", "tokens")} == dict(expected[name]), name
