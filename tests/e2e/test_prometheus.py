@@ -1,8 +1,9 @@
 """One job submitted to a real Ray head answers the command line, the model issue and the
 metrics: ``rayjobs submit`` runs ``configs/tiny_llama.yaml`` (on a subset of its data) on the
-head (README, "Run on a cluster"), the Hugging Face Llama it trains saves checkpoints that
+head (README, "Run on a cluster"), its log as the dashboard shows it holds the data side's and
+the trainers' progress lines, the Hugging Face Llama it trains saves checkpoints that
 ``from_pretrained`` loads, and a real Prometheus scraping the head holds the run's series
-(README, "Metrics"). One job for all three: each end-to-end run costs the suite over a minute on
+(README, "Metrics"). One job for all four: each end-to-end run costs the suite about a minute on
 2 cores.
 
 Prometheus is Debian's ``prometheus`` package: ``cluster/install-prometheus.sh`` installs it when it
@@ -423,6 +424,45 @@ def test_submit_runs_the_job_and_follows_it_to_its_summary(ray_head, job):
     assert json.loads(last) == summary
     status = _rayjobs(ray_head, "status", submission, "--address", ray_head.url, "--json")
     assert json.loads(status.stdout.splitlines()[-1])["status"] == "SUCCEEDED"
+
+
+def _client_logs(head: Head, submission_id: str) -> str:
+    """The job's log through the Jobs API's client, with the head's token (what the dashboard's
+    job page shows)."""
+    code = (
+        "import sys\n"
+        "from ray.job_submission import JobSubmissionClient\n"
+        "sys.stdout.write(JobSubmissionClient(sys.argv[1]).get_job_logs(sys.argv[2]))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, head.url, submission_id],
+        capture_output=True,
+        text=True,
+        env=head.env,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return re.sub(r"\x1b\[[0-9;]*m", "", done.stdout)
+
+
+def test_the_jobs_log_holds_the_data_and_training_lines(ray_head, job):
+    """Issue 35, acceptance 2: the submitted job's log, as ``JobSubmissionClient.get_job_logs``
+    returns it (the dashboard's job page), holds the data side's start-up, token and pack counts
+    and rank 0's progress line every ``report_every`` steps and at the last, all before the
+    summary line the job's ``rayjobs run --json`` printed."""
+    logs = _client_logs(ray_head, job.record["submission_id"])
+    steps = job.record["summary"]["steps"]
+    # no max_steps: a streamed run's steps are not known ahead, so no "/total" and no ETA
+    line = r"rayjobs: step (\d+)  epoch 0/1  loss \d+\.\d+  lr \S+  grad_norm \S+  "
+    shown = [int(m[1]) for m in re.finditer(line, logs)]
+    assert shown == [*range(EVERY, steps, EVERY), steps], re.findall("rayjobs: step .*", logs)
+    counts = r"rayjobs: data: rows \d+  samples \d+  tokens (\d+) \(\d+/s\)  packs (\d+)"
+    data = re.findall(counts, logs)
+    assert data and int(data[-1][0]) > 0 and int(data[-1][1]) > 0  # tokens and packs
+    assert "rayjobs: data: hh_chat: estimating sample lengths from its first rows" in logs
+    summary_at = logs.index('{"steps": ')  # the --json line the job's run printed
+    assert logs.index(f"rayjobs: step {steps}  ") < summary_at
+    assert logs.rindex("rayjobs: data: rows") < summary_at
 
 
 def test_the_job_trains_a_tiny_llama_whose_checkpoints_load_with_from_pretrained(job):

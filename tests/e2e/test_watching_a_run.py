@@ -5,9 +5,8 @@ from inside the run (a Python warning, a Ray logger warning, a handler holding t
 a print, a write to file descriptor 1): stderr holds the data side's lines and rank 0's progress
 lines before the summary, and stdout is exactly one JSON object. Its ``train.report_to`` writes
 TensorBoard event files, an MLflow file store and a W&B offline run into the run folder, read back
-with TensorBoard's and MLflow's own readers. Then the same config submitted to a real Ray head: the
-job's log, as ``JobSubmissionClient.get_job_logs`` returns it (what the dashboard shows), holds the
-data side's token and pack counts and the trainers' progress lines.
+with TensorBoard's and MLflow's own readers. A submitted job's log (what the dashboard shows) is
+checked on the job ``test_prometheus`` submits, the suite's one job on a real head.
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from support.ray_head import Head
 
 OVERRIDES = ["train.epochs=1", "train.max_steps=12", "train.report_every=5"]
 """12 steps, fewer than 20: the summary's loss_last (the mean of the last tenth) is the last
@@ -153,46 +151,3 @@ def test_wandb_writes_its_offline_run_folder(run):
     (offline,) = (run.folder / "wandb").glob(f"offline-run-*-{name}")
     record = (offline / f"run-{name}.wandb").read_bytes()
     assert b"train/loss" in record and b"data/stdlib_chat/samples" in record
-
-
-# -- a submitted job's log (a real head: conftest.ray_head) -------------------------------------
-
-
-def _client_logs(head: Head, submission_id: str) -> str:
-    """The job's log through the Jobs API's client, with the head's token (what the dashboard's
-    job page shows)."""
-    code = (
-        "import sys\n"
-        "from ray.job_submission import JobSubmissionClient\n"
-        "sys.stdout.write(JobSubmissionClient(sys.argv[1]).get_job_logs(sys.argv[2]))\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code, head.url, submission_id],
-        capture_output=True,
-        text=True,
-        env=head.env,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return ANSI.sub("", done.stdout)
-
-
-def test_a_submitted_jobs_log_holds_the_data_and_training_lines(ray_head):
-    head = ray_head
-    done = subprocess.run(
-        [sys.executable, "-m", "rayjobs.cli", "submit", "configs/demo.yaml", *OVERRIDES,
-         "--address", head.url, "--json"],
-        capture_output=True, text=True, env=head.env, cwd=ROOT, timeout=900,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-5000:]
-    record = json.loads(done.stdout.splitlines()[-1])
-    assert record["status"] == "SUCCEEDED"
-    logs = _client_logs(head, record["submission_id"])
-    steps = [int(m[1]) for m in STEP.finditer(logs)]
-    assert steps == [5, 10, 12]
-    data = [tuple(map(int, m.groups())) for m in DATA.finditer(logs)]
-    assert data and data[-1][2] > 0 and data[-1][3] > 0  # tokens and packs
-    assert "rayjobs: data: stdlib_chat: estimating sample lengths from its first rows" in logs
-    summary_at = logs.index('{"steps": 12')  # the --json line the job's run printed
-    assert logs.index("rayjobs: step 12/12") < summary_at
-    assert logs.index("rayjobs: data: rows") < summary_at
