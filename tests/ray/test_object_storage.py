@@ -263,6 +263,9 @@ def test_a_read_that_loses_its_server_fails_naming_dataset_uri_and_row(tmp_path,
     from rayjobs.errors import SourceError
 
     monkeypatch.setattr(sources, "RETRY_SECONDS", 0.01)
+    # the AWS SDK's own retries of each request, with their back-off (seconds each), once here
+    standard = pafs.AwsStandardS3RetryStrategy
+    monkeypatch.setattr(pafs, "AwsStandardS3RetryStrategy", lambda max_attempts: standard(1))
     rows = [{"text": f"line {i} " + "y" * 200} for i in range(20_000)]
     data = "".join(json.dumps(r) + "\n" for r in rows).encode()
     with s3_server() as s3:
