@@ -2,10 +2,10 @@
 
 The pipeline bench's data (the bundled alpaca and hh chat sets, one copy: ``pipeline.write_shards``)
 read in-process into the actors' 256-row batches, then, in this process with the tokenizer at one
-thread, the best of ``--repeats`` passes in CPU time of: the whole ``Tokenize.__call__``; the call
-with the tokenizer's encodings cached (what the call costs besides the tokenizer); and the
-tokenizers and fastokens encoders alone on the same texts (docs/benchmarks.md, "Streaming
-pipeline").
+thread and the encoder ``--backend`` (fastokens, the default where it loads, or tokenizers), the
+best of ``--repeats`` passes in CPU time of: the whole ``Tokenize.__call__``; the call with the
+tokenizer's encodings cached (what the call costs besides the encoder); and the tokenizers and
+fastokens encoders alone on the same texts (docs/benchmarks.md, "Streaming pipeline").
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from pathlib import Path
 
 
 class _Cached:
-    """The run's tokenizer with ``encode_with_starts`` answered from a cache after its first call
-    on the same texts: the call's cost besides the tokenizer."""
+    """The run's tokenizer with ``encode_parts_flat`` answered from a cache after its first call
+    on the same texts: the call's cost besides the encoder."""
 
     def __init__(self, tokenizer):
         self.tokenizer, self.cache = tokenizer, {}
@@ -27,10 +27,10 @@ class _Cached:
     def __getattr__(self, name):
         return getattr(self.tokenizer, name)
 
-    def encode_with_starts(self, texts):
-        key = tuple(texts)
+    def encode_parts_flat(self, texts):
+        key = tuple(map(tuple, texts))
         if key not in self.cache:
-            self.cache[key] = self.tokenizer.encode_with_starts(texts)
+            self.cache[key] = self.tokenizer.encode_parts_flat(texts)
         return self.cache[key]
 
 
@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rayjobs.bench.tokenize_call")
     parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--backend", choices=("fastokens", "tokenizers"), default="fastokens")
     args = parser.parse_args(argv)
     folders = write_shards(args.data_dir, Path(tempfile.mkdtemp()), 1)
     config = config_from_dict(
@@ -66,7 +67,10 @@ def main(argv: list[str] | None = None) -> int:
                 {"name": "alpaca", "source": str(folders["alpaca"]), "template": "alpaca"},
                 {"name": "hh_chat", "source": str(folders["hh_chat"]), "template": "chat"},
             ],
-            "tokenizer": {"path": str(args.data_dir / "tokenizers" / "gpt2")},
+            "tokenizer": {
+                "path": str(args.data_dir / "tokenizers" / "gpt2"),
+                "backend": args.backend,
+            },
         }
     )
     batches = []
@@ -93,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
                   args.repeats)  # fmt: skip
     name, encode = fast_encoder(backend)
     fast = _best(lambda: [encode(t) for t in texts], args.repeats)
-    print(f"one pass: {len(batches)} batches, {tokens:,} tokens; CPU ms, best of {args.repeats}")
+    print(f"one pass: {len(batches)} batches, {tokens:,} tokens, encoded by {args.backend}; "
+          f"CPU ms, best of {args.repeats}")  # fmt: skip
     print(f"  Tokenize call                                 {whole * 1e3:8.1f}")
     print(f"  the call less the tokenizer (cached encodings) {besides * 1e3:7.1f}")
     print(f"  tokenizers encode_batch alone                 {alone * 1e3:8.1f}")

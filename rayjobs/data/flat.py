@@ -15,7 +15,6 @@ test_flat.py`` compares the two on every bundled data set, through the Tokenize 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -33,10 +32,11 @@ from rayjobs.data.samples import (
 )
 
 
-def _encoded(tokenizer: Any, rows: Sequence[Templated]) -> list[tuple]:
-    """Each row's token ids and, per token, a character offset in the part of its text where the
-    token starts (``Tokenizer.encode_parts``; the parts: runs of segments trained alike)."""
-    return tokenizer.encode_parts(
+def _encoded(tokenizer: Any, rows: Sequence[Templated]) -> tuple[np.ndarray, ...]:
+    """Every row's token ids one after another, per token a character offset in the part of its
+    text where the token starts, and each row's count of tokens (``Tokenizer.encode_parts_flat``;
+    the parts: runs of segments trained alike)."""
+    return tokenizer.encode_parts_flat(
         [trained_parts(row.content, row.spec.train_on_input) for row in rows]
     )
 
@@ -69,11 +69,8 @@ def encode_flat(
             seg_lengths.append(0)
             seg_trained.append(True)
             seg_counts[i] = 1
-    encoded = _encoded(tokenizer, rows)
-    lengths = np.fromiter((len(ids) for ids, _ in encoded), dtype=np.int64, count=n)
+    ids, starts, lengths = _encoded(tokenizer, rows)
     total = int(lengths.sum())
-    ids = np.fromiter(chain.from_iterable(e[0] for e in encoded), dtype=np.int64, count=total)
-    starts = np.fromiter(chain.from_iterable(e[1] for e in encoded), dtype=np.int64, count=total)
     bos_id = tokenizer.bos_id
     first = np.minimum(np.cumsum(lengths) - lengths, max(total - 1, 0))
     first_ids = ids[first] if total else np.zeros(n, dtype=np.int64)  # (a row without ids: masked)

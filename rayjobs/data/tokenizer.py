@@ -5,6 +5,7 @@ chat rendering, loaded without torch (Tokenize actors on CPU nodes never import 
 from __future__ import annotations
 
 import json
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -172,44 +173,81 @@ class Tokenizer:
         return [(e.ids, [start for start, _ in e.offsets]) for e in encodings]
 
     def encode_parts(self, texts: list[list[str]]) -> list[tuple[list[int], list[int]]]:
+        """``encode_parts_flat``, one ``(ids, starts)`` pair of lists per text."""
+        if not texts:
+            return []
+        ids, starts, lengths = self.encode_parts_flat(texts)
+        bounds = np.cumsum(lengths)[:-1]
+        return [
+            (i.tolist(), s.tolist())
+            for i, s in zip(np.split(ids, bounds), np.split(starts, bounds), strict=True)
+        ]
+
+    def encode_parts_flat(self, texts: list[list[str]]) -> tuple[np.ndarray, ...]:
         """Each text, given as its parts, as one text's token ids, and for each token a
         character offset in the text that lies in the part the token starts in: where the token
-        starts (``encode_with_starts``), or, encoded by fastokens, where its part starts.
+        starts (``encode_with_starts``), or, encoded by fastokens, where its part starts. As
+        arrays: every text's ids one after another, each token's offset, and each text's count
+        of tokens (int64).
 
         fastokens tracks no offsets. It encodes each text whole and each of its parts alone;
         where the parts' ids, one after another, are the whole text's, every token lies inside
         one part, and the part's start stands for the token's. Where they are not (a token
         straddles two parts: GPT-2's " 4" after a part ending in a space; a SentencePiece
         tokenizer's space before a part), the text is encoded again by ``tokenizers``, with its
-        offsets. Either way each token is placed in the part it starts in.
+        offsets. Either way each token is placed in the part it starts in. The comparison and
+        the offsets are array operations over the whole batch.
         """
-        if self.fast is None:
-            return self.encode_with_starts(["".join(parts) for parts in texts])
         whole = ["".join(parts) for parts in texts]
+        if self.fast is None or not texts:
+            return _arrays(self.encode_with_starts(whole))
+        n = len(texts)
         split = [p for parts in texts if len(parts) > 1 for p in parts]
         ids, offsets = _flat(self.fast, whole + split)
-        out: list[Any] = []
-        straddled = []
-        at = len(whole)  # the next text's first part, in offsets
-        for index, parts in enumerate(texts):
-            text_ids = ids[offsets[index] : offsets[index + 1]]
-            if len(parts) < 2:
-                out.append((text_ids.tolist(), [0] * len(text_ids)))
-                continue
-            ends = offsets[at : at + len(parts) + 1]
-            at += len(parts)
-            if not np.array_equal(ids[ends[0] : ends[-1]], text_ids):
-                straddled.append(index)
-                out.append(None)
-                continue
-            part_starts = np.cumsum([0, *(len(p) for p in parts[:-1])])
-            out.append((text_ids.tolist(), np.repeat(part_starts, np.diff(ends)).tolist()))
-        if straddled:
-            self.straddles += len(straddled)
-            again = self.encode_with_starts([whole[i] for i in straddled])
-            for index, encoded in zip(straddled, again, strict=True):
-                out[index] = encoded
-        return out
+        ids = ids.astype(np.int64)
+        lengths = np.diff(offsets[: n + 1])
+        starts = np.zeros(int(offsets[n]), dtype=np.int64)
+        if not split:
+            return ids[: offsets[n]], starts, lengths
+        # The texts of several parts, and where their parts' ids lie (one run per text).
+        counts = np.fromiter((len(parts) for parts in texts), dtype=np.int64, count=n)
+        multi = np.flatnonzero(counts > 1)
+        k = counts[multi]
+        first = np.cumsum(k) - k  # each text's first part among the split parts
+        part_begin = offsets[n + first]
+        same = (offsets[n + first + k] - part_begin) == lengths[multi]
+        size = lengths[multi]
+        # Token by token, each text of the same length against its parts' run.
+        within = _ranges(np.where(same, size, 0))
+        text_of = np.repeat(np.arange(len(multi)), np.where(same, size, 0))
+        differ = ids[offsets[multi][text_of] + within] != ids[part_begin[text_of] + within]
+        ok = same & (np.bincount(text_of, weights=differ, minlength=len(multi)) == 0)
+        # Each part's first character in its text, repeated over the part's tokens.
+        chars = np.fromiter((len(p) for p in split), dtype=np.int64, count=len(split))
+        before = np.cumsum(chars) - chars
+        part_start = before - np.repeat(before[first], k)
+        region = np.repeat(part_start, np.diff(offsets[n:]))  # the split parts' tokens
+        placed = np.repeat(ok, size)
+        token_text = np.repeat(np.arange(len(multi)), size)
+        at = _ranges(size)
+        starts[(offsets[multi][token_text] + at)[placed]] = region[
+            (part_begin[token_text] - offsets[n] + at)[placed]
+        ]
+        straddled = multi[~ok].tolist()
+        if not straddled:
+            return ids[: offsets[n]], starts, lengths
+        self.straddles += len(straddled)
+        pieces = [(ids[offsets[i] : offsets[i + 1]], starts[offsets[i] : offsets[i + 1]])
+                  for i in range(n)]  # fmt: skip
+        again = self.encode_with_starts([whole[i] for i in straddled])
+        for index, (again_ids, again_starts) in zip(straddled, again, strict=True):
+            pieces[index] = (np.asarray(again_ids, dtype=np.int64),
+                             np.asarray(again_starts, dtype=np.int64))  # fmt: skip
+        return (
+            np.concatenate([i for i, _ in pieces]),
+            np.concatenate([s for _, s in pieces]),
+            np.fromiter((len(i) for i, _ in pieces), dtype=np.int64, count=n),
+        )
 
     def ends_with_eos(self, text: str) -> bool:
         """Whether ``text`` already ends with the EOS token, whitespace aside (a chat template
@@ -273,6 +311,20 @@ def load_fast(backend: Any) -> tuple[Any, str | None]:
     except Exception as error:  # noqa: BLE001 - whatever it raises on a tokenizer it cannot read
         said = (str(error).strip().splitlines() or [""])[0][:200]
         return None, f"cannot load this tokenizer ({type(error).__name__}: {said})"
+
+
+def _ranges(sizes: np.ndarray) -> np.ndarray:
+    """``0 .. size-1`` for each size, one after another."""
+    return np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+
+
+def _arrays(encoded: list[tuple[list[int], list[int]]]) -> tuple[np.ndarray, ...]:
+    """Per-text ``(ids, starts)`` lists as ``encode_parts_flat``'s three arrays."""
+    lengths = np.fromiter((len(ids) for ids, _ in encoded), dtype=np.int64, count=len(encoded))
+    total = int(lengths.sum())
+    ids = np.fromiter(chain.from_iterable(e[0] for e in encoded), dtype=np.int64, count=total)
+    starts = np.fromiter(chain.from_iterable(e[1] for e in encoded), dtype=np.int64, count=total)
+    return ids, starts, lengths
 
 
 def _flat(fast: Any, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:

@@ -147,6 +147,46 @@ def test_a_token_straddling_a_trained_part_is_placed_by_tokenizers_offsets():
     assert "2 text(s) placed by tokenizers' offsets" in choice.reason
 
 
+def test_a_batch_of_mixed_texts_places_every_token_in_the_part_it_starts_in():
+    """``encode_parts_flat`` over one batch: texts of no part, one part, parts that tokenize
+    alike alone and whole, and one whose token straddles its parts (GPT-2's " 4"). fastokens'
+    ids are tokenizers' ids, text by text, and each token's offset lies in the part that
+    tokenizers' own offset for it lies in; only the straddling text is encoded again."""
+    reference = Tokenizer(_config(SFT_SETS[:1], GPT2, "tokenizers").tokenizer)
+    fast = Tokenizer(_config(SFT_SETS[:1], GPT2, "fastokens").tokenizer)
+    texts = [
+        [],
+        ["Hello there."],
+        ["Q: what is two and two?\n", "A: four."],
+        ["What is 2+2? ", "4", " and more"],
+        ["", "one", ""],
+        ["Name three colours.\n", "Red, green", " and blue."],
+    ]
+    ids, starts, lengths = fast.encode_parts_flat(texts)
+    assert fast.straddles == 1  # guard: the " 4" text went to tokenizers, no other
+    assert lengths.tolist() == [len(e[0]) for e in reference.encode_with_starts(
+        ["".join(t) for t in texts])]  # fmt: skip
+    at = 0
+    for parts, (want_ids, want_starts) in zip(
+        texts, reference.encode_with_starts(["".join(t) for t in texts]), strict=True
+    ):
+        got_ids, got_starts = ids[at : at + len(want_ids)], starts[at : at + len(want_ids)]
+        at += len(want_ids)
+        assert got_ids.tolist() == want_ids
+        ends = np.cumsum([len(p) for p in parts])  # each offset's part: where it sorts in them
+        assert (
+            np.searchsorted(ends, got_starts, side="right").tolist()
+            == np.searchsorted(ends, want_starts, side="right").tolist()
+        ), parts
+    assert at == len(ids) == len(starts)
+    assert fast.encode_parts(texts) == [
+        (i.tolist(), s.tolist()) for i, s in zip(
+            np.split(ids, np.cumsum(lengths)[:-1]), np.split(starts, np.cumsum(lengths)[:-1]),
+            strict=True)
+    ]  # fmt: skip
+    assert fast.encode_parts([]) == [] and len(fast.encode_parts_flat([])[0]) == 0
+
+
 def _fallback(config, caplog, heads=None):
     with caplog.at_level(logging.WARNING, logger="rayjobs"):
         decided, choice = backends.choose(config, Tokenizer(config.tokenizer), heads)
