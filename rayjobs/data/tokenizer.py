@@ -4,6 +4,7 @@ chat rendering, loaded without torch (Tokenize actors on CPU nodes never import 
 
 from __future__ import annotations
 
+import functools
 import json
 from itertools import chain
 from pathlib import Path
@@ -301,13 +302,19 @@ class Tokenizer:
 
 def load_fast(backend: Any) -> tuple[Any, str | None]:
     """``backend`` (a ``tokenizers.Tokenizer``) as a fastokens tokenizer, or None and why not, in a
-    few words (what a fallback or a refusal says)."""
+    few words (what a fallback or a refusal says). Loaded once per process and tokenizer: the
+    driver checks that it loads, then encodes the heads with it (``backends.choose``)."""
     try:
         import fastokens
     except ImportError:
         return None, "is not installed (pip install fastokens)"
+    return _from_json(fastokens.Tokenizer, backend.to_str())
+
+
+@functools.lru_cache(maxsize=2)
+def _from_json(kind: Any, definition: str) -> tuple[Any, str | None]:
     try:
-        return fastokens.Tokenizer.from_json_str(backend.to_str()), None
+        return kind.from_json_str(definition), None
     except Exception as error:  # noqa: BLE001 - whatever it raises on a tokenizer it cannot read
         said = (str(error).strip().splitlines() or [""])[0][:200]
         return None, f"cannot load this tokenizer ({type(error).__name__}: {said})"
