@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 
 from rayjobs.data.counts import TokenizeCounts
-from rayjobs.data.rows import IGNORE_INDEX
+from rayjobs.data.rows import IGNORE_INDEX, ranges
 from rayjobs.data.samples import (
     TOKEN_LIST,
     Fit,
@@ -81,9 +81,7 @@ def encode_flat(
     sizes = lengths + bos + eos
     ends = np.cumsum(sizes)
     begins = ends - sizes
-    token_row = np.repeat(np.arange(n), lengths)
-    within = np.arange(total) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    where = begins[token_row] + bos[token_row] + within
+    where = ranges(begins + bos, lengths)
     out_ids = np.empty(int(ends[-1]), dtype=np.int32)
     out_starts = np.zeros(int(ends[-1]), dtype=np.int64)  # BOS: offset 0
     out_ids[where] = ids

@@ -14,6 +14,7 @@ import numpy as np
 
 from rayjobs.config import TokenizerConfig
 from rayjobs.data import spm, templates
+from rayjobs.data.rows import ranges
 from rayjobs.data.templates import Message, RowError
 from rayjobs.errors import ConfigError
 
@@ -216,24 +217,22 @@ class Tokenizer:
         k = counts[multi]
         first = np.cumsum(k) - k  # each text's first part among the split parts
         part_begin = offsets[n + first]
-        same = (offsets[n + first + k] - part_begin) == lengths[multi]
         size = lengths[multi]
-        # Token by token, each text of the same length against its parts' run.
-        within = _ranges(np.where(same, size, 0))
-        text_of = np.repeat(np.arange(len(multi)), np.where(same, size, 0))
-        differ = ids[offsets[multi][text_of] + within] != ids[part_begin[text_of] + within]
-        ok = same & (np.bincount(text_of, weights=differ, minlength=len(multi)) == 0)
+        same = (offsets[n + first + k] - part_begin) == size
+        # Token by token, each text against as many ids of its parts' run (those of the same
+        # length only: another's run may end sooner).
+        text_of = np.repeat(np.arange(len(multi)), size)
+        whole_at, parts_at = ranges(offsets[multi], size), ranges(part_begin, size)
+        check = same[text_of]
+        differ = ids[whole_at[check]] != ids[parts_at[check]]
+        ok = same & (np.bincount(text_of[check], weights=differ, minlength=len(multi)) == 0)
         # Each part's first character in its text, repeated over the part's tokens.
         chars = np.fromiter((len(p) for p in split), dtype=np.int64, count=len(split))
         before = np.cumsum(chars) - chars
         part_start = before - np.repeat(before[first], k)
         region = np.repeat(part_start, np.diff(offsets[n:]))  # the split parts' tokens
-        placed = np.repeat(ok, size)
-        token_text = np.repeat(np.arange(len(multi)), size)
-        at = _ranges(size)
-        starts[(offsets[multi][token_text] + at)[placed]] = region[
-            (part_begin[token_text] - offsets[n] + at)[placed]
-        ]
+        placed = ok[text_of]
+        starts[whole_at[placed]] = region[parts_at[placed] - offsets[n]]
         straddled = multi[~ok].tolist()
         if not straddled:
             return ids[: offsets[n]], starts, lengths
@@ -318,11 +317,6 @@ def _from_json(kind: Any, definition: str) -> tuple[Any, str | None]:
     except Exception as error:  # noqa: BLE001 - whatever it raises on a tokenizer it cannot read
         said = (str(error).strip().splitlines() or [""])[0][:200]
         return None, f"cannot load this tokenizer ({type(error).__name__}: {said})"
-
-
-def _ranges(sizes: np.ndarray) -> np.ndarray:
-    """``0 .. size-1`` for each size, one after another."""
-    return np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)
 
 
 def _arrays(encoded: list[tuple[list[int], list[int]]]) -> tuple[np.ndarray, ...]:
