@@ -50,6 +50,10 @@ os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
 # runs waits for a poll to see its workers start, finish or fail (three training runs: 111 s →
 # 103 s at 0.5 s). The polling does not change what a run does.
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+# Ray Train's preemption watcher, an actor of its own per worker group that polls the nodes' drain
+# state, watches for what no test does (a node drained by its cluster); each start is one more
+# process importing Ray on a 2-core machine. The runs themselves are the same.
+os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 
 
 def file_tables(data: bytes, path: str, **options):
