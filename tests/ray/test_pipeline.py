@@ -336,16 +336,22 @@ def test_untrained_packs(
         assert untrained_packs(config, summary, datasets) == expected
 
 
+EMBEDDED = {"address": "local", "num_cpus": 6, "dashboard_host": "127.0.0.1"}
+
+
 @pytest.mark.parametrize(
-    "address, env, expected",
+    "address, env, interval, expected",
     [
-        # a Ray of its own (not a `ray start`), its dashboard on loopback
-        (None, None, {"address": "local", "num_cpus": 6, "dashboard_host": "127.0.0.1"}),
-        (None, "ray://head:10001", {"address": "ray://head:10001"}),
-        ("auto", "ray://head:10001", {"address": "auto"}),  # the config's address first
+        # a Ray of its own (not a `ray start`), its dashboard on loopback, metrics every 2 s
+        (None, None, None, {**EMBEDDED, "_system_config": {"metrics_report_interval_ms": 2000}}),
+        (None, None, "5000", EMBEDDED),  # the environment's interval: Ray reads it itself
+        (None, "ray://head:10001", None, {"address": "ray://head:10001"}),
+        ("auto", "ray://head:10001", None, {"address": "auto"}),  # the config's address first
     ],
 )
-def test_init_ray_joins_the_named_cluster_or_starts_its_own(monkeypatch, address, env, expected):
+def test_init_ray_joins_the_named_cluster_or_starts_its_own(
+    monkeypatch, address, env, interval, expected
+):
     import ray
 
     from rayjobs.job import pipeline
@@ -358,6 +364,10 @@ def test_init_ray_joins_the_named_cluster_or_starts_its_own(monkeypatch, address
         monkeypatch.delenv("RAY_ADDRESS", raising=False)
     else:
         monkeypatch.setenv("RAY_ADDRESS", env)
+    if interval is None:
+        monkeypatch.delenv("RAY_metrics_report_interval_ms", raising=False)
+    else:
+        monkeypatch.setenv("RAY_metrics_report_interval_ms", interval)
     config = _config().model_copy()
     config = config.model_copy(update={"ray": config.ray.model_copy(update={"address": address})})
     pipeline.init_ray(config)
