@@ -19,6 +19,13 @@ GPTEACHER = DATA / "sft" / "gpteacher_roleplay.json"
 HH_CHAT = DATA / "chat" / "hh_rlhf_harmless_chosen.messages.jsonl"
 SHAREGPT = DATA / "chat" / "glaive_toolcall.sharegpt.json"
 SHAKESPEARE = DATA / "text" / "tinyshakespeare.txt"
+DEMO_TOKENIZER = {
+    "path": str(ROOT / "configs" / "demo" / "tokenizer.json"),
+    "eos_token": "<|endoftext|>",
+    "pad_token": "<|pad|>",
+}
+"""The demo's tokenizer section (configs/demo.yaml): a 4,096-token BPE, so a training step costs
+little on a CPU, where GPT-2's 50,257-way projection costs seconds."""
 
 TIERS = {"ray": "ray", "e2e": "e2e", "gpu": "gpu"}
 """Test folder → the marker each of its tests gets (tests/unit's get none)."""

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from conftest import ROOT, shutdown_shared_ray
+from conftest import DEMO_TOKENIZER, ROOT, shutdown_shared_ray
 from rayjobs.config import ConfigError, load_config
 from rayjobs.data.placement import labels_match
 
@@ -92,11 +92,7 @@ def test_data_scales_out_on_the_data_nodes_and_trainers_stay_on_the_trainer_node
                 {"name": "alpaca", "source": str(DEMO / "alpaca.jsonl"), "template": "alpaca"},
                 {"name": "chat", "source": str(DEMO / "chat.jsonl"), "template": "chat"},
             ],
-            "tokenizer": {
-                "path": str(DEMO / "tokenizer.json"),
-                "eos_token": "<|endoftext|>",
-                "pad_token": "<|pad|>",
-            },
+            "tokenizer": DEMO_TOKENIZER,
             "packing": {"seq_len": 512, "window_tokens": 20_000},
             "ray": {
                 "min_actors": 2,

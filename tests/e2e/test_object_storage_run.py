@@ -14,18 +14,12 @@ from collections import defaultdict
 
 import yaml
 
-from conftest import ALPACA, HH_CHAT, ROOT
+from conftest import ALPACA, DEMO_TOKENIZER, HH_CHAT, ROOT
 from rayjobs.config import config_from_dict
 from rayjobs.data.formats import parse_file
 from rayjobs.data.sources import record_table
 from rayjobs.data.tokenize import Tokenize
 from support.s3 import s3_server
-
-TOKENIZER = {
-    "path": str(ROOT / "configs" / "demo" / "tokenizer.json"),
-    "eos_token": "<|endoftext|>",
-    "pad_token": "<|pad|>",
-}
 
 
 def _datasets(root: str) -> list[dict]:
@@ -51,7 +45,7 @@ def _expected(seq_len: int, files: dict[str, tuple[str, bytes]]) -> dict[str, di
                 {"name": "alpaca", "source": str(ALPACA), "template": "alpaca"},
                 {"name": "chat", "source": str(HH_CHAT), "template": "chat"},
             ],
-            "tokenizer": TOKENIZER,
+            "tokenizer": DEMO_TOKENIZER,
         }
     )
     counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
@@ -74,7 +68,7 @@ def test_a_run_on_s3_data_trains_and_counts_what_the_files_hold(tmp_path):
             s3.put(f"data/{key}", data)
         config = {
             "datasets": _datasets("s3://data"),
-            "tokenizer": TOKENIZER,
+            "tokenizer": DEMO_TOKENIZER,
             "packing": {"seq_len": seq_len},
             "train": {
                 "num_workers": 2,

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import ray.train
 
-from conftest import ROOT
+from conftest import DEMO_TOKENIZER, ROOT
 from rayjobs.config import ConfigError, config_from_dict
 from rayjobs.errors import RunFailed
 from rayjobs.job.pipeline import resume_name, run
@@ -36,11 +36,7 @@ def _raw(storage, **train):
             {"name": "alpaca", "source": str(DEMO / "alpaca.jsonl"), "template": "alpaca"},
             {"name": "chat", "source": str(DEMO / "chat.jsonl"), "template": "chat"},
         ],
-        "tokenizer": {
-            "path": str(DEMO / "tokenizer.json"),
-            "eos_token": "<|endoftext|>",
-            "pad_token": "<|pad|>",
-        },
+        "tokenizer": DEMO_TOKENIZER,
         "packing": {"seq_len": 256, "window": 256},
         "train": {
             "num_workers": WORLD,
