@@ -4,6 +4,9 @@ job ``test_prometheus`` submits to a real head (one end-to-end run for both)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from conftest import ROOT
@@ -144,3 +147,22 @@ def test_the_human_summary_shows_an_evaluation_history_without_its_eval_set():
     history = [{"step": 2, "loss": 4.5, "rows": 10, "tokens": 300, "packs": 10}]
     text = format_summary({**SUMMARY, "eval": {"loss": 4.5, "history": history}})
     assert "eval: loss 4.5000 (step 2)  over 10 packs, 300 tokens" in text
+
+
+def test_python_dash_m_rayjobs_is_the_command_line():
+    """``python -m rayjobs`` runs the CLI as ``python -m rayjobs.cli`` (and the ``rayjobs``
+    script) does: same exit code, same output."""
+
+    def version(module):
+        return subprocess.run(
+            [sys.executable, "-m", module, "--version"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    package, cli = version("rayjobs"), version("rayjobs.cli")
+    assert cli.returncode == 0 and cli.stdout.startswith("rayjobs "), cli.stderr
+    assert package.returncode == 0, package.stderr
+    assert package.stdout == cli.stdout

@@ -41,18 +41,35 @@ TEXTS = _texts()
 
 @pytest.mark.parametrize("path", [BPE_FOLDER, UNIGRAM_FILE], ids=["bpe_folder", "unigram_file"])
 def test_ids_equal_sentencepiece_on_real_text(path):
-    """Acceptance: the converted tokenizer's ids are SentencePiece's, text by text."""
+    """Acceptance: the converted tokenizer's ids are SentencePiece's and transformers' slow
+    tokenizer's, text by text. transformers' slow tokenizer is ``SentencePieceBackend``: since
+    transformers 5 ``LlamaTokenizer``/``T5Tokenizer`` (and ``AutoTokenizer``, which ignores
+    ``use_fast``) are fast tokenizers built by transformers' converters (``SpmConverter``, which
+    rayjobs itself uses), so they would check the conversion against itself;
+    ``SentencePieceBackend`` is the Python class every remaining slow SentencePiece tokenizer
+    derives from (it runs ``sentencepiece`` with transformers' own special-token splitting and
+    ``legacy`` handling). It gets the model's
+    ``<s>``/``</s>``/``<unk>`` as special tokens, as a Llama ``tokenizer_config.json`` names them,
+    and no BOS is added (rayjobs adds none unless asked)."""
+    from transformers.tokenization_utils_sentencepiece import SentencePieceBackend
+
     model = path / "tokenizer.model" if path.is_dir() else path
     reference = spm.SentencePieceProcessor(model_file=str(model))
+    slow = SentencePieceBackend(
+        vocab_file=str(model), bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    assert not slow.is_fast and slow.all_special_ids == [1, 2, 0], "guard: the slow tokenizer"
     ours = Tokenizer(TokenizerConfig(path=str(path)))
     expected = [reference.encode(text) for text in TEXTS]
     assert len(TEXTS) > 1000, "guard: hundreds of real texts"
     assert sum(0 in ids for ids in expected) > 10, "guard: pieces unknown to the model occur"
     assert any("\n" in t for t in TEXTS) and any("  " in t for t in TEXTS), "guard: whitespace"
+    got = ours.encode_batch(TEXTS)
+    transformers_ids = slow(TEXTS, add_special_tokens=False)["input_ids"]
     mismatched = [
-        (text[:60], got[:12], want[:12])
-        for text, got, want in zip(TEXTS, ours.encode_batch(TEXTS), expected)
-        if got != want
+        (text[:60], mine[:12], want[:12], theirs[:12])
+        for text, mine, want, theirs in zip(TEXTS, got, expected, transformers_ids)
+        if mine != want or mine != theirs
     ]
     assert mismatched == []
 

@@ -35,9 +35,9 @@ sys.exit(code)
 
 
 def test_validate_the_demo_config_without_starting_ray():
-    """Acceptance 7: exit 0 on configs/demo.yaml with ``ray.init`` made to fail, and Ray still
-    not initialized at the end. The wall time (a new interpreter included) is printed for the
-    record, not checked."""
+    """Acceptance 7: exit 0 on configs/demo.yaml in under 15 s (the issue's limit for the
+    command, a new interpreter included) with ``ray.init`` made to fail, and Ray still not
+    initialized at the end. The wall time is printed for the record too."""
     began = time.perf_counter()
     done = subprocess.run(
         [sys.executable, "-c", NO_RAY, str(DEMO)],
@@ -50,6 +50,7 @@ def test_validate_the_demo_config_without_starting_ray():
     print(f"rayjobs validate configs/demo.yaml: {wall:.1f} s wall, {done.stdout.splitlines()[-2]}")
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == "ray initialized: False"
+    assert wall < 15, f"rayjobs validate configs/demo.yaml took {wall:.1f} s"
     out = done.stdout
     for part in (
         "config: task sft, seq_len 512, stream mode, 2 dataset(s)",
