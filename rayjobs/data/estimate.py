@@ -107,7 +107,7 @@ def estimate(config: Config) -> dict[str, Estimate]:
         estimates[spec.name] = Estimate(
             float(lengths.mean()), count, density, sizes, len(lengths) / raw_rows
         )
-    checks.require_training(heads, "the head of every dataset")
+    checks.require_training(heads, "the first rows of every dataset")
     for warning in checks.lost_warnings(config, heads):
         checks.logger.warning("in the first rows: %s", warning)
     return estimates
@@ -140,22 +140,21 @@ def columns(config: Config) -> dict[str, list[str]]:
 def _nothing_left(
     spec: DatasetConfig, taken: int, head: dict[str, Any], skipped: Counter[str]
 ) -> str:
-    """Why a dataset has no sample, in one line: its bad rows' skip reasons and its samples'
-    drop reasons, counted."""
-    reasons = sum(
-        (Counter(head.get(key, {})) for key in ("skipped_by_reason", "dropped_by_reason")),
-        Counter(skipped),
-    )
-    said = ", ".join(f"{reason} {n}" for reason, n in sorted(reasons.items())) or "none counted"
-    if not taken:
+    """Why a dataset has no sample, in one line: its bad rows' skip reasons (parsing, then the
+    template) and its samples' drop reasons (``packing.overflow``), counted."""
+    bad = Counter(skipped) + Counter(head.get("skipped_by_reason", {}))
+    dropped = Counter(head.get("dropped_by_reason", {}))
+    said = ", ".join(f"{reason} {n}" for reason, n in sorted((bad + dropped).items()))
+    if not dropped:
         return (
             f"dataset {spec.name!r}: every row read was bad and skipped under on_bad_row: skip "
-            f"({said}); no row is left to train on. Fix the data, or set on_bad_row: error to "
-            "stop at the first bad row with its file and row"
+            f"({said or 'none counted'}); no row is left to train on. Fix the data, or set "
+            "on_bad_row: error to stop at the first bad row with its file and row"
         )
     return (
-        f"dataset {spec.name!r}: no sample in any of its {taken} good rows after templating and "
-        f"packing.overflow ({said}); see packing.overflow"
+        f"dataset {spec.name!r}: no sample left of its {taken} parsed rows "
+        f"({sum(bad.values())} bad and skipped, {sum(dropped.values())} dropped by "
+        f"packing.overflow: {said}); see packing.overflow"
     )
 
 

@@ -247,7 +247,7 @@ def test_a_dataset_whose_head_the_template_skips_whole_is_sized_from_a_longer_on
     (folder / "b.jsonl").unlink()
     config = config_from_dict({"datasets": [spec], "tokenizer": {"path": str(GPT2)}})
     with pytest.raises(
-        ValueError, match="dataset 'd': no sample in any of its 40 good rows .*missing_field 40"
+        ValueError, match=r"dataset 'd': every row read was bad .*\(missing_field 40\)"
     ):
         estimate.estimate(config)
 
