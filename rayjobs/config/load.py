@@ -305,8 +305,9 @@ loaded by ``datasets`` in the driver."""
 def _resolve_hf(spec: DatasetConfig, key: str, base_dir: Path) -> DatasetConfig:
     """A Hugging Face dataset: a ``save_to_disk`` folder as is (loaded in the driver); else its
     data files for ``split``, as ``load_dataset`` finds them (``subset``, ``data_files``,
-    ``revision``; a local Hub-layout folder or a Hub name): Parquet, JSONL or CSV files become
-    the dataset's ``files``, read by read tasks in parallel with row numbers of their own."""
+    ``revision``; a local Hub-layout folder or a Hub name, offline the revision's folder in the
+    Hub cache, ``files.hub_snapshot``): Parquet, JSONL or CSV files become the dataset's
+    ``files``, read by read tasks in parallel with row numbers of their own."""
     source = str(spec.source)
     local = _local(source, base_dir)
     where = f"{key} (dataset {spec.name!r})"
@@ -319,11 +320,14 @@ def _resolve_hf(spec: DatasetConfig, key: str, base_dir: Path) -> DatasetConfig:
         source = str(local)
         if (local / "dataset_dict.json").exists() or (local / "state.json").exists():
             return spec.model_copy(update={"source": source})  # save_to_disk: read as it was
+    revision = spec.revision
+    if not local.exists() and (snapshot := files.hub_snapshot(source, revision)) is not None:
+        source, revision = snapshot, None  # offline: the cached revision's folder
     import datasets
 
     try:
         builder = datasets.load_dataset_builder(
-            source, name=spec.subset, data_files=spec.data_files, revision=spec.revision
+            source, name=spec.subset, data_files=spec.data_files, revision=revision
         )
     except Exception as error:  # noqa: BLE001 - datasets raises many kinds for a bad source
         raise ConfigError(

@@ -171,6 +171,24 @@ def _hub() -> pafs.FileSystem:
     return pafs.PyFileSystem(pafs.FSSpecHandler(HfFileSystem()))
 
 
+def hub_snapshot(name: str, revision: str | None) -> str | None:
+    """Offline (``HF_HUB_OFFLINE=1``): the folder of the Hugging Face Hub cache (``HF_HUB_CACHE``)
+    that holds dataset ``name`` at ``revision`` (a branch, tag or commit; default ``main``) as
+    ``huggingface_hub`` downloaded it, read then as a local Hub-layout folder (``datasets`` looks
+    only in its own Arrow cache offline). None online, where the Hub is asked, or when that
+    revision is not cached."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    if not constants.HF_HUB_OFFLINE:
+        return None
+    try:
+        return snapshot_download(name, repo_type="dataset", revision=revision,
+                                 local_files_only=True)  # fmt: skip
+    except (LocalEntryNotFoundError, HFValidationError):
+        return None
+
+
 def uri_of(source: str, path: str) -> str:
     """The URI of ``path`` on ``source``'s filesystem (the form every later step reads)."""
     scheme = scheme_of(source)

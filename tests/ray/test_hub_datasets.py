@@ -1,12 +1,15 @@
 """Hugging Face datasets (``format: hf``) as users name them: a Hub-layout folder (a dataset
 repository: a README with ``configs``, data files in folders) with a ``subset`` (``load_dataset``'s
-``name``), ``data_files`` and a ``split``. Data files the job can read (Parquet, JSONL, CSV)
-become the dataset's files, read by read tasks in parallel with row numbers of their own: the
-driver never materializes the dataset. Offline: the repository is a local folder."""
+``name``), ``data_files`` and a ``split``, or a Hub name with a ``revision``. Data files the job
+can read (Parquet, JSONL, CSV) become the dataset's files, read by read tasks in parallel with row
+numbers of their own: the driver never materializes the dataset. Offline: the repository is a
+local folder, or a Hub cache as ``huggingface_hub`` downloads one (``HF_HUB_OFFLINE``)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -14,7 +17,7 @@ import pytest
 
 from conftest import ALPACA, GPT2
 from rayjobs.config import config_from_dict
-from rayjobs.data.sources import read_dataset
+from rayjobs.data.sources import FileRead, read_dataset, read_files
 from rayjobs.errors import ConfigError
 
 README = """---
@@ -82,6 +85,88 @@ def test_a_subset_and_split_resolve_to_the_repositorys_data_files(repository):
     assert [f.split("/")[-1] for f in chosen.files] == ["train-00001-of-00002.parquet"]
 
 
+def _read(spec) -> list[dict]:
+    """The rows the dataset's read tasks give, read here as each one reads (no Ray)."""
+    tables = read_files([FileRead(f) for f in spec.files], {"format": spec.format,
+                                                            "dataset": spec.name})  # fmt: skip
+    return [json.loads(record) for t in tables for record in t.column("_record").to_pylist()]
+
+
+def test_data_files_read_the_files_they_name_and_only_those(repository):
+    root, rows = repository
+    half = len(rows["short"]) // 2
+    chosen = _spec(root, data_files={"train": "short/train-00001-of-00002.parquet"})
+    assert _read(chosen) == rows["short"][half:-10]
+    swapped = {"train": "short/test.parquet", "test": "short/train-00000-of-00002.parquet"}
+    assert _read(_spec(root, data_files=swapped)) == rows["short"][-10:]
+    assert _read(_spec(root, data_files=swapped, split="test")) == rows["short"][:half]
+
+
+def _blob(cache, data: bytes) -> str:
+    """``data`` stored as a Hub cache blob (named by its hash); the snapshot's files link here."""
+    name = hashlib.sha256(data).hexdigest()
+    (cache / "blobs").mkdir(parents=True, exist_ok=True)
+    (cache / "blobs" / name).write_bytes(data)
+    return name
+
+
+def _parquet(rows: list[dict]) -> bytes:
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.Table.from_pylist(rows), sink)
+    return sink.getvalue().to_pybytes()
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """``org/alpaca-split`` in a Hub cache as ``huggingface_hub`` lays one out offline: commit
+    ``v1`` (tag ``v1.0``) with the short answers in two shards, commit ``v2`` (``main``) with the
+    long ones in one, each a snapshot folder of links to blobs; and the rows of each."""
+    from huggingface_hub import constants
+
+    rows = json.loads(ALPACA.read_text())
+    short = [r for r in rows if len(r["output"]) < 200][:60]
+    long = [r for r in rows if len(r["output"]) >= 200][:40]
+    readme = "---\nconfigs:\n- config_name: answers\n  data_files:\n  - split: train\n" \
+             "    path: data/train-*.parquet\n---\n"  # fmt: skip
+    commits = {
+        "1" * 40: {"data/train-00000-of-00002.parquet": _parquet(short[:30]),
+                   "data/train-00001-of-00002.parquet": _parquet(short[30:])},
+        "2" * 40: {"data/train-00000-of-00001.parquet": _parquet(long)},
+    }  # fmt: skip
+    repo = tmp_path / "hub" / "datasets--org--alpaca-split"
+    for sha, held in commits.items():
+        for relative, data in {"README.md": readme.encode(), **held}.items():
+            link = repo / "snapshots" / sha / relative
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(repo / "blobs" / _blob(repo, data))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("2" * 40)
+    (repo / "refs" / "v1.0").write_text("1" * 40)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # read at import: as if set before
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    return {"v1.0": short, "main": long}
+
+
+@pytest.mark.parametrize("revision", ["v1.0", "1" * 40, "main", None])
+def test_a_revision_reads_that_revisions_files_from_the_hub_cache(hub_cache, revision):
+    spec = _spec("org/alpaca-split", subset="answers", revision=revision)
+    sha, expected = ("1" * 40, hub_cache["v1.0"]) if revision in ("v1.0", "1" * 40) else (
+        "2" * 40, hub_cache["main"])  # fmt: skip
+    assert spec.format == "parquet"
+    assert [f.split(f"/snapshots/{sha}/")[1] for f in spec.files] == (
+        ["data/train-00000-of-00002.parquet", "data/train-00001-of-00002.parquet"]
+        if sha == "1" * 40
+        else ["data/train-00000-of-00001.parquet"]
+    )
+    assert _read(spec) == expected
+
+
+def test_a_revision_the_hub_cache_lacks_is_refused_offline(hub_cache):
+    with pytest.raises(ConfigError, match=r"dataset 'a'\): cannot load .*org/alpaca-split"):
+        _spec("org/alpaca-split", subset="answers", revision="v9.9")
+
+
 HF_REFUSED = {
     "unknown_split": (
         {"subset": "long", "split": "test"},
@@ -122,7 +207,11 @@ def test_a_parquet_subset_is_read_by_read_tasks_not_loaded_in_the_driver(
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("materialized"))
     monkeypatch.setattr(datasets, "load_from_disk", lambda *a, **k: pytest.fail("materialized"))
     spec = _spec(root, subset="short")
-    got = read_dataset(spec).take_all()  # rows from read tasks name their files (not "a[train]")
+    read = read_dataset(spec).materialize()
+    # Ray Data's own account of the read: a read task per shard, run in parallel by its workers
+    operator = next(line for line in read.stats().splitlines() if "ReadRowFile" in line)
+    assert int(re.search(r"(\d+) tasks executed", operator).group(1)) == len(spec.files) == 2
+    got = read.take_all()  # rows from read tasks name their files (not "a[train]")
     assert sorted(json.loads(r["_record"])["output"] for r in got) == sorted(
         r["output"] for r in rows["short"][:-10]
     )

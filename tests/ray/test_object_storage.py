@@ -7,7 +7,6 @@ bucket, key, credential or scheme is refused before Ray starts, naming the datas
 from __future__ import annotations
 
 import gzip
-import io
 import json
 import os
 from pathlib import Path
@@ -23,7 +22,7 @@ from rayjobs.config import config_from_dict, load_config
 from rayjobs.data import backends, estimate, files
 from rayjobs.data.formats import registry
 from rayjobs.errors import ConfigError
-from support.s3 import s3_server
+from support.s3 import Reads, counted, s3_server
 
 BUCKET = "corpora"
 
@@ -153,60 +152,45 @@ def test_a_source_that_cannot_be_read_is_refused_before_ray_starts(
     assert not (tmp_path / "out").exists()
 
 
-class _Tap(io.RawIOBase):
-    """A file as read, that notes on closing how many bytes were fetched under it."""
+def _counting(monkeypatch) -> Reads:
+    """Every byte this process (the driver) reads from the store, by key: each filesystem the
+    product resolves for a URI (``files.filesystem``: the estimates' head parse, column checks,
+    listings, sizes, manifests) counts what is read from the files it opens, streamed or ranged."""
+    reads, real = Reads(), files.filesystem
 
-    def __init__(self, file, raw, note):
-        super().__init__()
-        self.file, self.raw, self.note = file, raw, note
+    def counting(source, options=None):
+        fs, path = real(source, options)
+        return (counted(fs, reads) if files.is_remote(source) else fs), path
 
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer) -> int:
-        data = self.file.read(len(buffer))
-        buffer[: len(data)] = data
-        return len(data)
-
-    def close(self) -> None:
-        if not self.closed:
-            self.note(self.raw.tell())
-            self.file.close()
-        super().close()
+    monkeypatch.setattr(files, "filesystem", counting)
+    return reads
 
 
-def _recording(monkeypatch) -> dict:
-    """Every file the driver opens (the estimates' head parse): its URI → bytes fetched."""
-    opened = {}
-    real_open = estimate.open_file
-
-    def recording(uri, random_access, options=None, size=None, **how):
-        file, raw = real_open(uri, random_access, options, size, **how)
-        if random_access and raw is file:  # Parquet: opened for ranged reads, noted as opened
-            opened[uri] = 0
-            return file, raw
-        tap = _Tap(file, raw, lambda fetched: opened.__setitem__(uri, fetched))
-        return pa.PythonFile(tap, mode="r"), raw
-
-    monkeypatch.setattr(estimate, "open_file", recording)
-    return opened
+def _heads_only(reads: Reads, local) -> None:
+    """What each opening of a file read, checked to be a head: only the first file of each
+    dataset is opened (once per head parse: the estimates', the column check's, the tokenizer
+    backend's), each time the JSONL shard below half of it, the Parquet file its footer and
+    first row group, below its size; no other data file is opened at all."""
+    opened = {key.removeprefix(f"{BUCKET}/"): counts for key, counts in reads.opened.items()
+              if not key.startswith(f"{BUCKET}/exports/")}  # fmt: skip
+    assert set(opened) == {"chat/part-0.jsonl", "sft/alpaca.parquet"}
+    for key, counts in opened.items():
+        bound = (local / key).stat().st_size / (1 if key.endswith(".parquet") else 2)
+        assert counts and all(0 < count < bound for count in counts), (key, counts, bound)
 
 
 def test_the_driver_parses_only_the_head_of_each_datasets_first_file(stores, monkeypatch):
     """Streaming starts from estimates: the driver parses a bounded head of each dataset's
     first file, a part at a time; every other byte is a read task's."""
     s3, local = stores
-    opened = _recording(monkeypatch)
     monkeypatch.setattr(estimate, "SAMPLE_ROWS", 40)
     monkeypatch.setattr(registry, "CHUNK_BYTES", 4096)  # a part of the head at a time
     monkeypatch.setattr(files, "STREAM_BUFFER_BYTES", 4096)  # and fetched (1 MiB: a big file's)
     config = _config(f"s3://{BUCKET}", mode="stream")
+    reads = _counting(monkeypatch)
     found = estimate.estimate(config)
     assert found["chat"].mean_tokens > 0 and found["alpaca"].mean_tokens > 0
-    heads = dict(opened)
-    assert set(heads) == {f"s3://{BUCKET}/chat/part-0.jsonl", f"s3://{BUCKET}/sft/alpaca.parquet"}
-    chat_size = len((local / "chat" / "part-0.jsonl").read_bytes())
-    assert heads[f"s3://{BUCKET}/chat/part-0.jsonl"] < chat_size / 2  # a head, not the file
+    _heads_only(reads, local)
 
 
 @pytest.mark.e2e
@@ -220,39 +204,56 @@ def test_the_bucket_gives_the_disks_counts_and_packs_and_exports_into_a_bucket(
     from rayjobs.job.export import export
 
     s3, local = stores
-    opened = _recording(monkeypatch)
     monkeypatch.setattr(estimate, "COLUMN_ROWS", 40)
     monkeypatch.setattr(backends, "HEAD_ROWS", 40)  # the rows tokenizer.backend auto compares
     monkeypatch.setattr(registry, "CHUNK_BYTES", 4096)
     monkeypatch.setattr(files, "STREAM_BUFFER_BYTES", 4096)
-    remote = export(_config(f"s3://{BUCKET}"), f"s3://{BUCKET}/exports/run-1")
-    heads = dict(opened)  # planned mode: no estimates; read tasks read every file
-    assert set(heads) == {f"s3://{BUCKET}/chat/part-0.jsonl", f"s3://{BUCKET}/sft/alpaca.parquet"}
-    assert (
-        heads[f"s3://{BUCKET}/chat/part-0.jsonl"]
-        < (local / "chat" / "part-0.jsonl").stat().st_size / 2
-    )
+    config = _config(f"s3://{BUCKET}")
+    reads = _counting(monkeypatch)
+    remote = export(config, f"s3://{BUCKET}/exports/run-1")
+    _heads_only(reads, local)  # planned mode: no estimates; read tasks read every file
     disk = export(_config(str(local)), tmp_path / "local")
 
-    timers = ("seconds", "cpu_seconds", "plan_seconds")
-    for name, counts in disk["datasets"].items():
-        assert {k: v for k, v in remote["datasets"][name].items() if k not in timers} == {
-            k: v for k, v in counts.items() if k not in timers
-        }, name
-    assert {k: v for k, v in remote["packed"].items() if k not in timers} == {
-        k: v for k, v in disk["packed"].items() if k not in timers
-    }
     assert remote["datasets"]["chat"]["rows"] == 400 and remote["datasets"]["alpaca"]["rows"] > 0
+    assert remote["packed"]["num_packs"] > 0 and disk["datasets"].keys() == {"chat", "alpaca"}
 
+    # the manifests, as written: the same counts, mix, packs and config but for paths and timers
     fs = s3.filesystem()
     manifest = json.loads(fs.open_input_file(f"{BUCKET}/exports/run-1/manifest.json").read())
-    assert manifest["datasets"] == json.loads(json.dumps(remote["datasets"]))
-    from_bucket = pq.read_table(f"{BUCKET}/exports/run-1/epoch=0", filesystem=fs)
-    from_disk = pq.read_table(tmp_path / "local" / "epoch=0")
-    assert from_bucket.num_rows == from_disk.num_rows > 0  # row order follows the write
-    assert sorted(map(tuple, from_bucket.column("input_ids").to_pylist())) == sorted(
-        map(tuple, from_disk.column("input_ids").to_pylist())
-    )
+    local_manifest = json.loads((tmp_path / "local" / "manifest.json").read_text())
+    assert _comparable(manifest, f"s3://{BUCKET}") == _comparable(local_manifest, str(local))
+    assert [e["path"] for e in manifest["epochs"]] == ["epoch=0"]
+    for entry in manifest["epochs"]:
+        from_bucket = pq.read_table(f"{BUCKET}/exports/run-1/{entry['path']}", filesystem=fs)
+        from_disk = pq.read_table(tmp_path / "local" / entry["path"])
+        assert from_bucket.schema == from_disk.schema
+        assert from_bucket.num_rows == from_disk.num_rows > 0
+        assert _sorted_rows(from_bucket) == _sorted_rows(from_disk)  # order follows the write
+
+
+TIMERS = ("seconds", "cpu_seconds", "plan_seconds")
+"""What two exports of the same rows legitimately differ in besides where their files are."""
+
+
+def _comparable(manifest, root: str):
+    """``manifest`` without its timers (``TIMERS``, at any depth), each dataset's ``source`` and
+    ``files`` named relative to ``root``: the bucket or the folder holding the same files."""
+    if isinstance(manifest, dict):
+        return {
+            key: value.removeprefix(root) if key == "source"
+            else [f.removeprefix(root) for f in value] if key == "files"
+            else _comparable(value, root)
+            for key, value in manifest.items() if key not in TIMERS
+        }  # fmt: skip
+    if isinstance(manifest, list):
+        return [_comparable(value, root) for value in manifest]
+    return manifest
+
+
+def _sorted_rows(table: pa.Table) -> list[str]:
+    """Every row, all columns, as canonical JSON, sorted: the same for the same rows written in
+    any order."""
+    return sorted(json.dumps(row, sort_keys=True) for row in table.to_pylist())
 
 
 def test_a_read_that_loses_its_server_fails_naming_dataset_uri_and_row(tmp_path, monkeypatch):

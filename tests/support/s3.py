@@ -1,5 +1,6 @@
 """A real S3-protocol server on loopback for the object-storage tests: moto's server in this
-process, with IAM authentication enforced (a wrong key is refused as a real store refuses it)."""
+process, with IAM authentication enforced (a wrong key is refused as a real store refuses it);
+and a filesystem wrapper (``counted``) that counts the bytes a process reads through it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import pyarrow as pa
 import pyarrow.fs as pafs
 
 
@@ -92,3 +94,120 @@ def s3_server() -> Iterator[S3]:
     finally:
         settings.INITIAL_NO_AUTH_ACTION_COUNT = before
         server.stop()
+
+
+class Reads:
+    """What this process read through ``counted`` filesystems: by path, the bytes read from each
+    time it was opened, in order."""
+
+    def __init__(self):
+        self.opened: dict[str, list[int]] = {}
+
+    def open(self, path: str) -> int:
+        """Note an opening of ``path``; its number among them."""
+        self.opened.setdefault(path, []).append(0)
+        return len(self.opened[path]) - 1
+
+    def add(self, path: str, opening: int, count: int) -> None:
+        self.opened[path][opening] += count
+
+
+class _CountedFile:
+    """A file opened for reading whose every read, ranged ones included (pyarrow's ``read_at``
+    of a Python file is a seek and a read), is counted."""
+
+    def __init__(self, file: pa.NativeFile, path: str, reads: Reads):
+        self.file, self.path, self.reads = file, path, reads
+        self.opening = reads.open(path)
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.file.read() if size is None or size < 0 else self.file.read(size)
+        self.reads.add(self.path, self.opening, len(data))
+        return data
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self.file.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self.file.tell()
+
+    def size(self) -> int:
+        return self.file.size()
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return self.file.seekable()
+
+    @property
+    def closed(self) -> bool:
+        return self.file.closed
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class _Counting(pafs.FileSystemHandler):
+    """``fs`` as is, except that what is read from the files it opens is counted in ``reads``."""
+
+    def __init__(self, fs: pafs.FileSystem, reads: Reads):
+        self.fs, self.reads = fs, reads
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Counting) and self.fs.equals(other.fs)
+
+    def __ne__(self, other) -> bool:
+        return not self == other
+
+    def get_type_name(self) -> str:
+        return f"counting+{self.fs.type_name}"
+
+    def normalize_path(self, path):
+        return self.fs.normalize_path(path)
+
+    def get_file_info(self, paths):
+        return self.fs.get_file_info(paths)
+
+    def get_file_info_selector(self, selector):
+        return self.fs.get_file_info(selector)
+
+    def create_dir(self, path, recursive):
+        self.fs.create_dir(path, recursive=recursive)
+
+    def delete_dir(self, path):
+        self.fs.delete_dir(path)
+
+    def delete_dir_contents(self, path, missing_dir_ok=False):
+        self.fs.delete_dir_contents(path, missing_dir_ok=missing_dir_ok)
+
+    def delete_root_dir_contents(self):
+        self.fs.delete_dir_contents("/", accept_root_dir=True)
+
+    def delete_file(self, path):
+        self.fs.delete_file(path)
+
+    def move(self, src, dest):
+        self.fs.move(src, dest)
+
+    def copy_file(self, src, dest):
+        self.fs.copy_file(src, dest)
+
+    def open_input_stream(self, path):
+        file = self.fs.open_input_stream(path, compression=None)
+        return pa.PythonFile(_CountedFile(file, path, self.reads), mode="r")
+
+    def open_input_file(self, path):
+        file = self.fs.open_input_file(path)
+        return pa.PythonFile(_CountedFile(file, path, self.reads), mode="r")
+
+    def open_output_stream(self, path, metadata):
+        return self.fs.open_output_stream(path, compression=None, metadata=metadata)
+
+    def open_append_stream(self, path, metadata):
+        return self.fs.open_append_stream(path, compression=None, metadata=metadata)
+
+
+def counted(fs: pafs.FileSystem, reads: Reads) -> pafs.FileSystem:
+    """``fs``, every byte read through it noted in ``reads`` by path."""
+    return pafs.PyFileSystem(_Counting(fs, reads))

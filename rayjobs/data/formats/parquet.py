@@ -27,7 +27,13 @@ def _parquet(file: Readable, options: FileOptions, chunk_bytes: int) -> Iterator
     # column is small) can be far below decoded ones, hence the cap
     batch_rows = min(max(1, chunk_bytes * meta.num_rows // max(1, size)), PARQUET_BATCH_ROWS)
     start = 0
-    for batch in parquet.iter_batches(batch_size=batch_rows, use_threads=False):
-        rows = list(range(start, start + batch.num_rows))
-        start += batch.num_rows
-        yield table_records(pa.Table.from_batches([batch]), rows, options.binary)
+    # a row group at a time: pyarrow pre-buffers (fetches at once) the row groups it is given,
+    # all of the file if given them all; one at a time, a part's memory (and the driver's head
+    # parse) is one row group's, one ranged read on an object store
+    for group in range(meta.num_row_groups):
+        batches = parquet.iter_batches(batch_size=batch_rows, row_groups=[group],
+                                       use_threads=False)  # fmt: skip
+        for batch in batches:
+            rows = list(range(start, start + batch.num_rows))
+            start += batch.num_rows
+            yield table_records(pa.Table.from_batches([batch]), rows, options.binary)
