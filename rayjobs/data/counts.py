@@ -9,6 +9,7 @@ once").
 
 from __future__ import annotations
 
+import re
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
@@ -85,8 +86,10 @@ class TokenizeCounts:
     skipped_by_reason: dict[str, int] = field(default_factory=dict)
     """The same rows by reason (``formats.SKIP_REASONS``); sums to ``skipped_rows``."""
     skipped_examples: list[str] = field(default_factory=list)
-    """The first few skipped rows' places and problems (5 distinct ones kept over the run: a row
-    re-read in a later epoch is counted in ``skipped_rows`` again, but listed once)."""
+    """The first few skipped rows' places and problems: the 5 first in the data (by file, then
+    row) of those seen, whatever order their batches arrived in, so two runs over the same data
+    list the same rows. A row re-read in a later epoch is counted in ``skipped_rows`` again, but
+    listed once."""
     seconds: float = 0.0
     """Wall time spent in Tokenize calls (a stage timer for the bench)."""
     cpu_seconds: float = 0.0
@@ -212,6 +215,15 @@ def packing_efficiency(num_tokens: int, num_slots: int) -> float:
     return num_tokens / num_slots if num_slots else 0.0
 
 
+_PLACE = re.compile(r", file (.*), row (\d+): ")
+
+
+def _place_order(example: str) -> tuple[str, int, str]:
+    """A ``skipped_examples`` entry's place in the data (``formats.bad_row_place``): file, row."""
+    found = _PLACE.search(example)
+    return (found[1], int(found[2]), example) if found else ("", 0, example)
+
+
 def _merge(total: Any, part: Any) -> None:
     for name, value in asdict(part).items():
         current = getattr(total, name)
@@ -221,6 +233,7 @@ def _merge(total: Any, part: Any) -> None:
         elif isinstance(value, list):  # skipped_examples: the first 5 distinct (stream mode
             # re-reads a bad row every epoch, and the same row 5 times said nothing more)
             current.extend(v for v in dict.fromkeys(value) if v not in current)
+            current.sort(key=_place_order)
             del current[5:]
         else:
             setattr(total, name, current + value)

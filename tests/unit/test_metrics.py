@@ -242,15 +242,26 @@ def test_a_dataset_packed_but_never_tokenized_is_a_problem():
     assert check_accounting(snapshot, streamed=False) == []
 
 
-def test_skipped_examples_keep_the_first_five_over_the_run():
-    total = TokenizeCounts()
-    for batch in range(3):
-        _merge(
-            total,
-            TokenizeCounts(skipped_rows=3, skipped_examples=[f"{batch}.{i}" for i in range(3)]),
-        )
-    assert total.skipped_rows == 9
-    assert total.skipped_examples == ["0.0", "0.1", "0.2", "1.0", "1.1"]
+def _bad(file: str, row: int) -> str:
+    return f"dataset 'd', file {file}, row {row}: not JSON [invalid_json]"
+
+
+def test_skipped_examples_are_the_first_five_in_the_data_whatever_the_batches_order():
+    """Batches reach the ledger in any order (parallel reads, several Tokenize actors): the five
+    listed are the first in the data, by file and row (row 10 after row 9, not before it), so an
+    inspect and an export of the same data list the same rows."""
+    batches = [[("b.jsonl", 1)], [("a.jsonl", 10), ("a.jsonl", 12)], [("a.jsonl", 9)],
+               [("a.jsonl", 2), ("a.jsonl", 30)], [("a.jsonl", 11)]]  # fmt: skip
+    listed = []
+    for order in (batches, batches[::-1]):
+        total = TokenizeCounts()
+        for batch in order:
+            examples = [_bad(*place) for place in batch]
+            _merge(total, TokenizeCounts(skipped_rows=len(batch), skipped_examples=examples))
+        assert total.skipped_rows == 7
+        listed.append(total.skipped_examples)
+    expected = [_bad("a.jsonl", row) for row in (2, 9, 10, 11, 12)]
+    assert listed == [expected, expected]
 
 
 def test_skipped_examples_list_a_row_reread_each_epoch_once():
@@ -258,9 +269,10 @@ def test_skipped_examples_list_a_row_reread_each_epoch_once():
     so the other bad rows still get their places in the five."""
     total = TokenizeCounts()
     for epoch in range(3):
-        _merge(total, TokenizeCounts(skipped_rows=2, skipped_examples=["row 7", f"row {epoch}"]))
+        examples = [_bad("a.jsonl", 7), _bad("b.jsonl", epoch)]
+        _merge(total, TokenizeCounts(skipped_rows=2, skipped_examples=examples))
     assert total.skipped_rows == 6
-    assert total.skipped_examples == ["row 7", "row 0", "row 1", "row 2"]
+    assert total.skipped_examples == [_bad("a.jsonl", 7), *(_bad("b.jsonl", e) for e in range(3))]
 
 
 def test_admit_grants_each_dataset_its_share_to_the_nearest_sample():
