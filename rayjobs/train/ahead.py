@@ -32,9 +32,11 @@ _END = object()
 
 
 def read_ahead(batches: Iterable[T], depth: int = READ_AHEAD) -> Iterator[T]:
-    """``batches`` in order, taken up to ``depth`` ahead of the caller by a daemon thread; an
-    exception raised by ``batches`` is raised here, where the caller reaches it. Closing the
-    generator (a loop left early) stops the thread at its next batch.
+    """``batches`` in order, taken up to ``depth`` ahead of the caller by a daemon thread that
+    starts at this call (not at the first ``next``): a consumer that calls it before other work
+    (a model's build) has its first batches fetched meanwhile. An exception raised by
+    ``batches`` is raised here, where the caller reaches it. ``close()`` (a loop left early), or
+    dropping the iterator, stops the thread at its next batch.
 
     >>> list(read_ahead(range(5), depth=2))
     [0, 1, 2, 3, 4]
@@ -44,38 +46,54 @@ def read_ahead(batches: Iterable[T], depth: int = READ_AHEAD) -> Iterator[T]:
     [0, 1, 2]
     """
     if depth <= 0:
-        yield from batches
-        return
-    handoff: queue.Queue = queue.Queue(maxsize=depth)
-    stop = threading.Event()
+        return (batch for batch in batches)
+    return _ReadAhead(batches, depth)
 
-    def put(item: tuple) -> bool:
-        while not stop.is_set():
+
+class _ReadAhead(Iterator[T]):
+    """``read_ahead``'s iterator. The thread holds the queue and the stop flag, never this
+    object, so an iterator dropped unfinished is collected and its ``__del__`` stops the thread."""
+
+    def __init__(self, batches: Iterable[T], depth: int) -> None:
+        handoff: queue.Queue = queue.Queue(maxsize=depth)
+        stop = threading.Event()
+
+        def put(item: tuple) -> bool:
+            while not stop.is_set():
+                try:
+                    handoff.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        def fill() -> None:
             try:
-                handoff.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
+                for batch in batches:
+                    if not put((batch, None)):
+                        return
+                put((_END, None))
+            except BaseException as error:  # handed to the consumer, raised in its thread
+                put((_END, error))
 
-    def fill() -> None:
-        try:
-            for batch in batches:
-                if not put((batch, None)):
-                    return
-            put((_END, None))
-        except BaseException as error:  # handed to the consumer, raised in its thread
-            put((_END, error))
+        self._handoff, self._stop, self._done = handoff, stop, False
+        threading.Thread(target=fill, name="rayjobs-read-ahead", daemon=True).start()
 
-    thread = threading.Thread(target=fill, name="rayjobs-read-ahead", daemon=True)
-    thread.start()
-    try:
-        while True:
-            batch, error = handoff.get()
+    def __next__(self) -> T:
+        if self._done:
+            raise StopIteration
+        batch, error = self._handoff.get()
+        if error is not None or batch is _END:
+            self.close()
             if error is not None:
                 raise error
-            if batch is _END:
-                return
-            yield batch
-    finally:
-        stop.set()
+            raise StopIteration
+        return batch
+
+    def close(self) -> None:
+        """Stop the thread at its next batch; the iterator ends."""
+        self._done = True
+        self._stop.set()
+
+    def __del__(self) -> None:
+        self._stop.set()

@@ -36,7 +36,7 @@ def rank_batches(
     drop_last: bool = False,
 ) -> Iterator[dict[str, torch.Tensor]]:
     """This rank's batches of one epoch, stopping on every rank as soon as any rank runs out;
-    the last may be short (``drop_last``: skipped).
+    the last may be short (``drop_last``: skipped). Reading starts at this call.
 
     Before each step all ranks all-reduce (MIN) a "have a batch" flag; a batch held when another
     rank is out is not trained on and is counted in ``guard.dropped``.
@@ -50,6 +50,12 @@ def rank_batches(
             prefetch_batches=0,
         )
     )
+    return _equal_batches(batches, device, guard)
+
+
+def _equal_batches(
+    batches: Iterator[dict[str, torch.Tensor]], device: torch.device, guard: Guard | None
+) -> Iterator[dict[str, torch.Tensor]]:
     try:
         while True:
             batch = next(batches, None)
@@ -81,6 +87,10 @@ def train_batches(
     but for each dataset's last, which may be shorter (the same size on every rank; skipped with
     ``drop_last``, for static shapes).
 
+    The first dataset starts streaming at this call, its first batches fetched in a thread: call
+    it before building the model, and the data's start-up (its actors, the first packing window)
+    runs while the model builds.
+
     ``datasets``: the dataset names the ``TorchTrainer`` was given, read in order (``Job.
     train_datasets()``: ``"train"`` in stream mode, one per epoch in planned mode). Each batch holds
     ``input_ids``, ``labels`` (already shifted per document: compare logits at position t with
@@ -98,14 +108,23 @@ def train_batches(
     import ray.train.torch
 
     device = device if device is not None else ray.train.torch.get_device()
-    for name in [datasets] if isinstance(datasets, str) else datasets:
-        shard = ray.train.get_dataset_shard(name)
-        for batch in rank_batches(shard, batch_size, device, guard, drop_last):
-            if attn_implementation is not None or model_config is not None:
-                batch["attention_mask"] = attention_mask(
-                    batch, attn_implementation, dtype, model_config
-                )
-            yield batch
+    names = [datasets] if isinstance(datasets, str) else list(datasets)
+
+    def batches_of(name: str) -> Iterator[dict[str, torch.Tensor]]:
+        return rank_batches(ray.train.get_dataset_shard(name), batch_size, device, guard, drop_last)
+
+    first = batches_of(names[0]) if names else iter(())
+
+    def every_dataset() -> Iterator[dict[str, torch.Tensor]]:
+        for index, name in enumerate(names):
+            for batch in first if index == 0 else batches_of(name):
+                if attn_implementation is not None or model_config is not None:
+                    batch["attention_mask"] = attention_mask(
+                        batch, attn_implementation, dtype, model_config
+                    )
+                yield batch
+
+    return every_dataset()
 
 
 def attention_mask(

@@ -122,6 +122,16 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     # per core in every worker, and workers sharing a node slow each other down many times over.
     torch.set_num_threads(max(1, int(spec.cpus_per_worker)))
     tokenizer = Tokenizer(config.tokenizer)
+    # one stream of every epoch, or one dataset per epoch
+    names = loop_config.get("datasets") or [f"train_epoch_{e}" for e in range(spec.epochs)]
+    # A fresh run reads its first dataset from the start: it starts streaming now, while the
+    # model builds (a restarted or resumed one knows where to start only from its checkpoint).
+    first = None
+    if ray.train.get_checkpoint() is None:
+        first_guard = Guard()
+        first = train_batches(
+            names[0], spec.batch_size, device=device, guard=first_guard, drop_last=spec.drop_last
+        )
     packed = build_model(config, tokenizer, device, attention)
     fsdp = spec.parallelism == "fsdp" and dist.is_initialized()
     model = parallelize(packed, spec.parallelism)
@@ -177,18 +187,19 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     # max_steps reached: the stream may not have ended. Already at the start when the workers
     # restarted from a checkpoint of the last step (a failure after it): nothing left to train.
     stopped_early = spec.max_steps is not None and state.steps >= spec.max_steps
-    # one stream of every epoch, or one dataset per epoch
-    names = loop_config.get("datasets") or [f"train_epoch_{e}" for e in range(spec.epochs)]
     began, step_ends, step_tokens = time.perf_counter(), [], []  # this worker's, for throughput
     for index, name in enumerate([] if stopped_early else names):
         if index < state.dataset_index:
             continue  # consumed before the checkpoint this run resumed from
         skip = state.rows_consumed if index == state.dataset_index else 0
         state.dataset_index, state.rows_consumed = index, skip
-        guard = Guard()
-        batches = train_batches(
-            name, spec.batch_size, device=device, guard=guard, drop_last=spec.drop_last
-        )
+        if index == 0 and first is not None:
+            batches, guard = first, first_guard
+        else:
+            guard = Guard()
+            batches = train_batches(
+                name, spec.batch_size, device=device, guard=guard, drop_last=spec.drop_last
+            )
         # Resuming inside this dataset: its stream is read again from the start (Ray Data keeps no
         # iterator state), and each rank passes over the rows it had consumed by the checkpoint.
         for batch in _skip_rows(batches, skip):
