@@ -38,13 +38,27 @@ and classes (train loops, callbacks, stage subclasses) they run."""
 
 def pytest_collection_modifyitems(config, items):
     """Mark each test with its folder's tier; a test in tests/unit that asks for a Ray fixture is
-    an error (the unit tier runs without Ray)."""
+    an error (the unit tier runs without Ray). The tiers run in ``ORDER``, then the tests on the
+    real head (``ray_head``, in their order): an idle Ray burns CPU (the head, with its dashboard
+    and 1 s metrics, about 0.15 of a core here) and the head, once started, lives to the end of
+    the session; when it starts, the shared local Ray stops (``ray_head``)."""
     for item in items:
         tier = item.path.parent.name
         if tier in TIERS:
             item.add_marker(getattr(pytest.mark, TIERS[tier]))
         elif tier == "unit" and set(RAY_FIXTURES) & set(getattr(item, "fixturenames", ())):
             raise pytest.UsageError(f"{item.nodeid} uses Ray: move it to tests/ray or tests/e2e")
+    items.sort(key=_order)
+
+
+ORDER = ("unit", "ray", "e2e", "gpu")
+"""The tiers in the order they run: the fast ones first, so a broken change fails early."""
+
+
+def _order(item) -> tuple[bool, int]:
+    tier = item.path.parent.name
+    on_head = "ray_head" in getattr(item, "fixturenames", ())
+    return on_head, ORDER.index(tier) if tier in ORDER else len(ORDER)
 
 
 # Tests talk to their own throwaway local Ray; no token auth, no usage stats.
@@ -155,9 +169,12 @@ def _stop_ray_at_exit():
 @pytest.fixture(scope="session")
 def ray_head():
     """A real Ray head in a subprocess (``ray_head.start_head``: loopback, token auth, its own
-    ports and temp dir), shared by the modules that talk to a cluster as users do."""
+    ports and temp dir), shared by the modules that talk to a cluster as users do; their tests
+    run last (``pytest_collection_modifyitems``)."""
     from support.ray_head import start_head
 
+    shutdown_shared_ray()  # the head's tests come last: none after needs it (a test that does
+    # starts it again), and an idle Ray costs CPU
     with start_head() as head:
         yield head
 
