@@ -39,9 +39,9 @@ and classes (train loops, callbacks, stage subclasses) they run."""
 def pytest_collection_modifyitems(config, items):
     """Mark each test with its folder's tier; a test in tests/unit that asks for a Ray fixture is
     an error (the unit tier runs without Ray). The tiers run in ``ORDER``, then the tests on the
-    real head (``ray_head``, in their order): an idle Ray burns CPU (the head, with its dashboard
-    and 1 s metrics, about 0.15 of a core here) and the head, once started, lives to the end of
-    the session; when it starts, the shared local Ray stops (``ray_head``)."""
+    real head (``ray_head``, in their order): an idle Ray burns CPU (docs/development.md, "Where
+    the suite's time goes") and the head, once started, lives to the end of the session; when it
+    starts, the shared local Ray stops (``ray_head``)."""
     for item in items:
         tier = item.path.parent.name
         if tier in TIERS:
