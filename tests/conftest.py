@@ -117,14 +117,25 @@ def fake_ledger(monkeypatch) -> FakeLedger:
     return FakeLedger()
 
 
+_shared_tier: list[str] = []
+"""The tier whose modules the running shared Ray has served."""
+
+
 @pytest.fixture(scope="module")
-def ray_local():
-    """A local Ray for the module, shared with the modules before and after it: started on first
-    use and left running (a start costs ~7 s here; ``_stop_ray_at_exit`` stops it), so only a
-    module that needs a cluster of its own (``shutdown_shared_ray``) makes the next one start
-    anew. 4 logical CPUs on this 2-core machine: the job's resource plan (read tasks + a 1-CPU
-    Tokenize actor + 0.5-CPU packing actors + two 0.5-CPU trainers) does not fit in 2 and would
-    hang (README, "Design: CPU resources"); logical CPUs only schedule."""
+def ray_local(request):
+    """A local Ray for the module, shared with the modules before and after it in its tier:
+    started on first use and left running (``_stop_ray_at_exit`` stops it), so only a module that
+    needs a cluster of its own (``shutdown_shared_ray``) makes the next one start anew. A new
+    tier starts it afresh: what a tier's runs leave behind (actors of Ray Train and Ray Data
+    that outlive their runs, ledgers) keeps costing CPU while the cluster idles
+    (docs/development.md, "Where the suite's time goes"). 4 logical CPUs on this 2-core machine:
+    the job's resource plan (read tasks + a 1-CPU Tokenize actor + 0.5-CPU packing actors + two
+    0.5-CPU trainers) does not fit in 2 and would hang (docs/design.md); logical CPUs only
+    schedule."""
+    tier = request.node.path.parent.name
+    if _shared_tier and _shared_tier[0] != tier:
+        shutdown_shared_ray()
+    _shared_tier[:] = [tier]
     return start_shared_ray()
 
 
