@@ -9,7 +9,6 @@ once").
 
 from __future__ import annotations
 
-import re
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
@@ -17,6 +16,8 @@ from typing import Any
 
 import numpy as np
 import ray
+
+from rayjobs.data.formats import bad_row_order
 
 
 class StageTimer:
@@ -215,15 +216,6 @@ def packing_efficiency(num_tokens: int, num_slots: int) -> float:
     return num_tokens / num_slots if num_slots else 0.0
 
 
-_PLACE = re.compile(r", file (.*), row (\d+): ")
-
-
-def _place_order(example: str) -> tuple[str, int, str]:
-    """A ``skipped_examples`` entry's place in the data (``formats.bad_row_place``): file, row."""
-    found = _PLACE.search(example)
-    return (found[1], int(found[2]), example) if found else ("", 0, example)
-
-
 def _merge(total: Any, part: Any) -> None:
     for name, value in asdict(part).items():
         current = getattr(total, name)
@@ -233,7 +225,7 @@ def _merge(total: Any, part: Any) -> None:
         elif isinstance(value, list):  # skipped_examples: the first 5 distinct (stream mode
             # re-reads a bad row every epoch, and the same row 5 times said nothing more)
             current.extend(v for v in dict.fromkeys(value) if v not in current)
-            current.sort(key=_place_order)
+            current.sort(key=bad_row_order)  # by place in the data, not arrival
             del current[5:]
         else:
             setattr(total, name, current + value)

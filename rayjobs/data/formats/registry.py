@@ -9,6 +9,7 @@ in a JSON list, Parquet or CSV file; the 1-based line number in JSONL and text f
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -167,6 +168,16 @@ def bad_row_place(dataset: str, path: str, row: int, detail: str) -> str:
     """Where a bad row is and what is wrong with it: the start of every bad-row message and
     ``skipped_examples`` entry."""
     return f"dataset {dataset!r}, file {path}, row {row}: {detail}"
+
+
+_PLACE = re.compile(r", file (.*), row (\d+): ")
+
+
+def bad_row_order(text: str) -> tuple[str, int, str]:
+    """A text starting with ``bad_row_place``'s place, ordered by that place in the data: file,
+    then row (row 10 after row 9); a text without one first."""
+    found = _PLACE.search(text)
+    return (found[1], int(found[2]), text) if found else ("", 0, text)
 
 
 def bad_row_error(place: str, reason: str, fix: str = "Fix the data") -> str:
