@@ -298,8 +298,24 @@ def _is_empty(found: files.Found) -> bool:
 
 HF_FILE_FORMATS = ("parquet", "jsonl", "csv")
 """Formats of a Hugging Face dataset's data files that read tasks read in parallel, as any file
-dataset; the rest (``.json``, which the Hub also uses for JSON lines, scripts, arrow files) is
+dataset. ``.json`` files join them by their first character (``json_kind``): the Hub uses the
+suffix for JSON lines as well as for one JSON list. The rest (scripts, arrow files, a mix) is
 loaded by ``datasets`` in the driver."""
+
+SNIFF_BYTES = 1 << 12
+
+
+def json_kind(uri: str) -> str | None:
+    """The format a ``.json`` data file holds, as ``datasets``' JSON builder reads it: ``json``
+    (one list of objects) if its first character is ``[``, ``jsonl`` (an object a line) if it is
+    ``{``; None otherwise (an empty file, or whitespace for its first 4 KiB)."""
+    stream, raw = files.open_file(uri, random_access=False, read_ahead=False)
+    try:
+        head = stream.read(SNIFF_BYTES).lstrip(b"\xef\xbb\xbf \t\r\n")
+    finally:
+        stream.close()
+        raw.close()
+    return {b"[": "json", b"{": "jsonl"}.get(head[:1])
 
 
 def _resolve_hf(spec: DatasetConfig, key: str, base_dir: Path) -> DatasetConfig:
@@ -318,7 +334,7 @@ def _resolve_hf(spec: DatasetConfig, key: str, base_dir: Path) -> DatasetConfig:
                 "as it is"
             )
         source = str(local)
-        if (local / "dataset_dict.json").exists() or (local / "state.json").exists():
+        if files.saved_dataset(source):
             return spec.model_copy(update={"source": source})  # save_to_disk: read as it was
     revision = spec.revision
     if not local.exists() and (snapshot := files.hub_snapshot(source, revision)) is not None:
@@ -340,7 +356,10 @@ def _resolve_hf(spec: DatasetConfig, key: str, base_dir: Path) -> DatasetConfig:
         raise ConfigError(f"{where}: {source!r} has no split {spec.split!r} (it has {known})")
     found = [str(f) for f in split_files]
     fmts = {formats.format_of(f) for f in found}
-    if len(fmts) == 1 and fmts <= set(HF_FILE_FORMATS):
+    readable = set(HF_FILE_FORMATS)
+    if fmts == {"json"} and not any(files.is_remote(f) for f in found):
+        fmts, readable = {json_kind(f) for f in found}, readable | {"json"}
+    if len(fmts) == 1 and fmts <= readable:
         return spec.model_copy(
             update={"source": source, "format": fmts.pop(), "files": tuple(sorted(found))}
         )

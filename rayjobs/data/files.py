@@ -23,6 +23,7 @@ import posixpath
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import pyarrow as pa
@@ -187,6 +188,13 @@ def hub_snapshot(name: str, revision: str | None) -> str | None:
                                  local_files_only=True)  # fmt: skip
     except (LocalEntryNotFoundError, HFValidationError):
         return None
+
+
+def saved_dataset(source: str) -> bool:
+    """Whether ``source`` is a folder ``datasets``' ``save_to_disk`` wrote (a ``Dataset`` or a
+    ``DatasetDict``), not a dataset repository laid out as on the Hub."""
+    folder = Path(local_path(source))
+    return (folder / "dataset_dict.json").is_file() or (folder / "state.json").is_file()
 
 
 def uri_of(source: str, path: str) -> str:

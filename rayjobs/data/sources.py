@@ -28,7 +28,6 @@ import functools
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -350,7 +349,7 @@ def load_huggingface(spec: DatasetConfig) -> Any:
     import datasets
 
     source = str(spec.source)
-    if Path(source).is_dir():
+    if files.saved_dataset(source):
         loaded = datasets.load_from_disk(source)
         if isinstance(loaded, datasets.DatasetDict):
             loaded = loaded[spec.split]
@@ -376,4 +375,7 @@ def _read_huggingface(spec: DatasetConfig) -> ray.data.Dataset:
         empty = record_table(spec.name, [], [], [])
         return pa.concat_tables([empty, *parsed_tables(spec.name, label, parsed)])
 
-    return ray.data.from_huggingface(loaded).map_batches(to_records, batch_format="pyarrow")
+    # The driver's table as it is: ``ray.data.from_huggingface`` would first reload the dataset
+    # by its Hub name (a download online, retries offline) to look for the Hub's Parquet export.
+    table = loaded.with_format("arrow")[:]
+    return ray.data.from_arrow(table).map_batches(to_records, batch_format="pyarrow")

@@ -223,3 +223,64 @@ def test_a_parquet_subset_is_read_by_read_tasks_not_loaded_in_the_driver(
     assert sorted(by_file["train-00001-of-00002.parquet"]) == list(
         range(len(rows["short"]) - 10 - half)
     )
+
+
+# A ``.json`` data file on the Hub holds JSON lines or one JSON list (``datasets``' JSON builder
+# reads both): (what the split's files hold, the format they are read as; None: by ``datasets``
+# in the driver, where the files disagree).
+JSON_FILES = {
+    "lines": (["lines", "lines"], "jsonl"),
+    "list": (["list", "list"], "json"),
+    "lines_after_a_byte_order_mark": (["bom_lines"], "jsonl"),
+    "mixed": (["lines", "list"], None),
+}
+
+
+def _json_repository(root, kinds: list[str], rows: list[dict]):
+    """A Hub-layout folder whose train split is ``data/train-<i>.json``, one file per kind,
+    the rows shared out between them in order."""
+    (root / "data").mkdir(parents=True)
+    share = -(-len(rows) // len(kinds))
+    for i, kind in enumerate(kinds):
+        part = rows[i * share : (i + 1) * share]
+        lines = "".join(json.dumps(r) + "\n" for r in part)
+        text = {"lines": lines, "list": json.dumps(part, indent=1), "bom_lines": "\ufeff" + lines}
+        (root / "data" / f"train-{i}.json").write_text(text[kind])
+
+
+@pytest.mark.parametrize("case", JSON_FILES)
+def test_json_data_files_are_read_as_the_json_they_hold(tmp_path, case):
+    kinds, expected = JSON_FILES[case]
+    rows = json.loads(ALPACA.read_text())[:40]
+    _json_repository(tmp_path / "repo", kinds, rows)
+    spec = _spec(tmp_path / "repo")
+    assert spec.format == (expected or "hf")
+    if expected:
+        assert [f.split("/")[-1] for f in spec.files] == [
+            f"train-{i}.json" for i in range(len(kinds))
+        ]
+        assert _read(spec) == rows
+
+
+def test_a_folder_of_files_the_job_cannot_read_itself_is_loaded_by_datasets(
+    tmp_path, ray_local, monkeypatch
+):
+    """A Hub-layout folder that is not a ``save_to_disk`` folder, with data files the read tasks
+    do not take (here JSON lines and a JSON list side by side): ``load_dataset`` loads its split
+    in the driver, once (not again by its Hub name, to look for the Hub's Parquet export), every
+    row once."""
+    import datasets
+
+    rows = json.loads(ALPACA.read_text())[:40]
+    _json_repository(tmp_path / "repo", JSON_FILES["mixed"][0], rows)
+    spec = _spec(tmp_path / "repo")
+    assert spec.format == "hf" and not spec.files  # guard: the driver's path
+    loads = []
+    load_dataset = datasets.load_dataset
+    monkeypatch.setattr(
+        datasets, "load_dataset", lambda *a, **k: loads.append(a) or load_dataset(*a, **k)
+    )
+    read = read_dataset(spec).take_all()
+    assert loads == [(str(tmp_path / "repo"),)]
+    assert sorted(r["_row"] for r in read) == list(range(len(rows)))
+    assert [json.loads(r["_record"]) for r in sorted(read, key=lambda r: r["_row"])] == rows
