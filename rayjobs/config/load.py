@@ -308,7 +308,7 @@ SNIFF_BYTES = 1 << 12
 def json_kind(uri: str) -> str | None:
     """The format a ``.json`` data file holds, as ``datasets``' JSON builder reads it: ``json``
     (one list of objects) if its first character is ``[``, ``jsonl`` (an object a line) if it is
-    ``{``; None otherwise (an empty file, or whitespace for its first 4 KiB)."""
+    ``{``; None otherwise (an empty file, or only whitespace in its first ``SNIFF_BYTES``)."""
     stream, raw = files.open_file(uri, random_access=False, read_ahead=False)
     try:
         head = stream.read(SNIFF_BYTES).lstrip(b"\xef\xbb\xbf \t\r\n")
