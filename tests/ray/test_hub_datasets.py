@@ -7,6 +7,7 @@ local folder, or a Hub cache as ``huggingface_hub`` downloads one (``HF_HUB_OFFL
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import re
@@ -232,6 +233,7 @@ JSON_FILES = {
     "lines": (["lines", "lines"], "jsonl"),
     "list": (["list", "list"], "json"),
     "lines_after_a_byte_order_mark": (["bom_lines"], "jsonl"),
+    "gzipped_list": (["list.gz"], "json"),
     "mixed": (["lines", "list"], None),
 }
 
@@ -245,7 +247,11 @@ def _json_repository(root, kinds: list[str], rows: list[dict]):
         part = rows[i * share : (i + 1) * share]
         lines = "".join(json.dumps(r) + "\n" for r in part)
         text = {"lines": lines, "list": json.dumps(part, indent=1), "bom_lines": "\ufeff" + lines}
-        (root / "data" / f"train-{i}.json").write_text(text[kind])
+        if kind.endswith(".gz"):
+            data = gzip.compress(text[kind.removesuffix(".gz")].encode(), mtime=0)
+            (root / "data" / f"train-{i}.json.gz").write_bytes(data)
+        else:
+            (root / "data" / f"train-{i}.json").write_text(text[kind])
 
 
 @pytest.mark.parametrize("case", JSON_FILES)
@@ -256,8 +262,9 @@ def test_json_data_files_are_read_as_the_json_they_hold(tmp_path, case):
     spec = _spec(tmp_path / "repo")
     assert spec.format == (expected or "hf")
     if expected:
+        suffixes = [".json.gz" if kind.endswith(".gz") else ".json" for kind in kinds]
         assert [f.split("/")[-1] for f in spec.files] == [
-            f"train-{i}.json" for i in range(len(kinds))
+            f"train-{i}{suffix}" for i, suffix in enumerate(suffixes)
         ]
         assert _read(spec) == rows
 
