@@ -311,7 +311,7 @@ def json_kind(uri: str) -> str | None:
     ``{``; None otherwise (an empty file, or only whitespace in its first ``SNIFF_BYTES``)."""
     stream, raw = files.open_file(uri, random_access=False, read_ahead=False)
     try:
-        head = stream.read(SNIFF_BYTES).lstrip(b"\xef\xbb\xbf \t\r\n")
+        head = stream.read(SNIFF_BYTES).removeprefix(formats.BOM).lstrip()
     finally:
         stream.close()
         raw.close()

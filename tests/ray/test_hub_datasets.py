@@ -239,8 +239,8 @@ JSON_FILES = {
 
 
 def _json_repository(root, kinds: list[str], rows: list[dict]):
-    """A Hub-layout folder whose train split is ``data/train-<i>.json``, one file per kind,
-    the rows shared out between them in order."""
+    """A Hub-layout folder whose train split is ``data/train-<i>.json`` (``.json.gz`` for a
+    ``.gz`` kind), one file per kind, the rows shared out between them in order."""
     (root / "data").mkdir(parents=True)
     share = -(-len(rows) // len(kinds))
     for i, kind in enumerate(kinds):
