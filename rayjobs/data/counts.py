@@ -49,11 +49,14 @@ def report_actor(ledger: Any, kind: str) -> None:
         report(ledger, "add_actor", kind, ray.get_runtime_context().get_node_id())
 
 
-def report(ledger: Any, method: str, *args: Any) -> None:
-    """Call ``ledger.<method>(*args)`` and wait for it (so counts are in before rows move on);
-    no-op without a ledger (in-process use, unit tests)."""
-    if ledger is not None:
-        ray.get(getattr(ledger, method).remote(*args))
+def report(ledger: Any, method: str, *args: Any) -> Any:
+    """Call ``ledger.<method>(*args)`` and return its answer once it is in (so counts are in
+    before rows move on): on the run's ``Ledger`` actor, or in this process on a ``Tally`` (the
+    local runner); no-op without a ledger (in-process use, unit tests)."""
+    if ledger is None:
+        return None
+    call = getattr(ledger, method)
+    return ray.get(call.remote(*args)) if hasattr(call, "remote") else call(*args)
 
 
 @dataclass

@@ -15,7 +15,6 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import ray
 
 from rayjobs.data import seeds
 from rayjobs.data.counts import PackCounts, StageTimer, batch_key, report, report_actor
@@ -121,7 +120,7 @@ class PackStream:
         if self.budget == "samples":
             sizes = np.ones_like(sizes)
         wants = {name: sizes[sources == name].tolist() for name in np.unique(sources)}
-        grant = ray.get(self.ledger.admit.remote(key, epoch, wants))
+        grant = report(self.ledger, "admit", key, epoch, wants)
         keep = np.zeros(len(sources), dtype=bool)
         for name, n in grant.items():
             keep[np.flatnonzero(sources == name)[:n]] = True

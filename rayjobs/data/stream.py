@@ -62,7 +62,17 @@ def tokenized(
     """Raw rows → tokenized samples through one Tokenize actor pool, which grows up to
     ``ray.tokenize_concurrency`` actors (default half the cluster's CPUs) while data waits; or,
     with ``tasks`` (the warm-up lane), through tasks (``_stage_task``)."""
-    kwargs = {
+    kwargs = tokenize_kwargs(config, ledger) | {"registry": shipped_templates(config)}
+    ceiling = config.ray.tokenize_concurrency or max(1, int(cluster_cpus(config)) // 2)
+    actors = 0 if tasks else ceiling
+    return _stage(
+        rows, Tokenize, kwargs, TOKENIZE_BATCH_ROWS, config, num_cpus=TOKENIZE_CPUS, actors=actors
+    )
+
+
+def tokenize_kwargs(config: Config, ledger: Any = None) -> dict[str, Any]:
+    """``Tokenize``'s arguments for the run's datasets (the templates: this process's)."""
+    return {
         "datasets": config.datasets,
         "tokenizer": config.tokenizer,
         "seq_len": config.packing.seq_len,
@@ -70,13 +80,20 @@ def tokenized(
         "ledger": ledger,
         "threads": TOKENIZE_CPUS,
         "min_prompt_tokens": config.dpo.min_prompt_tokens,
-        "registry": shipped_templates(config),
     }
-    ceiling = config.ray.tokenize_concurrency or max(1, int(cluster_cpus(config)) // 2)
-    actors = 0 if tasks else ceiling
-    return _stage(
-        rows, Tokenize, kwargs, TOKENIZE_BATCH_ROWS, config, num_cpus=TOKENIZE_CPUS, actors=actors
-    )
+
+
+def pack_kwargs(config: Config, pad_id: int, ledger: Any = None) -> dict[str, Any]:
+    """``PackStream``'s arguments for the run."""
+    return {
+        "seq_len": config.packing.seq_len,
+        "strategy": config.packing.strategy,
+        "pad_id": pad_id,
+        "seed": config.seed,
+        "ledger": ledger,
+        "budget": config.mix.by if sized(config) else None,
+        "task": config.task,
+    }
 
 
 def shipped_templates(config: Config) -> dict[str, templates.Template]:
@@ -221,13 +238,5 @@ def _packed(
     """Tokenized samples → packed rows through a pool of up to ``actors`` PackStream actors (0:
     tasks, the warm-up lane), one call per ``window`` samples (``packed_rows`` sets the block
     size)."""
-    kwargs = {
-        "seq_len": config.packing.seq_len,
-        "strategy": config.packing.strategy,
-        "pad_id": pad_id,
-        "seed": config.seed,
-        "ledger": ledger,
-        "budget": config.mix.by if sized(config) else None,
-        "task": config.task,
-    }
+    kwargs = pack_kwargs(config, pad_id, ledger)
     return _stage(samples, PackStream, kwargs, window, config, num_cpus=0.5, actors=actors)

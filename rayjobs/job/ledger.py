@@ -21,14 +21,11 @@ mode's packs, assembled again, keep their keys and count once.
 from __future__ import annotations
 
 import time
-from collections import defaultdict
-from dataclasses import asdict
-from typing import Any
 
-import numpy as np
 import ray
 
-from rayjobs.data.counts import PackCounts, TokenizeCounts, _merge, packing_efficiency
+from rayjobs.data.counts import PackCounts, TokenizeCounts, packing_efficiency
+from rayjobs.data.tally import Tally
 from rayjobs.metrics import METRICS, _init_counter, _series, wait_for_export
 
 _TOKENIZE_COUNTERS = (
@@ -45,8 +42,8 @@ _TOKENIZE_COUNTERS = (
 
 
 @ray.remote(num_cpus=0)
-class Ledger:
-    """Cluster-wide counters of one run: tokenization by dataset, packing by epoch."""
+class Ledger(Tally):
+    """Cluster-wide counters of one run (``Tally``), each count also exported to Ray's metrics."""
 
     def __init__(
         self,
@@ -56,19 +53,9 @@ class Ledger:
     ):
         """``datasets``: the config's dataset names; every counter of each, and the pack
         counters, are exported at 0 from here on, before any batch (``_init_counter``).
-        ``rereads``: a restarted worker group reads the data again (stream mode), so a batch
-        counts once per worker group (``start_attempt``), not once per run."""
-        self._rereads = rereads
-        self.tokenize: dict[str, TokenizeCounts] = defaultdict(TokenizeCounts)  # by dataset
-        self.actors: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-        self.pack: dict[int, PackCounts] = defaultdict(PackCounts)
+        ``rereads``: see ``Tally``."""
+        super().__init__(rereads)
         self._run = run_name
-        self._budgets: dict[tuple[int, str], float] = {}
-        self._used: dict[tuple[int, str], float] = defaultdict(float)
-        self._admitted: dict[str, dict[str, int]] = {}
-        self._seen: set[Any] = set()
-        self.repeated_reports = 0
-        self.attempts = 0  # worker groups started on the run (start_attempt)
         self._series = _series(name for name in METRICS if not name.startswith("rayjobs_train_"))
         self._counters = {name: self._series[f"rayjobs_{name}"] for name in _TOKENIZE_COUNTERS}
         self._packs, self._pack_slots, self._pack_tokens, self._efficiency = (
@@ -96,72 +83,28 @@ class Ledger:
             for counter in self._counters.values():
                 _init_counter(counter, {"run": self._run, "dataset": dataset})
 
-    def set_budgets(self, budgets: dict[tuple[int, str], float]) -> None:
-        """Each dataset's share of each epoch, ``{(epoch, dataset): units}`` in ``mix.by`` units
-        (weighted stream mode)."""
-        self._budgets = dict(budgets)
-
-    def admit(self, key: str, epoch: int, wants: dict[str, list[int]]) -> dict[str, int]:
-        """How many of a packer window's samples of each dataset (in window order, ``wants``:
-        each sample's size in ``mix.by`` units) fit the dataset's share of ``epoch``: first come,
-        first served, to the nearest sample. The answer for ``key`` is kept, so a window Ray runs
-        again gets the same one."""
-        if key in self._admitted:
-            return self._admitted[key]
-        grant = {}
-        for name, sizes in wants.items():
-            budget = self._budgets.get((epoch, name))
-            if budget is None:
-                grant[name] = len(sizes)
-                continue
-            left = budget - self._used[epoch, name]
-            total = np.cumsum(np.asarray(sizes, dtype=np.float64))
-            n = int(np.searchsorted(total, left, side="right"))  # prefix that fits
-            if n < len(sizes) and total[n] - left < left - (total[n - 1] if n else 0.0):
-                n += 1  # one more comes nearer the share
-            grant[name] = n
-            self._used[epoch, name] += float(total[n - 1]) if n else 0.0
-        self._admitted[key] = grant
-        return grant
-
-    def _first(self, key: str | None) -> bool:
-        """Whether the batch ``key`` names is reported for the first time (a ``None`` key always
-        is); a repeat is Ray running the batch again (a task retried after its actor died) and
-        is counted under ``repeated_reports``, not added."""
-        if key is None:
-            return True
-        if self._rereads:
-            key = (self.attempts, key)
-        if key in self._seen:
-            self.repeated_reports += 1
-            return False
-        self._seen.add(key)
-        return True
-
     def add_tokenize(
         self,
         by_dataset: dict[str, TokenizeCounts],
         key: str | None = None,
         lengths: dict[str, list[int]] | None = None,
-    ) -> None:
-        """One Tokenize batch's counts, per dataset; ``key`` identifies the batch (see
-        ``batch_key``), so a batch Ray runs twice is counted once. ``lengths``: each sample's
-        tokens, per dataset (the ``rayjobs_sample_tokens`` histogram: observed here, once per
-        batch like the counts)."""
-        if not self._first(key):
-            return None
+    ) -> bool:
+        """``Tally.add_tokenize``, and the counts and ``lengths`` (the ``rayjobs_sample_tokens``
+        histogram) exported, once per batch like the counts."""
+        if not super().add_tokenize(by_dataset, key):
+            return False
         for dataset, values in (lengths or {}).items():
             tags = {"run": self._run, "dataset": dataset}
             for value in values:
                 self._sample_tokens.observe(value, tags=tags)
         for dataset, counts in by_dataset.items():
             self._zero(dataset)
-            _merge(self.tokenize[dataset], counts)
             tags = {"run": self._run, "dataset": dataset}
             for name, counter in self._counters.items():
                 if getattr(counts, name):
                     counter.inc(getattr(counts, name), tags=tags)
         self._last_record = time.monotonic()
+        return True
 
     def add_pack(
         self,
@@ -169,13 +112,11 @@ class Ledger:
         counts: PackCounts,
         key: str | None = None,
         samples_per_pack: list[int] | None = None,
-    ) -> None:
-        """One packing call's counts for ``epoch``; ``key`` as in ``add_tokenize``;
-        ``samples_per_pack``: each emitted row's samples (the ``rayjobs_samples_per_pack``
-        histogram)."""
-        if not self._first(key):
-            return None
-        _merge(self.pack[epoch], counts)
+    ) -> bool:
+        """``Tally.add_pack``, and the counts and ``samples_per_pack`` (the
+        ``rayjobs_samples_per_pack`` histogram) exported."""
+        if not super().add_pack(epoch, counts, key):
+            return False
         tags = {"run": self._run}
         for value in samples_per_pack or ():
             self._samples_per_pack.observe(value, tags=tags)
@@ -187,6 +128,7 @@ class Ledger:
         total_slots = sum(c.num_slots for c in self.pack.values())
         self._efficiency.set(packing_efficiency(total_tokens, total_slots), tags=tags)
         self._last_record = time.monotonic()
+        return True
 
     def add_mix(self, mixes: list[dict[str, dict[str, float]]]) -> None:
         """The realized mix of each epoch (``Job.mixes``: what the pack stage counted) as gauges."""
@@ -211,32 +153,3 @@ class Ledger:
             self._efficiency.set(efficiency, tags={"run": self._run})
             self._last_record = time.monotonic()
         return wait_for_export(self._last_record)
-
-    def add_actor(self, kind: str, node_id: str) -> None:
-        """An actor of ``kind`` (Tokenize, PackStream, ...) started on ``node_id``."""
-        self.actors[kind][node_id] += 1
-
-    def start_attempt(self) -> int:
-        """A train worker group started (its rank 0 calls this first): 1 for a run's first, one
-        more for each restart, with or without a checkpoint to resume from. A restart reads the
-        stream again from its start, so the weighted shares (``admit``) start afresh: they were
-        the first attempt's, used up, and the re-read stream, its windows formed anew, was
-        trimmed to almost nothing (its ranks then skipped their consumed rows into later
-        epochs)."""
-        self.attempts += 1
-        if self.attempts > 1:
-            self._used.clear()
-            self._admitted.clear()
-        return self.attempts
-
-    def snapshot(self) -> dict[str, Any]:
-        """Plain-dict copy: ``{"tokenize": {dataset: counts}, "pack": {epoch: counts},
-        "actors": {kind: {node id: actors started}}}`` (tokenization counted over the run,
-        packing per epoch)."""
-        return {
-            "tokenize": {dataset: asdict(c) for dataset, c in sorted(self.tokenize.items())},
-            "pack": {epoch: asdict(c) for epoch, c in sorted(self.pack.items())},
-            "actors": {kind: dict(nodes) for kind, nodes in sorted(self.actors.items())},
-            "repeated_reports": self.repeated_reports,
-            "attempts": self.attempts,
-        }
