@@ -2,7 +2,7 @@
 
 rayjobs run CONFIG [dotted.key=value ...] [--address ADDR] [--json] [--resume [RUN]] [--quiet]
 rayjobs export CONFIG [dotted.key=value ...] --out DIR [--epochs N] [--overwrite]
-               [--labels hf|shifted] [--address ADDR] [--quiet]
+               [--labels hf|shifted] [--runner auto|local|ray] [--address ADDR] [--quiet]
 rayjobs inspect CONFIG [dotted.key=value ...] [--limit N] [--json] [--plot OUT.png] [--address ADDR]
                 [--quiet]                            (--plot needs pip install -e '.[plot]')
 rayjobs validate CONFIG [dotted.key=value ...] [--rows N]        (no Ray: config, files, first rows)
@@ -107,6 +107,15 @@ def _parser() -> argparse.ArgumentParser:
         "document's first token, as Hugging Face models, TRL, Axolotl and torchtune read them) "
         "or shifted (labels[t] the target of position t, as rayjobs trains); manifest.json and "
         "each Parquet file's metadata say which",
+    )
+    export.add_argument(
+        "--runner",
+        choices=["auto", "local", "ray"],
+        default="auto",
+        help="where the data path runs: ray (the cluster named by ray.address or RAY_ADDRESS, "
+        "else an embedded local Ray), local (this process, no Ray; file datasets), or auto "
+        "(default: local for a small export with no cluster named, else ray); manifest.json "
+        "says which and why",
     )
     inspect.add_argument(
         "--limit",
@@ -482,8 +491,9 @@ def _checked_job_command(args: argparse.Namespace) -> int:
 
             console.no_ray_data_progress_bars()
             manifest = export(
-                config, args.out, args.epochs, overwrite=args.overwrite, labels=args.labels
-            )
+                config, args.out, args.epochs, overwrite=args.overwrite, labels=args.labels,
+                runner=args.runner,
+            )  # fmt: skip
             packed = manifest["packed"]
             print(
                 f"wrote {packed['num_packs']} packs ({packed['efficiency']:.4f} efficiency) "

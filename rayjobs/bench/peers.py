@@ -5,8 +5,10 @@ JSONL shards (``pipeline.write_shards``: one file per copy) and runs, each in it
 started from nothing (imports, start-up and a cold cache included):
 
 - ``rayjobs``: ``rayjobs export CONFIG --out DIR --epochs 1`` on the two sets (GPT-2 tokenizer,
-  seq_len 2048, every other setting the job's default), on an embedded local Ray
-  (``$RAY_ADDRESS`` is not passed on: the bench compares two paths on one machine);
+  seq_len 2048, every other setting the job's default: ``--runner auto``, which takes the local
+  runner for these sizes; ``$RAY_ADDRESS`` is not passed on: the bench compares paths on one
+  machine);
+- ``rayjobs-ray``: the same with ``--runner ray``, on an embedded local Ray;
 - ``trl``: ``datasets.load_dataset("json", data_files=...)`` of each set, ``.map(tokenize,
   batched=True, num_proc=N)``, ``concatenate_datasets``, ``trl.pack_dataset(seq_length=2048,
   strategy="bfd", map_kwargs={"num_proc": N})`` (as ``SFTTrainer`` packs with
@@ -56,7 +58,7 @@ from typing import Any
 
 from rayjobs.bench.pipeline import LABEL_SWEEPS, _Memory, cpu_ticks, process_label, steal_between
 
-PATHS = ("rayjobs", "trl")
+PATHS = ("rayjobs", "rayjobs-ray", "trl")
 SEQ_LEN = 2048
 SAMPLE_S = 0.5
 """Seconds between the sampler's sweeps over the process tree."""
@@ -275,13 +277,14 @@ def path_command(path: str, work: Path, folders: dict[str, Path], tokenizer: Pat
                  num_proc: int) -> tuple[list[str], Path]:  # fmt: skip
     """The command of one path and the folder it writes its Parquet files under."""
     out = work / f"{path}-out"
-    if path == "rayjobs":
+    if path in ("rayjobs", "rayjobs-ray"):
         import yaml
 
         config = work / "export.yaml"
         config.write_text(yaml.safe_dump(export_config(folders, tokenizer, SEQ_LEN)))
+        runner = ["--runner", "ray"] if path == "rayjobs-ray" else []
         command = [sys.executable, "-m", "rayjobs.cli", "export", str(config), "--out", str(out),
-                   "--epochs", "1"]  # fmt: skip
+                   "--epochs", "1", *runner]  # fmt: skip
         return command, out
     command = [
         sys.executable, "-m", "rayjobs.bench.peers", "--alpaca", str(folders["alpaca"]),
@@ -323,9 +326,9 @@ def token_mismatches(runs: list[PeerRun]) -> list[str]:
     >>> runs = [PeerRun(1, p, 1.0, 1.0, 1.0, 1.0, 1.0, 1, 10, 0.5) for p in PATHS]
     >>> token_mismatches(runs)
     []
-    >>> runs[1].tokens = 11
+    >>> runs[2].tokens = 11
     >>> token_mismatches(runs)
-    ['1x: rayjobs 10, trl 11']
+    ['1x: rayjobs 10, rayjobs-ray 10, trl 11']
     """
     found = []
     for scale in dict.fromkeys(r.scale for r in runs):
@@ -348,7 +351,7 @@ def format_table(runs: list[PeerRun]) -> str:
     """The table (the median of repeats in each cell), the ratios rayjobs / TRL per scale, the
     token check and where each path's CPU went."""
     header = (
-        f"{'scale':>6}  {'path':<8}{'wall s':>8}{'first out s':>12}{'exit s':>8}"
+        f"{'scale':>6}  {'path':<12}{'wall s':>8}{'first out s':>12}{'exit s':>8}{'CPU s':>8}"
         f"{'peak MB':>9}{'(RSS)':>8}{'efficiency':>11}{'rows':>7}{'tokens':>12}"
     )
     lines = [header, "-" * len(header)]
@@ -358,15 +361,15 @@ def format_table(runs: list[PeerRun]) -> str:
     for (scale, path), group in groups.items():
         first = _median(group, "first_output_s")
         lines.append(
-            f"{scale:>5}x  {path:<8}{_median(group, 'wall_s'):>8.1f}"
+            f"{scale:>5}x  {path:<12}{_median(group, 'wall_s'):>8.1f}"
             f"{'-' if first is None else f'{first:.1f}':>12}{_median(group, 'exit_s'):>8.1f}"
             f"{_median(group, 'cpu_s'):>8.1f}"
             f"{_median(group, 'peak_pss_mb'):>9,.0f}{_median(group, 'peak_rss_mb'):>8,.0f}"
             f"{_median(group, 'efficiency'):>11.4f}{group[0].rows:>7}{group[0].tokens:>12,}"
         )
     lines.append("")
-    for scale in dict.fromkeys(r.scale for r in runs):
-        ours, theirs = groups.get((scale, "rayjobs")), groups.get((scale, "trl"))
+    for scale, name in ((s, n) for s in dict.fromkeys(r.scale for r in runs) for n in PATHS[:2]):
+        ours, theirs = groups.get((scale, name)), groups.get((scale, "trl"))
         if not ours or not theirs:
             continue
         ratio = {n: _median(ours, n) / _median(theirs, n)
@@ -376,7 +379,7 @@ def format_table(runs: list[PeerRun]) -> str:
         spread = (f" (each repeat: {', '.join(f'{x:.2f}x' for x in per_repeat)})"
                   if len(per_repeat) > 1 else "")  # fmt: skip
         lines.append(
-            f"{scale}x rayjobs / trl: wall {ratio['wall_s']:.2f}x{spread}, exit "
+            f"{scale}x {name} / trl: wall {ratio['wall_s']:.2f}x{spread}, exit "
             f"{ratio['exit_s']:.2f}x, CPU {ratio['cpu_s']:.2f}x, peak memory "
             f"{ratio['peak_pss_mb']:.2f}x, efficiency {points:+.2f} points"
         )
@@ -384,7 +387,7 @@ def format_table(runs: list[PeerRun]) -> str:
     lines.append(
         "token totals differ, so the paths did not pack the same samples: " + "; ".join(mismatches)
         if mismatches
-        else "token totals: identical on both paths at every scale"
+        else "token totals: identical on every path at every scale"
     )
     for r in runs:
         top = ", ".join(f"{k} {v:,.1f}" for k, v in list(r.cpu_by_process.items())[:6])
@@ -488,6 +491,7 @@ def main(argv: list[str] | None = None) -> int:
         help="the TRL path's datasets num_proc (default: the machine's CPUs)",
     )  # fmt: skip
     parser.add_argument("--repeats", type=int, default=1, help="runs of each path per scale")
+    parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
     parser.add_argument("--json", metavar="OUT")
     args = parser.parse_args(argv)
     if error := argument_error(args):
@@ -500,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    runs = bench_peers(args.data_dir, args.scales, args.num_proc, args.repeats)
+    runs = bench_peers(args.data_dir, args.scales, args.num_proc, args.repeats, tuple(args.paths))
     print(f"machine: {os.cpu_count()} CPUs; load average at the end {os.getloadavg()}")
     print(format_table(runs))
     if args.json:

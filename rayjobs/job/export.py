@@ -38,10 +38,13 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 import ray
 
 from rayjobs.config import Config
-from rayjobs.data import files
+from rayjobs.data import backends, files, local
+from rayjobs.data.estimate import estimate, progress
+from rayjobs.data.mix import epoch_fractions
 from rayjobs.data.preference import PREFERENCE_COLUMNS
 from rayjobs.data.rows import (
     LABEL_CONVENTIONS,
@@ -50,6 +53,7 @@ from rayjobs.data.rows import (
     STAT_COLUMNS,
     hf_labels,
 )
+from rayjobs.data.tally import Tally
 from rayjobs.errors import ConfigError, Interrupted
 from rayjobs.job.manifest import MANIFEST
 
@@ -222,18 +226,65 @@ def _export_entry(fs: pafs.FileSystem, entry: pafs.FileInfo) -> bool:
     return all(f.type == pafs.FileType.File and f.extension == "parquet" for f in inside)
 
 
+RUNNERS = ("auto", "local", "ray")
+"""Where an export's data path runs (``--runner``): ``ray``, the job's own path on the Ray
+cluster named (or an embedded local Ray); ``local``, the same stages in this process, without
+Ray (``data.local``); ``auto``, ``local`` for an export of at most ``LOCAL_MAX_TOKENS`` where no
+cluster is named, else ``ray``."""
+
+LOCAL_MAX_TOKENS = 1 << 25
+"""The most tokens (every epoch's, estimated from the datasets' heads) ``--runner auto`` exports
+in this process: about ten seconds of one core's tokenizing (``rayjobs bench peers``). Beyond
+that, more cores do more: Ray's start-up, a fixed cost, is paid back."""
+
+
+def choose_runner(config: Config, runner: str = "auto") -> tuple[str, str, dict | None]:
+    """The runner an export takes (``RUNNERS``), why (a phrase for the log and the manifest) and,
+    when they were needed to decide, the datasets' ``estimate``s.
+
+    Raises:
+        ConfigError: an unknown runner, or ``local`` for datasets it cannot read.
+    """
+    if runner not in RUNNERS:
+        raise ConfigError(f"--runner must be one of {', '.join(RUNNERS)}, got {runner!r}")
+    problem = local.unsupported(config)
+    if runner == "local" and problem:
+        raise ConfigError(f"--runner local: {problem}; use --runner ray")
+    if runner != "auto":
+        return runner, f"--runner {runner}", None
+    address = config.ray.address or os.environ.get("RAY_ADDRESS")
+    if ray.is_initialized():
+        return "ray", "this process is connected to Ray", None
+    if address:
+        return "ray", f"a Ray cluster is named ({address})", None
+    if problem:
+        return "ray", problem, None
+    estimates = estimate(config)
+    fractions = epoch_fractions(config, estimates)
+    tokens = config.train.epochs * sum(
+        fraction * estimates[spec.name].samples_hint * estimates[spec.name].mean_tokens
+        for spec, fraction in zip(config.datasets, fractions, strict=True)
+    )
+    about = f"about {tokens:,.0f} tokens (estimated)"
+    if tokens > LOCAL_MAX_TOKENS:
+        return "ray", f"{about}, more than the local runner takes ({LOCAL_MAX_TOKENS:,})", None
+    return "local", f"no Ray cluster named, {about}", estimates
+
+
 def export(
     config: Config,
     out: str | os.PathLike,
     epochs: int | None = None,
     overwrite: bool = False,
     labels: str = "hf",
+    runner: str = "auto",
 ) -> dict[str, Any]:
     """Write every epoch's packed rows under ``out`` (``epoch=<e>/*.parquet``; a folder or a URI
     of one on object storage) and return the manifest (also written). ``out`` must be new or
     empty; ``overwrite`` first empties an earlier export there (see module note). ``labels``:
-    their convention (``rows.LABEL_CONVENTIONS``, module note)."""
-    from rayjobs.job.pipeline import start_job
+    their convention (``rows.LABEL_CONVENTIONS``, module note). ``runner``: where the data path
+    runs (``RUNNERS``)."""
+    from rayjobs.job.pipeline import load_tokenizer, start_job
 
     if epochs is not None and epochs < 1:  # before anything is emptied
         raise ConfigError(f"--epochs must be at least 1, got {epochs}")
@@ -245,9 +296,16 @@ def export(
             update={"train": config.train.model_copy(update={"epochs": epochs})}
         )
     try:
-        job = start_job(config, prefix="export")
+        tokenizer = load_tokenizer(config)  # a bad tokenizer is refused before anything else
+        runner, reason, estimates = choose_runner(config, runner)
+        progress.info("data: the %s runner (%s)", runner, reason)
+        job = start_job(config, prefix="export", tokenizer=tokenizer, local=runner == "local")
         try:
+            if runner == "local":
+                _write_local(job, target.fs, target.writing, labels, estimates)
             manifest = _write(config, job, target.fs, target.writing, labels)
+            manifest["runner"] = {"name": runner, "reason": reason}
+            _write_manifest(target.fs, target.writing, manifest)
         finally:
             job.close()
     except KeyboardInterrupt as interrupt:  # Ctrl-C, or SIGTERM (the command line's Interrupted)
@@ -262,7 +320,9 @@ def export(
 def _write(config: Config, job: Any, fs: pafs.FileSystem, out: str, labels: str) -> dict[str, Any]:
     """``export`` once its job is set up: the Parquet files, then the manifest, written last."""
     arrow = {"batch_format": "numpy", "fn_kwargs": {"labels": labels}}
-    if job.rows is not None:  # stream: one pass over every epoch, partitioned by epoch
+    if isinstance(job.ledger, Tally):  # the local runner's: written already (_write_local)
+        pass
+    elif job.rows is not None:  # stream: one pass over every epoch, partitioned by epoch
         job.rows.map_batches(to_arrow, **arrow).write_parquet(
             out, filesystem=fs, partition_cols=["epoch"]
         )
@@ -294,9 +354,42 @@ def _write(config: Config, job: Any, fs: pafs.FileSystem, out: str, labels: str)
     }
     if config.eval.datasets:
         manifest["eval"] = _write_eval(config, job, fs, f"{out}/{EVAL}", labels)
+    return manifest
+
+
+def _write_manifest(fs: pafs.FileSystem, out: str, manifest: dict[str, Any]) -> None:
+    """The manifest, written last: an export is finished when it exists."""
     with fs.open_output_stream(f"{out}/{MANIFEST}", compression=None) as stream:
         stream.write(json.dumps(manifest, indent=1, default=str).encode())
-    return manifest
+
+
+def _write_local(
+    job: Any, fs: pafs.FileSystem, out: str, labels: str, estimates: dict | None = None
+) -> None:
+    """Every epoch's packed rows from the local runner (``data.local``): a Parquet file per
+    packer window, ``epoch=<e>/part-<n>.parquet``, as Ray's ``write_parquet`` partitions them
+    (the ``epoch`` column is the folder's name, not a column of the files)."""
+    config = job.config
+    for epoch in range(config.train.epochs):
+        fs.create_dir(f"{out}/epoch={epoch}")
+    rows = local.packed_rows(config, job.tokenizer.pad_id, job.ledger, estimates)
+    _write_parts(fs, out, rows, labels, partitioned=True)
+
+
+def _write_parts(
+    fs: pafs.FileSystem, out: str, windows: Any, labels: str, partitioned: bool
+) -> None:
+    """Each non-empty window of packed rows as the next ``part-<n>.parquet`` under ``out`` (under
+    ``out/epoch=<e>`` when ``partitioned``)."""
+    parts: dict[str, int] = {}
+    for rows in windows:
+        if not len(rows["num_tokens"]):
+            continue
+        folder = f"{out}/epoch={int(rows['epoch'][0])}" if partitioned else out
+        table = to_arrow(rows, epoch=False, labels=labels)
+        index = parts[folder] = parts.get(folder, -1) + 1
+        with fs.open_output_stream(f"{folder}/part-{index:05d}.parquet") as stream:
+            pq.write_table(table, stream)
 
 
 def _write_eval(
@@ -304,8 +397,15 @@ def _write_eval(
 ) -> dict[str, Any]:
     """The packed ``eval.datasets`` under ``folder`` (made even when no row is packed, so the
     manifest's path exists) and their counts."""
-    from rayjobs.job.pipeline import eval_accounting, eval_rows
+    from rayjobs.job.pipeline import eval_accounting, eval_config, eval_rows
 
+    if isinstance(job.ledger, Tally):  # the local runner: its own Tally, as eval_rows' ledger
+        tally = Tally()
+        fs.create_dir(folder)
+        decided = backends.decided(config, job.config.tokenizer.backend)
+        windows = local.packed_rows(eval_config(decided), job.tokenizer.pad_id, tally)
+        _write_parts(fs, folder, windows, labels, partitioned=False)
+        return {"path": EVAL, **eval_accounting(tally)}
     rows, ledger = eval_rows(config, job)
     try:
         arrow = {"epoch": False, "labels": labels}

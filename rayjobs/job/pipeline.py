@@ -30,10 +30,11 @@ import ray.train
 
 from rayjobs.config import Config, MixConfig
 from rayjobs.data import backends, checks, estimate, placement, stream
-from rayjobs.data.counts import check_accounting, packing_efficiency, unpacked
+from rayjobs.data.counts import check_accounting, packing_efficiency, report, unpacked
 from rayjobs.data.mix import with_shares
 from rayjobs.data.planned import Epochs
 from rayjobs.data.sources import read_dataset
+from rayjobs.data.tally import Tally
 from rayjobs.data.tokenizer import Tokenizer, load_fast
 from rayjobs.errors import AccountingError, ConfigError, Interrupted, RunFailed, user_error
 from rayjobs.job.connect import init_ray
@@ -99,14 +100,15 @@ class Job:
     ``tokenizer``."""
 
     def snapshot(self) -> dict[str, Any]:
-        return ray.get(self.ledger.snapshot.remote())
+        return report(self.ledger, "snapshot")
 
     def close(self) -> None:
         """End the run's ``Ledger`` actors once their counts are read: a driver that outlives its
         jobs (a notebook, a service, a test session) would otherwise keep them, one per job."""
         if self.monitor is not None:
             self.monitor.stop()  # its last line, while the ledger still answers
-        ray.kill(self.ledger)
+        if not isinstance(self.ledger, Tally):  # the local runner's counts live in this process
+            ray.kill(self.ledger)
         if self.held_out is not None:
             ray.kill(self.held_out.ledger)
 
@@ -139,7 +141,7 @@ class Job:
         ``complete``: False when training stopped before the stream ended (``max_steps``); the
         samples tokenized but not packed by then are each dataset's ``unpacked_*``."""
         snapshot = self.snapshot()
-        streamed = self.rows is not None
+        streamed = self.epochs is None  # stream mode, or the local runner
         problems = check_accounting(snapshot, streamed=streamed, complete=complete)
         if problems:
             raise AccountingError("the run's counts do not add up: " + "; ".join(problems))
@@ -210,7 +212,7 @@ class HeldOut:
 def eval_accounting(ledger: Any, problems: list[str] | None = None) -> dict[str, Any]:
     """The eval sets' counts (``datasets``, ``packed``) from their ledger, every pack made.
     Raises ``AccountingError`` when they, or ``problems`` found by the caller, do not add up."""
-    snapshot = ray.get(ledger.snapshot.remote())
+    snapshot = report(ledger, "snapshot")
     problems = check_accounting(snapshot, streamed=True, complete=True) + (problems or [])
     if problems:
         raise AccountingError("the evaluation's counts do not add up: " + "; ".join(problems))
@@ -274,18 +276,24 @@ def start_job(
     prefix: str = "rayjobs",
     name: str | None = None,
     tokenizer: Tokenizer | None = None,
+    local: bool = False,
 ) -> Job:
     """Set up a run's data side: load the tokenizer (a bad one fails before Ray starts; ``run``
     passes the one it loaded to check the model's config), connect to or start Ray, create the
     run's ``Ledger`` and the packed rows (lazy in stream mode; planned mode tokenizes once here).
     ``run``, ``export`` and the benches all start here.
-    ``name``: the run's name (default ``<prefix>-<8 hex digits>``; a resumed run keeps its own)."""
+    ``name``: the run's name (default ``<prefix>-<8 hex digits>``; a resumed run keeps its own).
+    ``local``: for the local runner (``data.local``), which packs the rows as its caller reads
+    them: no Ray, and a ``Tally`` in this process for the ledger."""
     tokenizer = tokenizer or load_tokenizer(config)
-    init_ray(config)
+    if not local:
+        init_ray(config)
     unused = estimate.columns(config)  # a column that changes what a row means: refused here
     # tokenizer.backend decided once, here: the Tokenize actors get the config that names it
     config, encoder = backends.choose(config, tokenizer)
     name = name or f"{prefix}-{uuid.uuid4().hex[:8]}"
+    if local:
+        return Job(config, name, tokenizer, Tally(), unused_columns=unused, encoder=encoder)
     rereads = config.packing.mode == "stream"  # a restarted worker group reads it again
     ledger = Ledger.remote(name, [spec.name for spec in config.datasets], rereads)
     monitor = DataMonitor(ledger, config.mix.by)

@@ -116,12 +116,13 @@ def _loopback(address: str) -> bool:
 
 @pytest.fixture(scope="module")
 def interrupted_export(tmp_path_factory):
-    """A default ``rayjobs export`` of the demo, its sockets read once its first Parquet file
+    """A ``rayjobs export --runner ray`` of the demo (an embedded Ray: a default export of data
+    this small runs in-process, ``--runner auto``), its sockets read once its first Parquet file
     is written, then sent SIGINT: (exit code, stderr, listening sockets, --out)."""
     out = tmp_path_factory.mktemp("export") / "out"
     staging = out.parent / ".out.partial"
     # Many epochs of the demo data: the export is still writing when its first file lands.
-    export = _start("export", str(DEMO), "--out", str(out), "train.epochs=30")
+    export = _start("export", str(DEMO), "--out", str(out), "train.epochs=30", "--runner", "ray")
     _wait_for(export, lambda: any(staging.glob("epoch=*/*.parquet")))
     sockets = _listening(_tree(export.pid))
     code, err = _interrupt(export, signal.SIGINT)
@@ -147,7 +148,8 @@ def test_an_interrupted_export_leaves_nothing_finished_and_a_rerun_works(interru
     for reader in (require_finished, read_export):
         with pytest.raises(ConfigError, match="is not a finished export"):
             reader(out)
-    # The rerun, without --overwrite, clears the staging folder and finishes.
+    # The rerun, without --overwrite and by the local runner, clears the staging folder and
+    # finishes.
     rerun = _start("export", str(DEMO), "--out", str(out), "train.epochs=1")
     _, err = rerun.communicate(timeout=600)
     assert rerun.returncode == 0, err[-3000:]

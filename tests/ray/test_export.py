@@ -14,6 +14,7 @@ from conftest import ALPACA, GPT2, HH_CHAT, ROOT
 from rayjobs.config import ConfigError, config_from_dict
 from rayjobs.job.export import export, prepare_out
 from rayjobs.job.manifest import MANIFEST, require_finished
+from support.packed import exported_documents
 
 SEQ_LEN = 512
 
@@ -105,7 +106,7 @@ def _no_job(config, prefix="rayjobs"):
 
 
 def test_export_into_a_non_empty_folder_is_refused_without_overwrite(tmp_path, monkeypatch):
-    monkeypatch.setattr("rayjobs.job.pipeline.start_job", _no_job)
+    monkeypatch.setattr("rayjobs.job.pipeline.load_tokenizer", _no_job)
     _earlier_export(tmp_path)
     with pytest.raises(ConfigError, match="is not empty; .* pass --overwrite"):
         export(None, tmp_path)
@@ -115,7 +116,7 @@ def test_export_into_a_non_empty_folder_is_refused_without_overwrite(tmp_path, m
 def test_overwrite_keeps_the_earlier_export_until_the_new_one_is_whole(tmp_path, monkeypatch):
     """A local export is written beside ``--out`` and renamed into place: one that fails (here
     its job cannot start) leaves the earlier export as it was, and no staging folder."""
-    monkeypatch.setattr("rayjobs.job.pipeline.start_job", _no_job)
+    monkeypatch.setattr("rayjobs.job.pipeline.load_tokenizer", _no_job)
     out = tmp_path / "out"
     _earlier_export(out)
     (out / "eval").mkdir()  # an earlier export's eval sets
@@ -167,7 +168,7 @@ def test_readers_refuse_a_folder_without_a_manifest_naming_it(tmp_path):
 
 
 def test_overwrite_never_deletes_what_no_export_writes(tmp_path, monkeypatch):
-    monkeypatch.setattr("rayjobs.job.pipeline.start_job", _no_job)
+    monkeypatch.setattr("rayjobs.job.pipeline.load_tokenizer", _no_job)
     _earlier_export(tmp_path)
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(ConfigError, match=r"holds \['notes.txt'\], which no export writes"):
@@ -188,7 +189,7 @@ def test_overwrite_keeps_epoch_folders_an_export_did_not_write(tmp_path, monkeyp
     """Only ``epoch=<number>`` (and ``eval``) folders of Parquet files count as an earlier
     export's: a user's own Hive-partitioned folder (``epoch=2024/notes.csv``) was emptied with
     the export."""
-    monkeypatch.setattr("rayjobs.job.pipeline.start_job", _no_job)
+    monkeypatch.setattr("rayjobs.job.pipeline.load_tokenizer", _no_job)
     (tmp_path / name).mkdir()
     for file in files:
         (tmp_path / name / file).write_text("mine")
@@ -205,21 +206,24 @@ def test_export_epochs_below_one_are_refused_before_anything_is_emptied(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch=0", MANIFEST]
 
 
-@pytest.mark.parametrize("flag, overwrite", [([], False), (["--overwrite"], True)])
-def test_cli_passes_overwrite_to_export(tmp_path, monkeypatch, flag, overwrite):
+@pytest.mark.parametrize(
+    "flag, overwrite, runner",
+    [([], False, "auto"), (["--overwrite"], True, "auto"), (["--runner", "local"], False, "local")],
+)
+def test_cli_passes_overwrite_and_runner_to_export(tmp_path, monkeypatch, flag, overwrite, runner):
     import rayjobs.job.export
     from rayjobs.cli import main
 
     seen = {}
 
-    def fake_export(config, out, epochs=None, overwrite=False, labels="hf"):
-        seen.update(out=out, overwrite=overwrite)
+    def fake_export(config, out, epochs=None, overwrite=False, labels="hf", runner="auto"):
+        seen.update(out=out, overwrite=overwrite, runner=runner)
         return {"packed": {"num_packs": 0, "efficiency": 0.0}, "epochs": []}
 
     monkeypatch.setattr(rayjobs.job.export, "export", fake_export)
     config = str(ROOT / "configs" / "demo.yaml")
     assert main(["export", config, "--out", str(tmp_path), *flag]) == 0
-    assert seen == {"out": str(tmp_path), "overwrite": overwrite}
+    assert seen == {"out": str(tmp_path), "overwrite": overwrite, "runner": runner}
 
 
 def test_preference_rows_export_their_mask_columns():
@@ -272,3 +276,38 @@ def test_fastokens_and_tokenizers_export_the_same_packed_rows(ray_local, tmp_pat
     assert encoders["tokenizers"]["backend"] == "tokenizers"
     assert len(rows["auto"]) > 50, "guard: a real epoch of packs"
     assert rows["auto"] == rows["tokenizers"]
+
+
+def test_the_local_runner_packs_the_same_documents_as_the_ray_path(ray_local, tmp_path):
+    """``--runner local`` against the job's Ray path on one config (two datasets, two epochs,
+    several windows): the same counts per dataset and, every epoch, the same documents (each
+    sample's tokens and labels) packed, each once; only the rows they are packed into differ
+    (windows form as blocks arrive, and the Ray path's first rows come from its warm-up lane)."""
+    config = config_from_dict(
+        {
+            "datasets": [
+                {"name": "alpaca", "source": str(ALPACA), "template": "alpaca"},
+                {"name": "hh_chat", "source": str(HH_CHAT), "template": "chat"},
+            ],
+            "tokenizer": {"path": str(GPT2)},
+            "packing": {"seq_len": SEQ_LEN, "window_tokens": 1 << 16},
+            "train": {"epochs": 2},
+        },
+        base_dir=ROOT,
+    )
+    manifests = {runner: export(config, tmp_path / runner, runner=runner) for runner in RUNNERS}
+    assert {m["runner"]["name"] for m in manifests.values()} == set(RUNNERS)
+    timings = ("seconds", "cpu_seconds")  # the work's own time, not a count
+    counts = {
+        runner: {name: {k: v for k, v in d.items() if k not in timings} for name, d in ds.items()}
+        for runner, ds in ((r, m["datasets"]) for r, m in manifests.items())
+    }
+    assert counts["local"] == counts["ray"] and counts["ray"]["hh_chat"]["samples"] > 500
+    for epoch in (0, 1):
+        found = {r: exported_documents(_epoch(tmp_path / r, epoch)) for r in RUNNERS}
+        assert found["local"] == found["ray"] and found["ray"].total() == 700
+    efficiency = {runner: m["packed"]["efficiency"] for runner, m in manifests.items()}
+    assert efficiency["local"] >= efficiency["ray"] - 0.002, efficiency
+
+
+RUNNERS = ("local", "ray")

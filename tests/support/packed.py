@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 
 from rayjobs.data.rows import IGNORE_INDEX, assemble
@@ -44,3 +46,18 @@ def random_window(
         sample_labels[: rng.integers(0, len(ids))] = IGNORE_INDEX
         labels.append(sample_labels)
     return input_ids, labels
+
+
+def exported_documents(table) -> Counter:
+    """The documents of an export's packed rows (a Parquet table), counted: each as its tokens
+    and labels (a document: a run of one ``document_ids`` value; padding left out)."""
+    found: Counter = Counter()
+    columns = ("input_ids", "labels", "document_ids", "num_tokens")
+    for ids, labels, documents, tokens in zip(
+        *(table.column(name).to_pylist() for name in columns), strict=True
+    ):
+        ids, labels, documents = (np.array(v[:tokens]) for v in (ids, labels, documents))
+        cuts = [0, *(np.flatnonzero(np.diff(documents)) + 1).tolist(), tokens]
+        for start, end in zip(cuts[:-1], cuts[1:], strict=True):
+            found[ids[start:end].tobytes() + labels[start:end].tobytes()] += 1
+    return found

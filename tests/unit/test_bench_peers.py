@@ -128,7 +128,7 @@ def test_the_table_states_ratios_and_the_token_check():
     assert lines[3].split()[:4] == ["1x", "trl", "15.0", "-"]  # the median of the repeats
     assert "1x rayjobs / trl: wall 2.00x (each repeat: 1.50x, 3.00x)" in table
     assert "exit 1.94x, CPU 1.00x, peak memory 1.00x, efficiency +1.00 points" in table
-    assert "token totals: identical on both paths at every scale" in table
+    assert "token totals: identical on every path at every scale" in table
     assert "1x trl #1: load 8.0 -> 9.0, steal 1.0%; 0 processes, CPU s 3.0" in table
     runs[1].tokens = 99
     assert "token totals differ, so the paths did not pack the same samples: 1x: rayjobs " \
