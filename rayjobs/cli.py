@@ -12,7 +12,8 @@ rayjobs bench packing [--data NAME|FILE ...] [--data-dir DIR] [--seq-len N ...] 
 rayjobs bench pipeline [--scales N ...] [--window-tokens N] [--tokenize-actors N] [--pace F]
                        [--weights W W] [--data-dir DIR] [--json OUT]
                                                        (pipeline needs pip install -e '.[bench]')
-rayjobs bench peers [--scales N ...] [--num-proc N] [--repeats N] [--data-dir DIR] [--json OUT]
+rayjobs bench peers [--scales N ...] [--num-proc N] [--repeats N] [--paths P ...]
+                    [--data-dir DIR] [--json OUT]
                                         (rayjobs export beside TRL's path; needs '.[bench]')
 rayjobs bench read [--size-mb N] [--json OUT]       (peak memory of a read task; needs '.[bench]')
 rayjobs bench attention [--seq-len N ...] [--mean-length L] [--json OUT]        (needs a CUDA GPU)
