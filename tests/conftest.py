@@ -27,6 +27,22 @@ DEMO_TOKENIZER = {
 """The demo's tokenizer section (configs/demo.yaml): a 4,096-token BPE, so a training step costs
 little on a CPU, where GPT-2's 50,257-way projection costs seconds."""
 
+
+def alpaca_and_chat(seq_len: int, epochs: int = 1, **patch) -> dict:
+    """A config mapping of the bundled alpaca and hh chat sets, GPT-2, ``seq_len``, ``epochs``;
+    ``patch``: top-level sections replaced."""
+    config = {
+        "datasets": [
+            {"name": "alpaca", "source": str(ALPACA), "template": "alpaca"},
+            {"name": "hh_chat", "source": str(HH_CHAT), "template": "chat"},
+        ],
+        "tokenizer": {"path": str(GPT2)},
+        "packing": {"seq_len": seq_len},
+        "train": {"epochs": epochs},
+    }
+    return config | patch
+
+
 TIERS = {"ray": "ray", "e2e": "e2e", "gpu": "gpu"}
 """Test folder → the marker each of its tests gets (tests/unit's get none)."""
 RAY_FIXTURES = ("ray_local", "ray_head")

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import ALPACA, GPT2, HH_CHAT, ROOT
+from conftest import ALPACA, GPT2, HH_CHAT, ROOT, alpaca_and_chat
 from rayjobs.config import ConfigError, config_from_dict
 from rayjobs.job.export import export, prepare_out
 from rayjobs.job.manifest import MANIFEST, require_finished
@@ -283,18 +283,8 @@ def test_the_local_runner_packs_the_same_documents_as_the_ray_path(ray_local, tm
     several windows): the same counts per dataset and, every epoch, the same documents (each
     sample's tokens and labels) packed, each once; only the rows they are packed into differ
     (windows form as blocks arrive, and the Ray path's first rows come from its warm-up lane)."""
-    config = config_from_dict(
-        {
-            "datasets": [
-                {"name": "alpaca", "source": str(ALPACA), "template": "alpaca"},
-                {"name": "hh_chat", "source": str(HH_CHAT), "template": "chat"},
-            ],
-            "tokenizer": {"path": str(GPT2)},
-            "packing": {"seq_len": SEQ_LEN, "window_tokens": 1 << 16},
-            "train": {"epochs": 2},
-        },
-        base_dir=ROOT,
-    )
+    packing = {"seq_len": SEQ_LEN, "window_tokens": 1 << 16}
+    config = config_from_dict(alpaca_and_chat(SEQ_LEN, 2, packing=packing), base_dir=ROOT)
     manifests = {runner: export(config, tmp_path / runner, runner=runner) for runner in RUNNERS}
     assert {m["runner"]["name"] for m in manifests.values()} == set(RUNNERS)
     timings = ("seconds", "cpu_seconds")  # the work's own time, not a count

@@ -11,7 +11,7 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import ALPACA, GPT2, GPTEACHER, HH_CHAT, ROOT
+from conftest import ALPACA, GPTEACHER, HH_CHAT, ROOT, alpaca_and_chat
 from rayjobs.config import ConfigError, config_from_dict
 from rayjobs.data.tasks import TASKS
 from rayjobs.errors import DataError
@@ -24,17 +24,9 @@ SEQ_LEN = 512
 
 
 def _config(**patch) -> dict:
-    config = {
-        "datasets": [
-            {"name": "alpaca", "source": str(ALPACA), "template": "alpaca"},
-            {"name": "hh_chat", "source": str(HH_CHAT), "template": "chat"},
-        ],
-        "tokenizer": {"path": str(GPT2)},
-        # windows of 64 K tokens: several per epoch, so windows and the mix are exercised
-        "packing": {"seq_len": SEQ_LEN, "window_tokens": 1 << 16},
-        "train": {"epochs": 2},
-    }
-    return config | patch
+    # windows of 64 K tokens: several per epoch, so windows and the mix are exercised
+    packing = {"packing": {"seq_len": SEQ_LEN, "window_tokens": 1 << 16}}
+    return alpaca_and_chat(SEQ_LEN, epochs=2, **(packing | patch))
 
 
 def _export(tmp_path, name="out", **patch):
