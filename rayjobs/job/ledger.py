@@ -54,7 +54,10 @@ class Ledger(Tally):
         """``datasets``: the config's dataset names; every counter of each, and the pack
         counters, are exported at 0 from here on, before any batch (``_init_counter``).
         ``rereads``: see ``Tally``."""
-        super().__init__(rereads)
+        # Tally's methods named, not super(): a subclass of this class defined elsewhere (pickled
+        # by value, its bases by name) gets Ray's actor class for ``Ledger`` in the worker,
+        # which is no instance of this one, so a zero-argument super() fails there.
+        Tally.__init__(self, rereads)
         self._run = run_name
         self._series = _series(name for name in METRICS if not name.startswith("rayjobs_train_"))
         self._counters = {name: self._series[f"rayjobs_{name}"] for name in _TOKENIZE_COUNTERS}
@@ -91,7 +94,7 @@ class Ledger(Tally):
     ) -> bool:
         """``Tally.add_tokenize``, and the counts and ``lengths`` (the ``rayjobs_sample_tokens``
         histogram) exported, once per batch like the counts."""
-        if not super().add_tokenize(by_dataset, key):
+        if not Tally.add_tokenize(self, by_dataset, key):
             return False
         for dataset, values in (lengths or {}).items():
             tags = {"run": self._run, "dataset": dataset}
@@ -115,7 +118,7 @@ class Ledger(Tally):
     ) -> bool:
         """``Tally.add_pack``, and the counts and ``samples_per_pack`` (the
         ``rayjobs_samples_per_pack`` histogram) exported."""
-        if not super().add_pack(epoch, counts, key):
+        if not Tally.add_pack(self, epoch, counts, key):
             return False
         tags = {"run": self._run}
         for value in samples_per_pack or ():
