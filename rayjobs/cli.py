@@ -181,6 +181,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--repeats", type=int, help="peers: runs of each path per scale")
     bench.add_argument(
+        "--paths", nargs="+", help="peers: which of rayjobs, rayjobs-ray, trl (default: all)"
+    )
+    bench.add_argument(
         "--data",
         nargs="*",
         metavar="NAME",

@@ -16,7 +16,7 @@ BENCH_OPTIONS = {
         "json",
         "weights",
     ),  # fmt: skip
-    "peers": ("scales", "num_proc", "repeats", "data_dir", "json"),
+    "peers": ("scales", "num_proc", "repeats", "paths", "data_dir", "json"),
     "read": ("size_mb", "json"),
     "attention": ("seq_len", "mean_length", "json"),
 }
@@ -98,6 +98,7 @@ def bench_command(args: argparse.Namespace) -> int:
             ("--json", args.json),
         ):
             argv += [flag, str(value)] if value is not None else []
+        argv += ["--paths", *args.paths] if args.paths else []
         return bench_peers.main(argv)
     from pathlib import Path
 
