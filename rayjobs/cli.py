@@ -4,7 +4,7 @@ rayjobs run CONFIG [dotted.key=value ...] [--address ADDR] [--json] [--resume [R
 rayjobs export CONFIG [dotted.key=value ...] --out DIR [--epochs N] [--overwrite]
                [--labels hf|shifted] [--runner auto|local|ray] [--address ADDR] [--quiet]
 rayjobs inspect CONFIG [dotted.key=value ...] [--limit N] [--json] [--plot OUT.png] [--address ADDR]
-                [--quiet]                            (--plot needs pip install -e '.[plot]')
+                [--runner auto|local|ray] [--quiet]  (--plot needs pip install -e '.[plot]')
 rayjobs validate CONFIG [dotted.key=value ...] [--rows N]        (no Ray: config, files, first rows)
 rayjobs init [DIR]                       (writes the example configs and their data to DIR)
 rayjobs bench packing [--data NAME|FILE ...] [--data-dir DIR] [--seq-len N ...] [--window N]
@@ -109,15 +109,16 @@ def _parser() -> argparse.ArgumentParser:
         "or shifted (labels[t] the target of position t, as rayjobs trains); manifest.json and "
         "each Parquet file's metadata say which",
     )
-    export.add_argument(
-        "--runner",
-        choices=["auto", "local", "ray"],
-        default="auto",
-        help="where the data path runs: ray (the cluster named by ray.address or RAY_ADDRESS, "
-        "else an embedded local Ray), local (this process, no Ray; file datasets), or auto "
-        "(default: local for a small export with no cluster named, else ray); manifest.json "
-        "says which and why",
-    )
+    for command in (export, inspect):
+        command.add_argument(
+            "--runner",
+            choices=["auto", "local", "ray"],
+            default="auto",
+            help="where the data path runs: ray (the cluster named by ray.address or "
+            "RAY_ADDRESS, else an embedded local Ray), local (this process, no Ray; file "
+            "datasets, stream mode), or auto (default: local for a small job with no cluster "
+            "named, else ray); the manifest or report says which and why",
+        )
     inspect.add_argument(
         "--limit",
         type=int,
@@ -379,7 +380,7 @@ def _inspect(args: argparse.Namespace, config: Any) -> int:
     owns_ray = not ray.is_initialized()
     with console.ray_output_to_stderr():
         console.no_ray_data_progress_bars()
-        report = inspect(config, limit=args.limit, plot_path=args.plot)
+        report = inspect(config, limit=args.limit, plot_path=args.plot, runner=args.runner)
         if owns_ray:  # Ray's last lines (raylet warnings, log dedup) come out before the report
             ray.shutdown()
     print(format_report(report))

@@ -31,8 +31,8 @@ from rayjobs.data.estimate import Estimate, estimate
 from rayjobs.data.formats import HF
 from rayjobs.data.mix import MIX_MARGIN, budgets, epoch_fractions, sized
 from rayjobs.data.packer import PackStream, window_rows
-from rayjobs.data.reads import PassRead, pass_reads, passes
-from rayjobs.data.sources import read_files
+from rayjobs.data.reads import pass_reads, passes
+from rayjobs.data.sources import FileRead, read_files
 from rayjobs.data.stream import (
     MIN_MIX_BLOCK_ROWS,
     MIX_BLOCKS,
@@ -103,9 +103,9 @@ def packed_rows(
 
 
 def _read(
-    spec: DatasetConfig, reads: list[PassRead], estimates: dict[str, Estimate]
+    spec: DatasetConfig, reads: list[FileRead], estimates: dict[str, Estimate] | None
 ) -> Iterator[pa.Table]:
-    """One dataset's raw rows of one epoch, as its read tasks would emit them."""
+    """One dataset's raw rows of ``reads``, as its read tasks would emit them."""
     options = {
         "format": spec.format,
         "dataset": spec.name,
@@ -115,7 +115,7 @@ def _read(
         "chunk_bytes": None,
         "storage": spec.storage,
     }
-    return read_files(reads, options, estimates[spec.name].file_sizes)
+    return read_files(reads, options, estimates[spec.name].file_sizes if estimates else None)
 
 
 def _blocks(tables: Iterable[pa.Table], rows: int) -> Iterator[pa.Table]:
@@ -157,3 +157,13 @@ def _windows(
     """Each ``window`` samples packed in one ``PackStream`` call, then what is left."""
     for batch in _blocks((table for table in samples if table.num_rows), window):
         yield pack(batch)
+
+
+def tokenized(config: Config) -> Iterator[pa.Table]:
+    """Every dataset read once, whole, in file order, and tokenized, counted by no one: the
+    samples ``inspect`` takes its lengths from (``pipeline.tokenize``'s twin)."""
+    tokenize = Tokenize(**tokenize_kwargs(config))
+    for spec in config.datasets:
+        reads = [FileRead(path) for path in spec.files]
+        for batch in _blocks(_read(spec, reads, None), TOKENIZE_BATCH_ROWS):
+            yield tokenize(batch)

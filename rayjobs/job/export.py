@@ -234,8 +234,9 @@ cluster is named, else ``ray``."""
 
 LOCAL_MAX_TOKENS = 1 << 25
 """The most tokens (every epoch's, estimated from the datasets' heads) ``--runner auto`` exports
-in this process: about ten seconds of one core's tokenizing (``rayjobs bench peers``). Beyond
-that, more cores do more: Ray's start-up, a fixed cost, is paid back."""
+in this process: about a minute of one core, about where the Ray path on a 2-core machine
+catches up (``rayjobs bench peers`` measures both). Beyond that, more cores and nodes do more:
+Ray's start-up, a fixed cost, is paid back."""
 
 
 def choose_runner(config: Config, runner: str = "auto") -> tuple[str, str, dict | None]:
@@ -397,13 +398,11 @@ def _write_eval(
 ) -> dict[str, Any]:
     """The packed ``eval.datasets`` under ``folder`` (made even when no row is packed, so the
     manifest's path exists) and their counts."""
-    from rayjobs.job.pipeline import eval_accounting, eval_config, eval_rows
+    from rayjobs.job.pipeline import eval_accounting, eval_rows
 
-    if isinstance(job.ledger, Tally):  # the local runner: its own Tally, as eval_rows' ledger
-        tally = Tally()
+    if isinstance(job.ledger, Tally):  # the local runner
         fs.create_dir(folder)
-        decided = backends.decided(config, job.config.tokenizer.backend)
-        windows = local.packed_rows(eval_config(decided), job.tokenizer.pad_id, tally)
+        windows, tally = local_eval_rows(config, job)
         _write_parts(fs, folder, windows, labels, partitioned=False)
         return {"path": EVAL, **eval_accounting(tally)}
     rows, ledger = eval_rows(config, job)
@@ -416,3 +415,13 @@ def _write_eval(
     finally:
         ray.kill(ledger)
     return {"path": EVAL, **counts}
+
+
+def local_eval_rows(config: Config, job: Any) -> tuple[Any, Tally]:
+    """``pipeline.eval_rows`` for the local runner: the packed ``eval.datasets`` a window at a
+    time (lazy) and their own ``Tally``."""
+    from rayjobs.job.pipeline import eval_config
+
+    tally = Tally()
+    decided = backends.decided(config, job.config.tokenizer.backend)  # as the job's
+    return local.packed_rows(eval_config(decided), job.tokenizer.pad_id, tally), tally

@@ -9,6 +9,7 @@ more read of every dataset through the job's reader and Tokenize stage (no ledge
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,9 @@ import numpy as np
 import pyarrow as pa
 
 from rayjobs.config import Config
+from rayjobs.data import local
+from rayjobs.data.estimate import progress
+from rayjobs.data.tally import Tally
 from rayjobs.errors import AccountingError
 from rayjobs.job.limit import limit_config
 from rayjobs.job.report import (
@@ -35,37 +39,55 @@ from rayjobs.job.report import (
 
 
 def inspect(
-    config: Config, limit: int | None = None, plot_path: str | Path | None = None
+    config: Config,
+    limit: int | None = None,
+    plot_path: str | Path | None = None,
+    runner: str = "auto",
 ) -> dict[str, Any]:
-    """Run the config's data side (all epochs, as ``export``), and return the report (module
-    note); with ``plot_path``, also write the PNG there."""
+    """Run the config's data side (all epochs, as ``export``, by the runner ``export`` would
+    take: ``export.choose_runner``), and return the report (module note); with ``plot_path``,
+    also write the PNG there."""
     if plot_path is not None:
         require_matplotlib()
     with tempfile.TemporaryDirectory(prefix="rayjobs-inspect-") as folder:
         if limit is not None:
             config = limit_config(config, limit, folder)
-        return _inspect(config, limit, plot_path)
+        return _inspect(config, limit, plot_path, runner)
 
 
-def _inspect(config: Config, limit: int | None, plot_path: str | Path | None) -> dict[str, Any]:
-    from rayjobs.job.pipeline import start_job
+def _inspect(
+    config: Config, limit: int | None, plot_path: str | Path | None, runner: str
+) -> dict[str, Any]:
+    from rayjobs.job.export import choose_runner
+    from rayjobs.job.pipeline import load_tokenizer, start_job
 
-    job = start_job(config, prefix="inspect")
+    tokenizer = load_tokenizer(config)  # a bad tokenizer is refused before anything else
+    runner, reason, estimates = choose_runner(config, runner)
+    progress.info("data: the %s runner (%s)", runner, reason)
+    job = start_job(config, prefix="inspect", tokenizer=tokenizer, local=runner == "local")
     try:
-        return _report(config, job, limit, plot_path)
+        report = _report(config, job, limit, plot_path, estimates)
     finally:
         job.close()
+    return {**report, "runner": {"name": runner, "reason": reason}}
 
 
 def _report(
-    config: Config, job: Any, limit: int | None, plot_path: str | Path | None
+    config: Config,
+    job: Any,
+    limit: int | None,
+    plot_path: str | Path | None,
+    estimates: dict | None = None,
 ) -> dict[str, Any]:
     """``inspect`` once its job is set up: the rows read back, the report, the plot."""
-    if job.rows is not None:
-        parts = [(job.rows, 0)]
+    if isinstance(job.ledger, Tally):  # the local runner: its windows, reduced as they come
+        windows = local.packed_rows(job.config, job.tokenizer.pad_id, job.ledger, estimates)
+        reduced = (row_stats(rows) for rows in windows)
+    elif job.rows is not None:
+        reduced = _reduced([(job.rows, 0)])
     else:
-        parts = [(job.epochs.packed(e), e) for e in range(config.train.epochs)]
-    num_tokens, num_documents, candidate = _read_rows(parts)
+        reduced = _reduced([(job.epochs.packed(e), e) for e in range(config.train.epochs)])
+    num_tokens, num_documents, candidate = _read_rows(reduced)
     summary = job.accounting()
     packs = job.snapshot()["pack"]
     packed = summary["packed"]
@@ -131,31 +153,36 @@ def _report(
     return report
 
 
-def _read_rows(
-    parts: list[tuple[Any, int]],
-) -> tuple[np.ndarray, np.ndarray, dict[str, Any] | None]:
-    """Every packed row of ``parts`` (datasets of rows, each with its epoch), reduced by
-    ``row_stats``: (tokens per row, documents per row, the preview row: the first seen with the
-    most documents, or None without rows)."""
-    tokens, documents = [], []
-    candidate = None
+def _reduced(parts: list[tuple[Any, int]]) -> Iterator[pa.Table]:
+    """The packed rows of ``parts`` (Ray datasets of rows, each with its epoch), reduced by
+    ``row_stats`` where they are."""
     for rows, epoch in parts:
         reduced = rows.map_batches(row_stats, batch_format="numpy", fn_kwargs={"epoch": epoch})
-        for batch in reduced.iter_batches(batch_format="pyarrow", batch_size=None):
-            counts = batch.column("num_documents").to_numpy()
-            tokens.append(batch.column("num_tokens").to_numpy())
-            documents.append(counts)
-            if not len(counts):
-                continue
-            best = int(np.argmax(counts))
-            if candidate is None or counts[best] > candidate["num_documents"]:
-                candidate = {
-                    name: np.asarray(batch.column(name)[best].values, dtype=np.int32)
-                    for name in (*PREVIEW_COLUMNS, "response_role")
-                    if name in batch.column_names
-                }
-                for name in ("num_tokens", "num_documents", "epoch"):
-                    candidate[name] = int(batch.column(name)[best].as_py())
+        yield from reduced.iter_batches(batch_format="pyarrow", batch_size=None)
+
+
+def _read_rows(
+    reduced: Iterable[pa.Table],
+) -> tuple[np.ndarray, np.ndarray, dict[str, Any] | None]:
+    """Every packed row, reduced by ``row_stats``: (tokens per row, documents per row, the
+    preview row: the first seen with the most documents, or None without rows)."""
+    tokens, documents = [], []
+    candidate = None
+    for batch in reduced:
+        counts = batch.column("num_documents").to_numpy()
+        tokens.append(batch.column("num_tokens").to_numpy())
+        documents.append(counts)
+        if not len(counts):
+            continue
+        best = int(np.argmax(counts))
+        if candidate is None or counts[best] > candidate["num_documents"]:
+            candidate = {
+                name: np.asarray(batch.column(name)[best].values, dtype=np.int32)
+                for name in (*PREVIEW_COLUMNS, "response_role")
+                if name in batch.column_names
+            }
+            for name in ("num_tokens", "num_documents", "epoch"):
+                candidate[name] = int(batch.column(name)[best].as_py())
     if not tokens:
         return np.empty(0, np.int64), np.empty(0, np.int64), None
     return np.concatenate(tokens).astype(np.int64), np.concatenate(documents), candidate
@@ -167,14 +194,20 @@ def _eval_report(config: Config, job: Any) -> dict[str, Any]:
     per pack and fill, from the rows read back."""
     import ray
 
+    from rayjobs.job.export import local_eval_rows
     from rayjobs.job.pipeline import eval_accounting, eval_rows
 
-    rows, ledger = eval_rows(config, job)
-    try:
-        num_tokens, num_documents, _ = _read_rows([(rows, 0)])
-        counts = eval_accounting(ledger)
-    finally:
-        ray.kill(ledger)
+    if isinstance(job.ledger, Tally):  # the local runner
+        windows, tally = local_eval_rows(config, job)
+        num_tokens, num_documents, _ = _read_rows(row_stats(rows) for rows in windows)
+        counts = eval_accounting(tally)
+    else:
+        rows, ledger = eval_rows(config, job)
+        try:
+            num_tokens, num_documents, _ = _read_rows(_reduced([(rows, 0)]))
+            counts = eval_accounting(ledger)
+        finally:
+            ray.kill(ledger)
     packed = counts["packed"]
     if (len(num_tokens), int(num_tokens.sum())) != (packed["num_packs"], packed["num_tokens"]):
         raise AccountingError(
@@ -212,17 +245,20 @@ def _samples(
 ) -> tuple[dict[str, np.ndarray], dict[int, list[str]]]:
     """Each dataset's sample lengths (each sample once, module note) and, for each (digest,
     length) in ``wanted``, the datasets holding a sample with that digest."""
-    if job.epochs is not None:
-        tokenized = job.epochs.tokenized  # planned mode: the job's own tokenization
+    if isinstance(job.ledger, Tally):  # the local runner: its reader and Tokenize, here
+        stats = (sample_stats(table, wanted) for table in local.tokenized(job.config))
     else:
-        from rayjobs.job.pipeline import tokenize
+        if job.epochs is not None:
+            tokenized = job.epochs.tokenized  # planned mode: the job's own tokenization
+        else:
+            from rayjobs.job.pipeline import tokenize
 
-        tokenized = tokenize(job.config)  # the job's reader and Tokenize stage, no ledger
-    stats = tokenized.map_batches(
-        sample_stats, batch_format="pyarrow", fn_kwargs={"wanted": wanted}
-    )
+            tokenized = tokenize(job.config)  # the job's reader and Tokenize stage, no ledger
+        stats = tokenized.map_batches(
+            sample_stats, batch_format="pyarrow", fn_kwargs={"wanted": wanted}
+        ).iter_batches(batch_format="pyarrow", batch_size=None)
     sources, lengths, matches = [], [], []
-    for batch in stats.iter_batches(batch_format="pyarrow", batch_size=None):
+    for batch in stats:
         sources.append(batch.column("source").to_numpy(zero_copy_only=False))
         lengths.append(batch.column("num_tokens").to_numpy())
         matches.append(batch.column("match").to_numpy())

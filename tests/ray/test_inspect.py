@@ -475,13 +475,14 @@ def test_overrides_reach_inspect(monkeypatch):
 
     seen = {}
 
-    def fake_inspect(config, limit=None, plot_path=None):
-        seen.update(config=config, limit=limit)
+    def fake_inspect(config, limit=None, plot_path=None, runner="auto"):
+        seen.update(config=config, limit=limit, runner=runner)
         raise SystemExit(0)
 
     monkeypatch.setattr("rayjobs.job.inspection.inspect", fake_inspect)
+    argv = ["--limit", "7", "train.epochs=1", "--runner", "local"]
     with pytest.raises(SystemExit):
-        main(["inspect", str(ROOT / "configs" / "demo.yaml"), "--limit", "7", "train.epochs=1"])
-    assert seen["limit"] == 7 and seen["config"].train.epochs == 1
+        main(["inspect", str(ROOT / "configs" / "demo.yaml"), *argv])
+    assert seen["limit"] == 7 and seen["config"].train.epochs == 1 and seen["runner"] == "local"
     expected = load_config(ROOT / "configs" / "demo.yaml", ["train.epochs=1"])
     assert seen["config"] == expected

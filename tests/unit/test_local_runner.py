@@ -198,3 +198,30 @@ def test_every_shipped_config_exports_with_the_local_runner(tmp_path, name):
         assert held_out.num_rows == manifest["eval"]["packed"]["num_packs"] > 0
     if config.task == "dpo":
         assert {"parent_ids", "response_role"} <= set(table.column_names)
+
+
+def test_inspect_by_the_local_runner_reports_what_its_export_writes(tmp_path):
+    """``rayjobs inspect --runner local`` on a config with eval sets: the figures of the export
+    of the same config (the local runner is deterministic, so they are equal, not close), each
+    dataset's sample lengths from one more read, a preview row, and no Ray."""
+    import ray
+
+    from rayjobs.config import load_config
+    from rayjobs.job.inspection import inspect
+
+    config = load_config(ROOT / "configs" / "tiny_llama.yaml", ["train.epochs=1"])
+    report = inspect(config, runner="local")
+    manifest = export(config, tmp_path / "out", runner="local")
+    assert report["runner"]["name"] == "local" and not ray.is_initialized()
+    timers = ("seconds", "cpu_seconds")
+    for name, counts in manifest["datasets"].items():
+        shown = {k: v for k, v in report["datasets"][name].items() if k in counts}
+        assert {k: v for k, v in shown.items() if k not in timers} == {
+            k: v for k, v in counts.items() if k not in timers
+        }, name
+        assert report["datasets"][name]["length"]["samples"] == counts["samples"] > 100
+    assert {k: report["packed"][k] for k in manifest["packed"]} == manifest["packed"]
+    assert report["eval"]["packed"]["num_packs"] == manifest["eval"]["packed"]["num_packs"] > 0
+    assert report["preview"] is not None and report["packed"]["fill"]["mean"] == pytest.approx(
+        manifest["packed"]["efficiency"]
+    )
