@@ -64,7 +64,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(getattr(pytest.mark, TIERS[tier]))
         elif tier == "unit" and set(RAY_FIXTURES) & set(getattr(item, "fixturenames", ())):
             raise pytest.UsageError(f"{item.nodeid} uses Ray: move it to tests/ray or tests/e2e")
+        item.add_marker(pytest.mark.xdist_group(_group(item)))
     items.sort(key=_order)
+
+
+CLUSTER_GROUP = "ray-and-after"
+"""The pytest-xdist group of every test outside tests/unit: one worker runs them all, in
+``ORDER``, so one Ray runs at a time (two, each starting under the other's load, timed out);
+each unit module is a group of its own, run by the other worker meanwhile."""
+
+
+def _group(item) -> str:
+    tier = item.path.parent.name
+    return f"unit-{item.path.stem}" if tier == "unit" else CLUSTER_GROUP
 
 
 ORDER = ("unit", "ray", "e2e", "gpu")
