@@ -52,6 +52,7 @@ WORKER_PATH = [ROOT, ROOT / "tests", *(ROOT / "tests" / tier for tier in ("unit"
 and classes (train loops, callbacks, stage subclasses) they run."""
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (xdist_group)
 def pytest_collection_modifyitems(config, items):
     """Mark each test with its folder's tier; a test in tests/unit that asks for a Ray fixture is
     an error (the unit tier runs without Ray). The tiers run in ``ORDER``, then the tests on the
