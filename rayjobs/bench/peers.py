@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import os
 import shutil
@@ -58,7 +59,9 @@ from typing import Any
 
 from rayjobs.bench.pipeline import LABEL_SWEEPS, _Memory, cpu_ticks, process_label, steal_between
 
-PATHS = ("rayjobs", "rayjobs-ray", "trl")
+RAYJOBS_PATHS = ("rayjobs", "rayjobs-ray")
+"""rayjobs' paths: the default export (``--runner auto``) and its Ray runner."""
+PATHS = (*RAYJOBS_PATHS, "trl")
 SEQ_LEN = 2048
 SAMPLE_S = 0.5
 """Seconds between the sampler's sweeps over the process tree."""
@@ -277,7 +280,7 @@ def path_command(path: str, work: Path, folders: dict[str, Path], tokenizer: Pat
                  num_proc: int) -> tuple[list[str], Path]:  # fmt: skip
     """The command of one path and the folder it writes its Parquet files under."""
     out = work / f"{path}-out"
-    if path in ("rayjobs", "rayjobs-ray"):
+    if path in RAYJOBS_PATHS:
         import yaml
 
         config = work / "export.yaml"
@@ -368,7 +371,7 @@ def format_table(runs: list[PeerRun]) -> str:
             f"{_median(group, 'efficiency'):>11.4f}{group[0].rows:>7}{group[0].tokens:>12,}"
         )
     lines.append("")
-    for scale, name in ((s, n) for s in dict.fromkeys(r.scale for r in runs) for n in PATHS[:2]):
+    for scale, name in itertools.product(dict.fromkeys(r.scale for r in runs), RAYJOBS_PATHS):
         ours, theirs = groups.get((scale, name)), groups.get((scale, "trl"))
         if not ours or not theirs:
             continue

@@ -32,7 +32,7 @@ from rayjobs.data.formats import HF
 from rayjobs.data.mix import MIX_MARGIN, budgets, epoch_fractions, sized
 from rayjobs.data.packer import PackStream, window_rows
 from rayjobs.data.reads import pass_reads, passes
-from rayjobs.data.sources import FileRead, read_files
+from rayjobs.data.sources import FileRead, read_files, read_options
 from rayjobs.data.stream import (
     MIN_MIX_BLOCK_ROWS,
     MIX_BLOCKS,
@@ -106,16 +106,8 @@ def _read(
     spec: DatasetConfig, reads: list[FileRead], estimates: dict[str, Estimate] | None
 ) -> Iterator[pa.Table]:
     """One dataset's raw rows of ``reads``, as its read tasks would emit them."""
-    options = {
-        "format": spec.format,
-        "dataset": spec.name,
-        "text_split": spec.text_split,
-        "binary": spec.binary,
-        "on_bad_row": spec.on_bad_row,
-        "chunk_bytes": None,
-        "storage": spec.storage,
-    }
-    return read_files(reads, options, estimates[spec.name].file_sizes if estimates else None)
+    sizes = estimates[spec.name].file_sizes if estimates else None
+    return read_files(reads, read_options(spec), sizes)
 
 
 def _blocks(tables: Iterable[pa.Table], rows: int) -> Iterator[pa.Table]:

@@ -329,18 +329,22 @@ def read_file_list(
 ) -> ray.data.Dataset:
     """The rows ``reads`` keep of a file-based dataset's files, as one Ray Data read
     (``sizes``: see ``RowFileDatasource``)."""
-    datasource = RowFileDatasource(
-        reads,
-        format=spec.format,
-        dataset=spec.name,
-        text_split=spec.text_split,
-        binary=spec.binary,
-        on_bad_row=spec.on_bad_row,
-        chunk_bytes=chunk_bytes,
-        sizes=sizes,
-        storage=spec.storage,
-    )
+    datasource = RowFileDatasource(reads, **read_options(spec, chunk_bytes), sizes=sizes)
     return ray.data.read_datasource(datasource, label_selector=label_selector or None)
+
+
+def read_options(spec: DatasetConfig, chunk_bytes: int | None = None) -> dict[str, Any]:
+    """How a dataset's files are read: ``RowFileDatasource``'s settings, and the ``options`` of
+    ``read_files`` (which the local runner calls in-process)."""
+    return {
+        "format": spec.format,
+        "dataset": spec.name,
+        "text_split": spec.text_split,
+        "binary": spec.binary,
+        "on_bad_row": spec.on_bad_row,
+        "chunk_bytes": chunk_bytes,
+        "storage": spec.storage,
+    }
 
 
 def load_huggingface(spec: DatasetConfig) -> Any:

@@ -272,6 +272,22 @@ def choose_runner(config: Config, runner: str = "auto") -> tuple[str, str, dict 
     return "local", f"no Ray cluster named, {about}", estimates
 
 
+def start_data_job(
+    config: Config, prefix: str, runner: str = "auto"
+) -> tuple[Any, dict[str, str], dict | None]:
+    """``export``'s and ``inspect``'s start: the tokenizer loaded (a bad one is refused before
+    anything else), the runner chosen (``choose_runner``) and said, the job started on it.
+    Returns the job, the runner as the manifest and the report name it (``name``, ``reason``),
+    and the datasets' estimates where choosing needed them."""
+    from rayjobs.job.pipeline import load_tokenizer, start_job
+
+    tokenizer = load_tokenizer(config)
+    runner, reason, estimates = choose_runner(config, runner)
+    progress.info("data: the %s runner (%s)", runner, reason)
+    job = start_job(config, prefix=prefix, tokenizer=tokenizer, local=runner == "local")
+    return job, {"name": runner, "reason": reason}, estimates
+
+
 def export(
     config: Config,
     out: str | os.PathLike,
@@ -285,8 +301,6 @@ def export(
     empty; ``overwrite`` first empties an earlier export there (see module note). ``labels``:
     their convention (``rows.LABEL_CONVENTIONS``, module note). ``runner``: where the data path
     runs (``RUNNERS``)."""
-    from rayjobs.job.pipeline import load_tokenizer, start_job
-
     if epochs is not None and epochs < 1:  # before anything is emptied
         raise ConfigError(f"--epochs must be at least 1, got {epochs}")
     if labels not in LABEL_CONVENTIONS:
@@ -297,15 +311,10 @@ def export(
             update={"train": config.train.model_copy(update={"epochs": epochs})}
         )
     try:
-        tokenizer = load_tokenizer(config)  # a bad tokenizer is refused before anything else
-        runner, reason, estimates = choose_runner(config, runner)
-        progress.info("data: the %s runner (%s)", runner, reason)
-        job = start_job(config, prefix="export", tokenizer=tokenizer, local=runner == "local")
+        job, chosen, estimates = start_data_job(config, "export", runner)
         try:
-            if runner == "local":
-                _write_local(job, target.fs, target.writing, labels, estimates)
-            manifest = _write(config, job, target.fs, target.writing, labels)
-            manifest["runner"] = {"name": runner, "reason": reason}
+            manifest = _write(config, job, target.fs, target.writing, labels, estimates)
+            manifest["runner"] = chosen
             _write_manifest(target.fs, target.writing, manifest)
         finally:
             job.close()
@@ -318,11 +327,19 @@ def export(
     return manifest
 
 
-def _write(config: Config, job: Any, fs: pafs.FileSystem, out: str, labels: str) -> dict[str, Any]:
-    """``export`` once its job is set up: the Parquet files, then the manifest, written last."""
+def _write(
+    config: Config,
+    job: Any,
+    fs: pafs.FileSystem,
+    out: str,
+    labels: str,
+    estimates: dict | None = None,
+) -> dict[str, Any]:
+    """``export`` once its job is set up: the Parquet files, then the manifest (its caller
+    writes it, last). ``estimates``: the datasets', for the local runner, where chosen with them."""
     arrow = {"batch_format": "numpy", "fn_kwargs": {"labels": labels}}
-    if isinstance(job.ledger, Tally):  # the local runner's: written already (_write_local)
-        pass
+    if job.local:
+        _write_local(job, fs, out, labels, estimates)
     elif job.rows is not None:  # stream: one pass over every epoch, partitioned by epoch
         job.rows.map_batches(to_arrow, **arrow).write_parquet(
             out, filesystem=fs, partition_cols=["epoch"]
@@ -400,7 +417,7 @@ def _write_eval(
     manifest's path exists) and their counts."""
     from rayjobs.job.pipeline import eval_accounting, eval_rows
 
-    if isinstance(job.ledger, Tally):  # the local runner
+    if job.local:
         fs.create_dir(folder)
         windows, tally = local_eval_rows(config, job)
         _write_parts(fs, folder, windows, labels, partitioned=False)

@@ -18,8 +18,6 @@ import pyarrow as pa
 
 from rayjobs.config import Config
 from rayjobs.data import local
-from rayjobs.data.estimate import progress
-from rayjobs.data.tally import Tally
 from rayjobs.errors import AccountingError
 from rayjobs.job.limit import limit_config
 from rayjobs.job.report import (
@@ -58,18 +56,14 @@ def inspect(
 def _inspect(
     config: Config, limit: int | None, plot_path: str | Path | None, runner: str
 ) -> dict[str, Any]:
-    from rayjobs.job.export import choose_runner
-    from rayjobs.job.pipeline import load_tokenizer, start_job
+    from rayjobs.job.export import start_data_job
 
-    tokenizer = load_tokenizer(config)  # a bad tokenizer is refused before anything else
-    runner, reason, estimates = choose_runner(config, runner)
-    progress.info("data: the %s runner (%s)", runner, reason)
-    job = start_job(config, prefix="inspect", tokenizer=tokenizer, local=runner == "local")
+    job, chosen, estimates = start_data_job(config, "inspect", runner)
     try:
         report = _report(config, job, limit, plot_path, estimates)
     finally:
         job.close()
-    return {**report, "runner": {"name": runner, "reason": reason}}
+    return {**report, "runner": chosen}
 
 
 def _report(
@@ -80,7 +74,7 @@ def _report(
     estimates: dict | None = None,
 ) -> dict[str, Any]:
     """``inspect`` once its job is set up: the rows read back, the report, the plot."""
-    if isinstance(job.ledger, Tally):  # the local runner: its windows, reduced as they come
+    if job.local:  # the local runner: its windows, reduced as they come
         windows = local.packed_rows(job.config, job.tokenizer.pad_id, job.ledger, estimates)
         reduced = (row_stats(rows) for rows in windows)
     elif job.rows is not None:
@@ -197,7 +191,7 @@ def _eval_report(config: Config, job: Any) -> dict[str, Any]:
     from rayjobs.job.export import local_eval_rows
     from rayjobs.job.pipeline import eval_accounting, eval_rows
 
-    if isinstance(job.ledger, Tally):  # the local runner
+    if job.local:
         windows, tally = local_eval_rows(config, job)
         num_tokens, num_documents, _ = _read_rows(row_stats(rows) for rows in windows)
         counts = eval_accounting(tally)
@@ -245,7 +239,7 @@ def _samples(
 ) -> tuple[dict[str, np.ndarray], dict[int, list[str]]]:
     """Each dataset's sample lengths (each sample once, module note) and, for each (digest,
     length) in ``wanted``, the datasets holding a sample with that digest."""
-    if isinstance(job.ledger, Tally):  # the local runner: its reader and Tokenize, here
+    if job.local:  # the local runner: its reader and Tokenize, here
         stats = (sample_stats(table, wanted) for table in local.tokenized(job.config))
     else:
         if job.epochs is not None:

@@ -99,6 +99,12 @@ class Job:
     """The encoder ``tokenizer.backend`` came to (``backends.choose``) and why: the summary's
     ``tokenizer``."""
 
+    @property
+    def local(self) -> bool:
+        """Whether the local runner (``data.local``) packs this job's rows: its ledger is a
+        ``Tally`` in this process, not a ``Ledger`` actor."""
+        return isinstance(self.ledger, Tally)
+
     def snapshot(self) -> dict[str, Any]:
         return report(self.ledger, "snapshot")
 
@@ -107,7 +113,7 @@ class Job:
         jobs (a notebook, a service, a test session) would otherwise keep them, one per job."""
         if self.monitor is not None:
             self.monitor.stop()  # its last line, while the ledger still answers
-        if not isinstance(self.ledger, Tally):  # the local runner's counts live in this process
+        if not self.local:  # the local runner's counts live in this process
             ray.kill(self.ledger)
         if self.held_out is not None:
             ray.kill(self.held_out.ledger)
