@@ -175,10 +175,20 @@ class FileRead:
         return 1.0
 
 
+READ_TASK_BYTES = 8 << 20
+"""Bytes of files a read task reads, about (``_task_groups``): consecutive reads share a task up
+to this. Ray sizes read tasks by its ``target_min_block_size`` (1 MiB): a task per
+small file, each a few tens of milliseconds of parsing against a task's fixed costs (its
+scheduling, its share of the executor's rounds, a worker for each one running at once), and on
+2 cores those costs were most of the read stage: `rayjobs bench pipeline` streamed a third more
+tokens a second at 30x with tasks of 8 MiB (docs/benchmarks.md). A task still streams its rows
+block by block as it parses them."""
+
+
 class RowFileDatasource(Datasource):
     """A list of ``FileRead``s of one dataset's files → rows with ``_path``, ``_row`` and
-    ``_skip`` (see module note), in the list's order: a read task per read (fewer where Ray asks
-    for fewer, each then reading consecutive ones). ``chunk_bytes``: how much of a file a read
+    ``_skip`` (see module note), in the list's order: a read task per ``READ_TASK_BYTES`` of
+    consecutive reads (fewer where Ray asks for fewer). ``chunk_bytes``: how much of a file a read
     task parses at a time (default ``formats.CHUNK_BYTES``). ``sizes``: each file's bytes, where
     the caller has them already (else asked of its filesystem here); a read task checks that it
     read them all. ``storage``: the dataset's filesystem options (``files.StorageOptions``)."""
@@ -224,11 +234,8 @@ class RowFileDatasource(Datasource):
     ) -> list[ReadTask]:
         if not self.reads:
             return []
-        groups = np.array_split(
-            np.arange(len(self.reads)), min(max(1, parallelism), len(self.reads))
-        )
         tasks = []
-        for group in groups:
+        for group in _task_groups([self._bytes([read]) for read in self.reads], parallelism):
             reads = [self.reads[i] for i in group]
             metadata = BlockMetadata(
                 num_rows=None,
@@ -240,6 +247,33 @@ class RowFileDatasource(Datasource):
             read = functools.partial(read_files, reads, self.options, sizes)
             tasks.append(ReadTask(read, metadata, per_task_row_limit=per_task_row_limit))
         return tasks
+
+
+def _task_groups(sizes: Sequence[int], parallelism: int) -> list[list[int]]:
+    """Consecutive reads (their ``sizes`` in bytes) grouped into read tasks: about one per
+    ``READ_TASK_BYTES`` in all (at most ``parallelism``, never an empty one), a read joining the
+    open task unless that takes it further past its share of the bytes than it stays short.
+
+    >>> _task_groups([4 << 20] * 6, 200)
+    [[0, 1], [2, 3], [4, 5]]
+    >>> _task_groups([4 << 20] * 6, 2)
+    [[0, 1, 2], [3, 4, 5]]
+    >>> _task_groups([1 << 20, 30 << 20, 1 << 20], 200)
+    [[0], [1], [2]]
+    >>> _task_groups([30 << 20, 1 << 20, 1 << 20, 1 << 20, 1 << 20], 200)
+    [[0], [1, 2, 3, 4]]
+    """
+    total = sum(sizes)
+    count = min(max(1, parallelism), len(sizes), max(1, -(-total // READ_TASK_BYTES)))
+    groups: list[list[int]] = [[]]
+    held = 0  # bytes of the open group
+    for index, size in enumerate(sizes):
+        if held and (held + size / 2) * count >= total and len(groups) < count:
+            groups.append([])
+            held = 0
+        groups[-1].append(index)
+        held += size
+    return groups
 
 
 def read_files(

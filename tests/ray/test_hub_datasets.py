@@ -18,6 +18,7 @@ import pytest
 
 from conftest import ALPACA, GPT2
 from rayjobs.config import config_from_dict
+from rayjobs.data import sources
 from rayjobs.data.sources import FileRead, read_dataset, read_files
 from rayjobs.errors import ConfigError
 
@@ -208,6 +209,8 @@ def test_a_parquet_subset_is_read_by_read_tasks_not_loaded_in_the_driver(
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("materialized"))
     monkeypatch.setattr(datasets, "load_from_disk", lambda *a, **k: pytest.fail("materialized"))
     spec = _spec(root, subset="short")
+    # shards of a read task's size each (these are a few KiB: they would share one task)
+    monkeypatch.setattr(sources, "READ_TASK_BYTES", 1)
     read = read_dataset(spec).materialize()
     # Ray Data's own account of the read: a read task per shard, run in parallel by its workers
     operator = next(line for line in read.stats().splitlines() if "ReadRowFile" in line)

@@ -139,7 +139,7 @@ def test_no_read_task_without_a_read_however_much_parallelism_ray_asks():
     paths = ["/x/a.jsonl", "/x/b.jsonl"]
 
     def read_tasks(reads):
-        sizes = dict.fromkeys(paths, 10)
+        sizes = dict.fromkeys(paths, sources.READ_TASK_BYTES)
         source = RowFileDatasource(
             reads, format="jsonl", dataset="d", text_split="paragraph", sizes=sizes
         )
@@ -148,6 +148,36 @@ def test_no_read_task_without_a_read_however_much_parallelism_ray_asks():
     tasks = read_tasks([FileRead(p) for p in paths])
     assert [task.metadata.input_files for task in tasks] == [(paths[0],), (paths[1],)]
     assert read_tasks([]) == []
+
+
+MIB = 1 << 20
+
+
+@pytest.mark.parametrize(
+    ("file_mib", "parallelism", "files_per_task"),
+    [
+        ([0.25] * 64, 200, [32, 32]),  # small files: 8 MiB a task, not a task a file
+        ([0.25] * 65, 200, [22, 22, 21]),  # 16.25 MiB: 3 tasks, a third each
+        ([0.25] * 64, 1, [64]),  # Ray asks for fewer: fewer
+        ([0.25], 200, [1]),
+        ([20, 20, 20], 200, [1, 1, 1]),  # files over 8 MiB: a task each, never more than reads
+        ([30, 1, 1, 1, 1], 200, [1, 4]),  # a large file a task; the small ones share one
+        ([3, 3, 3], 200, [1, 2]),  # 9 MiB: 2 tasks
+    ],
+)
+def test_read_tasks_take_about_8_mib_of_consecutive_reads(file_mib, parallelism, files_per_task):
+    """A read task reads about ``READ_TASK_BYTES`` (8 MiB) of consecutive reads: Ray's own
+    sizing (1 MiB) made a task of every small file. Fewer tasks where Ray asks for fewer, never
+    more than reads, and the reads in their order."""
+    paths = [f"/x/{i:03d}.jsonl" for i in range(len(file_mib))]
+    sizes = {path: int(mib * MIB) for path, mib in zip(paths, file_mib, strict=True)}
+    source = RowFileDatasource(
+        [FileRead(p) for p in paths], format="jsonl", dataset="d", text_split="paragraph",
+        sizes=sizes,
+    )  # fmt: skip
+    tasks = source.get_read_tasks(parallelism)
+    assert [len(task.metadata.input_files) for task in tasks] == files_per_task
+    assert [f for task in tasks for f in task.metadata.input_files] == paths
 
 
 def test_an_order_seed_reads_the_files_in_a_seeded_random_order(monkeypatch):

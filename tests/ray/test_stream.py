@@ -675,10 +675,10 @@ def test_size_estimates_count_only_the_share_a_read_keeps():
         format="jsonl",
         dataset="a",
         text_split="paragraph",
-        sizes={"/x/a.jsonl": 1000, "/x/b.jsonl": 400},
+        sizes={"/x/a.jsonl": 40 << 20, "/x/b.jsonl": 16 << 20},  # (over a read task's 8 MiB)
     )
-    assert source.estimate_inmemory_data_size() == 250 + 400
-    assert [task.metadata.size_bytes for task in source.get_read_tasks(2)] == [250, 400]
+    assert source.estimate_inmemory_data_size() == (10 << 20) + (16 << 20)
+    assert [task.metadata.size_bytes for task in source.get_read_tasks(2)] == [10 << 20, 16 << 20]
 
 
 def test_a_read_that_keeps_none_of_a_blocks_rows_emits_no_empty_block(tmp_path):
