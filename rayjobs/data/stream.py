@@ -20,7 +20,7 @@ import ray.data
 
 from rayjobs.config import Config
 from rayjobs.data import templates
-from rayjobs.data.estimate import estimate, progress
+from rayjobs.data.estimate import Estimate, estimate, progress
 from rayjobs.data.mix import MIX_MARGIN, budgets, epoch_fractions, sized
 from rayjobs.data.packer import PackStream, lane_block_rows, window_rows
 from rayjobs.data.placement import cluster_cpus, on_data_nodes
@@ -29,6 +29,15 @@ from rayjobs.data.sources import read_file_list
 from rayjobs.data.tokenize import Tokenize
 
 TOKENIZE_BATCH_ROWS = 256
+"""Rows of a Tokenize call at least (the warm-up lane's calls, and the local runner's)."""
+
+TOKENIZE_CALL_TOKENS = 1 << 20
+"""Tokens a main-lane Tokenize call takes, about (``tokenize_batch_rows``). Each call is a round
+of Ray Data's executor and a ledger report; at 256 rows, a call of fastokens' was a few tens of
+milliseconds, and the actor waited on the executor between calls about as long as it worked.
+Calls of about 1 Mi tokens (some 4,900 rows of the pipeline bench's data) streamed about a tenth
+more tokens a second (`rayjobs bench pipeline`, 30x, 2 cores); sized in tokens, not rows, a
+call of long documents stays as large."""
 
 TOKENIZE_CPUS = 1
 """Logical CPUs of a Tokenize actor, and the threads its tokenizer may use (``Tokenize``)."""
@@ -57,17 +66,30 @@ WARMUP_CPUS = 0.25
 
 
 def tokenized(
-    rows: ray.data.Dataset, config: Config, ledger: Any = None, tasks: bool = False
+    rows: ray.data.Dataset,
+    config: Config,
+    ledger: Any = None,
+    tasks: bool = False,
+    batch_rows: int = TOKENIZE_BATCH_ROWS,
 ) -> ray.data.Dataset:
     """Raw rows → tokenized samples through one Tokenize actor pool, which grows up to
-    ``ray.tokenize_concurrency`` actors (default half the cluster's CPUs) while data waits; or,
-    with ``tasks`` (the warm-up lane), through tasks (``_stage_task``)."""
+    ``ray.tokenize_concurrency`` actors (default half the cluster's CPUs) while data waits, a
+    call per ``batch_rows``; or, with ``tasks`` (the warm-up lane), through tasks
+    (``_stage_task``)."""
     kwargs = tokenize_kwargs(config, ledger) | {"registry": shipped_templates(config)}
     ceiling = config.ray.tokenize_concurrency or max(1, int(cluster_cpus(config)) // 2)
     actors = 0 if tasks else ceiling
-    return _stage(
-        rows, Tokenize, kwargs, TOKENIZE_BATCH_ROWS, config, num_cpus=TOKENIZE_CPUS, actors=actors
-    )
+    return _stage(rows, Tokenize, kwargs, batch_rows, config, num_cpus=TOKENIZE_CPUS, actors=actors)
+
+
+def tokenize_batch_rows(mean_tokens: float) -> int:
+    """Rows of a main-lane Tokenize call: about ``TOKENIZE_CALL_TOKENS`` at the datasets' mean
+    sample length, ``TOKENIZE_BATCH_ROWS`` at least.
+
+    >>> tokenize_batch_rows(215.0), tokenize_batch_rows(8192.0)
+    (4877, 256)
+    """
+    return max(TOKENIZE_BATCH_ROWS, int(TOKENIZE_CALL_TOKENS / max(1.0, mean_tokens)))
 
 
 def tokenize_kwargs(config: Config, ledger: Any = None) -> dict[str, Any]:
@@ -175,23 +197,24 @@ def packed_rows(config: Config, pad_id: int, ledger: Any = None) -> ray.data.Dat
         ray.get(ledger.set_budgets.remote(budgets(config, estimates, fractions)))
     heads = warmup_heads(config, estimates, fractions, [r[0][0] for r in reads])
     where = on_data_nodes(config)
+    mean_tokens = float(np.mean([e.mean_tokens for e in estimates.values()]))
+    window = window_rows(config.packing.window_tokens, mean_tokens)
+    block = max(MIN_MIX_BLOCK_ROWS, window // MIX_BLOCKS)
     streams, expected = [], []
     for index, spec in enumerate(config.datasets):
         sizes = estimates[spec.name].file_sizes
-        streams.append(_run_stream(spec, reads[index], where, heads.get(spec.name), sizes))
+        stream = _run_stream(spec, reads[index], where, heads.get(spec.name), sizes)
+        if len(config.datasets) > 1 and _coarse(estimates[spec.name], block):
+            stream = stream.repartition(target_num_rows_per_block=block)
+        streams.append(stream)
         expected.append(fractions[index] * estimates[spec.name].rows_hint)
     rows = streams[0]
-    mean_tokens = float(np.mean([e.mean_tokens for e in estimates.values()]))
-    window = window_rows(config.packing.window_tokens, mean_tokens)
     if len(streams) > 1:  # interleaved block by block in the ratio of expected rows
-        # Blocks of at most 1/MIX_BLOCKS of a window, so each window holds every dataset in
-        # about its ratio (a block is the unit Dataset.mix interleaves).
-        block = max(MIN_MIX_BLOCK_ROWS, window // MIX_BLOCKS)
-        streams = [s.repartition(target_num_rows_per_block=block) for s in streams]
         rows = streams[0].mix(*streams[1:], weights=list(np.array(expected) / sum(expected)))
     packers = config.ray.pack_concurrency or max(1, int(cluster_cpus(config)) // 4)
     packed = _packed(
-        tokenized(rows, config, ledger), config, pad_id, ledger,
+        tokenized(rows, config, ledger, batch_rows=tokenize_batch_rows(mean_tokens)),
+        config, pad_id, ledger,
         window, packers,
     )  # fmt: skip
     if heads:
@@ -230,6 +253,28 @@ def packed_rows(config: Config, pad_id: int, ledger: Any = None) -> ray.data.Dat
         config.train.epochs, len(config.datasets), first,
     )  # fmt: skip
     return packed
+
+
+def _coarse(estimate: Estimate, block: int) -> bool:
+    """Whether a dataset's read blocks may hold more than twice ``block`` rows, the mix's target
+    (a window's ``MIX_BLOCKS``-th): then its stream is repartitioned to ``block`` rows before the
+    mix, so each window holds every dataset in about its ratio (a block is the unit
+    ``Dataset.mix`` interleaves). A read block holds at most ``BLOCK_BYTES`` of rows in memory,
+    more than they take in the file, so the rows per file byte overstate its rows. Reads are not
+    repartitioned otherwise: a repartition is an operator of its own, a task per block, and at
+    the default window it took a fifth of the steady rate (`rayjobs bench pipeline`). A
+    Hugging Face dataset's blocks are as ``datasets`` wrote them: always repartitioned.
+
+    >>> _coarse(Estimate(mean_tokens=200.0, rows_per_byte=1 / 800), block=1224)
+    False
+    >>> _coarse(Estimate(mean_tokens=200.0, rows_per_byte=1 / 800), block=64)
+    True
+    >>> _coarse(Estimate(mean_tokens=200.0, rows=10_000), block=1224)
+    True
+    """
+    if estimate.rows_per_byte is None:
+        return True
+    return BLOCK_BYTES * estimate.rows_per_byte > 2 * block
 
 
 def _packed(

@@ -547,6 +547,31 @@ def test_a_datasets_whole_run_is_one_read_operator(ray_local, capsys, monkeypatc
     assert min(fractions) > 2, "guard: every dataset read in several passes an epoch"
 
 
+@pytest.mark.parametrize(
+    ("window_tokens", "repartitioned"),
+    [(4_194_304, []), (50_000, ["alpaca", "hh_chat", "roleplay"])],
+)
+def test_mixed_reads_are_repartitioned_only_where_their_blocks_outsize_a_windows_share(
+    ray_local, capsys, window_tokens, repartitioned
+):
+    """At the default window a read block (at most ``BLOCK_BYTES``) is already under a
+    ``MIX_BLOCKS``-th of a window: the streams go to the mix as read, no repartition operator (a
+    task per block). A small window's share is a few rows: each stream is cut to it first."""
+    config = _config(packing={"seq_len": 1024, "window_tokens": window_tokens})
+    rows = stream.packed_rows(config, pad_id=0)
+    rows.explain()
+    plan = capsys.readouterr().out.split("-------- Physical Plan (Optimized) --------")[1]
+    estimates = estimate.estimate(config)
+    mean = float(np.mean([e.mean_tokens for e in estimates.values()]))
+    window = packer.window_rows(window_tokens, mean)
+    block = max(stream.MIN_MIX_BLOCK_ROWS, window // stream.MIX_BLOCKS)
+    cut = f"StreamingRepartition[num_rows_per_block={block},strict=False]"
+    assert plan.count(f"TaskPoolMapOperator[{cut}]") == len(repartitioned), plan
+    assert "MixOperator" in plan, plan  # guard: the datasets are mixed
+    coarse = [name for name, e in estimates.items() if stream._coarse(e, block)]
+    assert coarse == repartitioned
+
+
 # S2: each epoch reads a dataset's files in another order
 def test_each_epoch_reads_files_in_another_order():
     import types
