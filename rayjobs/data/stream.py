@@ -31,13 +31,14 @@ from rayjobs.data.tokenize import Tokenize
 TOKENIZE_BATCH_ROWS = 256
 """Rows of a Tokenize call at least (the warm-up lane's calls, and the local runner's)."""
 
-TOKENIZE_CALL_TOKENS = 1 << 20
-"""Tokens a main-lane Tokenize call takes, about (``tokenize_batch_rows``). Each call is a round
-of Ray Data's executor and a ledger report; at 256 rows, a call of fastokens' was a few tens of
-milliseconds, and the actor waited on the executor between calls about as long as it worked.
-Calls of about 1 Mi tokens (some 4,900 rows of the pipeline bench's data) streamed about a tenth
-more tokens a second (`rayjobs bench pipeline`, 30x, 2 cores); sized in tokens, not rows, a
-call of long documents stays as large."""
+WINDOW_CALLS = 4
+"""Main-lane Tokenize calls per packer window, about (``tokenize_batch_rows``). Each call is a
+round of Ray Data's executor and a ledger report; at 256 rows, a fastokens call was a few tens
+of milliseconds, and the actor waited on the executor between calls about as long as it worked.
+Calls of a quarter window (about 1 Mi tokens, some 4,900 rows of the pipeline bench's data, at
+the default window) streamed about a tenth more tokens a second (`rayjobs bench pipeline`, 30x,
+2 cores). Sized by the window, a call of long documents is no larger, and a small window does
+not wait for a large call."""
 
 TOKENIZE_CPUS = 1
 """Logical CPUs of a Tokenize actor, and the threads its tokenizer may use (``Tokenize``)."""
@@ -82,14 +83,14 @@ def tokenized(
     return _stage(rows, Tokenize, kwargs, batch_rows, config, num_cpus=TOKENIZE_CPUS, actors=actors)
 
 
-def tokenize_batch_rows(mean_tokens: float) -> int:
-    """Rows of a main-lane Tokenize call: about ``TOKENIZE_CALL_TOKENS`` at the datasets' mean
-    sample length, ``TOKENIZE_BATCH_ROWS`` at least.
+def tokenize_batch_rows(window: int) -> int:
+    """Rows of a main-lane Tokenize call: a ``WINDOW_CALLS``-th of a packer window of ``window``
+    rows, ``TOKENIZE_BATCH_ROWS`` at least.
 
-    >>> tokenize_batch_rows(215.0), tokenize_batch_rows(8192.0)
+    >>> tokenize_batch_rows(19_508), tokenize_batch_rows(150)
     (4877, 256)
     """
-    return max(TOKENIZE_BATCH_ROWS, int(TOKENIZE_CALL_TOKENS / max(1.0, mean_tokens)))
+    return max(TOKENIZE_BATCH_ROWS, window // WINDOW_CALLS)
 
 
 def tokenize_kwargs(config: Config, ledger: Any = None) -> dict[str, Any]:
@@ -213,7 +214,7 @@ def packed_rows(config: Config, pad_id: int, ledger: Any = None) -> ray.data.Dat
         rows = streams[0].mix(*streams[1:], weights=list(np.array(expected) / sum(expected)))
     packers = config.ray.pack_concurrency or max(1, int(cluster_cpus(config)) // 4)
     packed = _packed(
-        tokenized(rows, config, ledger, batch_rows=tokenize_batch_rows(mean_tokens)),
+        tokenized(rows, config, ledger, batch_rows=tokenize_batch_rows(window)),
         config, pad_id, ledger,
         window, packers,
     )  # fmt: skip
