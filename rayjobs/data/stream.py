@@ -83,14 +83,18 @@ def tokenized(
     return _stage(rows, Tokenize, kwargs, batch_rows, config, num_cpus=TOKENIZE_CPUS, actors=actors)
 
 
-def tokenize_batch_rows(window: int) -> int:
-    """Rows of a main-lane Tokenize call: a ``WINDOW_CALLS``-th of a packer window of ``window``
-    rows, ``TOKENIZE_BATCH_ROWS`` at least.
+def tokenize_batch_rows(window: int, epoch_rows: float) -> int:
+    """Rows of a main-lane Tokenize call: a ``WINDOW_CALLS``-th of the first window, a packer
+    window of ``window`` rows or the epoch's expected rows where fewer (a call waits for its rows
+    to be read, so one call of a small epoch's every row would read, tokenize and pack it one
+    after the other), ``TOKENIZE_BATCH_ROWS`` at least.
 
-    >>> tokenize_batch_rows(19_508), tokenize_batch_rows(150)
-    (4877, 256)
+    >>> tokenize_batch_rows(19_508, 42_000), tokenize_batch_rows(19_508, 1_400)
+    (4877, 350)
+    >>> tokenize_batch_rows(150, 42_000)
+    256
     """
-    return max(TOKENIZE_BATCH_ROWS, window // WINDOW_CALLS)
+    return max(TOKENIZE_BATCH_ROWS, int(min(window, epoch_rows)) // WINDOW_CALLS)
 
 
 def tokenize_kwargs(config: Config, ledger: Any = None) -> dict[str, Any]:
@@ -214,7 +218,7 @@ def packed_rows(config: Config, pad_id: int, ledger: Any = None) -> ray.data.Dat
         rows = streams[0].mix(*streams[1:], weights=list(np.array(expected) / sum(expected)))
     packers = config.ray.pack_concurrency or max(1, int(cluster_cpus(config)) // 4)
     packed = _packed(
-        tokenized(rows, config, ledger, batch_rows=tokenize_batch_rows(window)),
+        tokenized(rows, config, ledger, batch_rows=tokenize_batch_rows(window, sum(expected))),
         config, pad_id, ledger,
         window, packers,
     )  # fmt: skip
