@@ -180,9 +180,10 @@ READ_TASK_BYTES = 8 << 20
 to this. Ray sizes read tasks by its ``target_min_block_size`` (1 MiB): a task per
 small file, each a few tens of milliseconds of parsing against a task's fixed costs (its
 scheduling, its share of the executor's rounds, a worker for each one running at once), and on
-2 cores those costs were most of the read stage: `rayjobs bench pipeline` streamed a third more
-tokens a second at 30x with tasks of 8 MiB (docs/benchmarks.md). A task still streams its rows
-block by block as it parses them."""
+2 cores those costs were most of the read stage: `rayjobs bench pipeline` streamed about a fifth
+more tokens a second at 30x with tasks of 8 MiB, a third more with the mix's repartition dropped
+too (``stream._coarse``; docs/benchmarks.md). A task still streams its rows block by block as it
+parses them."""
 
 
 class RowFileDatasource(Datasource):

@@ -32,8 +32,8 @@ TOKENIZE_BATCH_ROWS = 256
 """Rows of a Tokenize call at least (the warm-up lane's calls, and the local runner's)."""
 
 WINDOW_CALLS = 4
-"""Main-lane Tokenize calls per first packer window, about (``tokenize_batch_rows``). Each call is a
-round of Ray Data's executor and a ledger report; at 256 rows, a fastokens call was a few tens
+"""Main-lane Tokenize calls per first packer window, about (``tokenize_batch_rows``). Each call
+is a round of Ray Data's executor and a ledger report; at 256 rows, a fastokens call was a few tens
 of milliseconds, and the actor waited on the executor between calls about as long as it worked.
 Calls of a quarter window (about 1 Mi tokens, some 4,900 rows of the pipeline bench's data, at
 the default window) streamed about a tenth more tokens a second (`rayjobs bench pipeline`, 30x,
