@@ -30,15 +30,14 @@ from rayjobs.config import Config, DatasetConfig
 from rayjobs.data.estimate import Estimate, estimate
 from rayjobs.data.formats import HF
 from rayjobs.data.mix import MIX_MARGIN, budgets, epoch_fractions, sized
-from rayjobs.data.packer import PackStream, window_rows
+from rayjobs.data.packer import PackStream
 from rayjobs.data.reads import pass_reads, passes
 from rayjobs.data.sources import FileRead, read_files, read_options
 from rayjobs.data.stream import (
-    MIN_MIX_BLOCK_ROWS,
-    MIX_BLOCKS,
     TOKENIZE_BATCH_ROWS,
     pack_kwargs,
     tokenize_kwargs,
+    window_and_block,
 )
 from rayjobs.data.tally import Tally
 from rayjobs.data.tokenize import Tokenize
@@ -76,9 +75,7 @@ def packed_rows(
         tally.set_budgets(budgets(config, estimates, fractions))
     tokenize = Tokenize(**tokenize_kwargs(config, tally))
     pack = PackStream(**pack_kwargs(config, pad_id, tally))
-    mean_tokens = float(np.mean([e.mean_tokens for e in estimates.values()]))
-    window = window_rows(config.packing.window_tokens, mean_tokens)
-    block = max(MIN_MIX_BLOCK_ROWS, window // MIX_BLOCKS)
+    window, block = window_and_block(config, estimates)
     expected = [
         fractions[index] * estimates[spec.name].rows_hint
         for index, spec in enumerate(config.datasets)

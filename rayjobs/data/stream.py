@@ -202,9 +202,7 @@ def packed_rows(config: Config, pad_id: int, ledger: Any = None) -> ray.data.Dat
         ray.get(ledger.set_budgets.remote(budgets(config, estimates, fractions)))
     heads = warmup_heads(config, estimates, fractions, [r[0][0] for r in reads])
     where = on_data_nodes(config)
-    mean_tokens = float(np.mean([e.mean_tokens for e in estimates.values()]))
-    window = window_rows(config.packing.window_tokens, mean_tokens)
-    block = max(MIN_MIX_BLOCK_ROWS, window // MIX_BLOCKS)
+    window, block = window_and_block(config, estimates)
     streams, expected = [], []
     for index, spec in enumerate(config.datasets):
         sizes = estimates[spec.name].file_sizes
@@ -231,7 +229,8 @@ def packed_rows(config: Config, pad_id: int, ledger: Any = None) -> ray.data.Dat
             parts.append(read_file_list(spec, [read], sizes=estimates[name].file_sizes, **where))
         warm = parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
         # one packer call over the whole lane (at least a row's worth: long seq_len)
-        window = window_rows(max(config.packing.warmup_tokens, config.packing.seq_len), mean_tokens)
+        lane = max(config.packing.warmup_tokens, config.packing.seq_len)
+        window = window_rows(lane, mean_sample_tokens(estimates))
         warm = tokenized(warm, config, ledger, tasks=True)
         warm = _packed(warm, config, pad_id, ledger, window, 0)
         # in blocks small enough that every rank's first batch comes from the lane: the
@@ -258,6 +257,18 @@ def packed_rows(config: Config, pad_id: int, ledger: Any = None) -> ray.data.Dat
         config.train.epochs, len(config.datasets), first,
     )  # fmt: skip
     return packed
+
+
+def mean_sample_tokens(estimates: dict[str, Estimate]) -> float:
+    """The datasets' mean sample length, unweighted (what windows are sized in rows by)."""
+    return float(np.mean([e.mean_tokens for e in estimates.values()]))
+
+
+def window_and_block(config: Config, estimates: dict[str, Estimate]) -> tuple[int, int]:
+    """A packer window's rows and the mix's block (a window's ``MIX_BLOCKS``-th,
+    ``MIN_MIX_BLOCK_ROWS`` at least), for the Ray path and the local runner alike."""
+    window = window_rows(config.packing.window_tokens, mean_sample_tokens(estimates))
+    return window, max(MIN_MIX_BLOCK_ROWS, window // MIX_BLOCKS)
 
 
 def _coarse(estimate: Estimate, block: int) -> bool:
