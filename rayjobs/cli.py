@@ -24,7 +24,7 @@ rayjobs submit CONFIG [dotted.key=value ...] [--address URL] [--working-dir DIR]
                [--json] [--allow-absolute] [--max-upload-mib N] [--max-file-mib N]
                [--submission-id ID] [--runtime-env-json JSON] [--dry-run]
                                                     (a Ray job on a cluster: "Run on a cluster")
-rayjobs status JOB [--address URL] [--json]
+rayjobs status JOB [--address URL] [--json] [--watch]
 rayjobs logs JOB [--address URL] [--follow]
 rayjobs stop JOB [--address URL]
 rayjobs --version
@@ -273,6 +273,9 @@ def _parser() -> argparse.ArgumentParser:
         job.add_argument("--address", help=address_help)
         if name == "status":
             job.add_argument("--json", action="store_true", help="one JSON object on stdout")
+            job.add_argument(
+                "--watch", action="store_true", help="print it again every few seconds till it ends"
+            )
         if name == "logs":
             job.add_argument("--follow", action="store_true", help="follow until the job ends")
     return parser

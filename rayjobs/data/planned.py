@@ -113,9 +113,17 @@ class Epochs:
     """The packed rows of each epoch, planned in the driver from one materialized tokenization."""
 
     def __init__(
-        self, config: Config, tokenized: ray.data.Dataset, pad_id: int, ledger: Any = None
+        self,
+        config: Config,
+        tokenized: ray.data.Dataset,
+        pad_id: int,
+        ledger: Any = None,
+        run: str = "rayjobs",
     ):
-        self.config, self.ledger, self.pad_id = config, ledger, pad_id
+        """``run``: the run's name, which names its datasets on the Ray dashboard
+        (``<run>/tokenize``, ``<run>/train/epoch-<e>``)."""
+        self.config, self.ledger, self.pad_id, self.run = config, ledger, pad_id, run
+        tokenized.set_name(f"{run}/tokenize")
         self.tokenized = tokenized.materialize()
         columns = self.tokenized.select_columns(["source", "uid", "num_tokens"]).to_arrow_refs()
         table = pa.concat_tables(ray.get(columns)) if columns else None
@@ -224,7 +232,7 @@ class Epochs:
             },
             **on_data_nodes(self.config),
         )
-        return expanded.groupby("group").map_groups(
+        packed = expanded.groupby("group").map_groups(
             AssemblePacks,
             batch_format="pyarrow",
             num_cpus=0.5,
@@ -238,3 +246,5 @@ class Epochs:
             },
             **on_data_nodes(self.config),
         )
+        packed.set_name(f"{self.run}/train/epoch-{epoch}")
+        return packed

@@ -6,7 +6,8 @@ actors (``PackStream``; ``AssemblePacks`` in planned mode) spread over the clust
 calls ``ray.get(ledger.add_….remote(...))`` once per batch, synchronously, so by the time a batch's
 rows reach a trainer its counts are already in the ledger and the driver's final ``snapshot()``
 misses nothing. The same calls feed ``ray.util.metrics`` counters, exported by every Ray node to
-Prometheus (``ray_rayjobs_*``) and shown on the Ray dashboard / Grafana while the job runs.
+Prometheus (``ray_rayjobs_*``): the Ray dashboard charts them only where it is pointed at a
+Prometheus (``RAY_PROMETHEUS_HOST``) and a Grafana (docs/metrics.md).
 Tokenization is counted over the run, by dataset (stream mode tokenizes every epoch's reads, planned
 mode once); packing per epoch. Exactly once: Ray runs a batch again when the actor that ran it died
 (even after it reported), so every report carries the batch's identity (``batch_key``: a digest of
@@ -16,17 +17,35 @@ stream anew, and its batches count again (docs/resume.md, "Counts after a restar
 (``rereads``) a key counts once per worker group: a re-read batch may hold exactly the rows of one
 the first group counted (a file's first block), while its packs, mixed anew, never match; planned
 mode's packs, assembled again, keep their keys and count once.
+
+What reaches the Ray dashboard without Prometheus or Grafana: the ledger is a named actor
+(``start_ledger``: named after the run, in the ``NAMESPACE`` namespace, so two runs on one
+cluster never share one), listed on the Actors page as ``Ledger(run=<run>)``, and it prints the
+data side's progress line (``monitor.format_line``) to its own log every ``monitor.INTERVAL``
+seconds while the counts move, shown under Actors → the ledger → Log however the driver was started.
+``rayjobs status JOB`` reads a running job's counts from that log (``rayjobs.job.watch``). The
+lines are marked as no job's (``HIDDEN``), so no driver echoes them next to the one its own
+``DataMonitor`` logs.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 
 import ray
 
 from rayjobs.data.counts import PackCounts, TokenizeCounts, packing_efficiency
 from rayjobs.data.tally import Tally
+from rayjobs.job.monitor import INTERVAL, format_line, mix_so_far, totals
 from rayjobs.metrics import METRICS, _init_counter, _series, wait_for_export
+
+NAMESPACE = "rayjobs"
+"""The Ray namespace of every run's named ``Ledger`` actors."""
+
+HIDDEN = ":job_id:ffffffff"
+"""Printed before each progress line: Ray's log monitor then attributes the line to no running
+job, so it stays in the ledger's log and no driver prints it (drivers show their own job's)."""
 
 _TOKENIZE_COUNTERS = (
     "rows",
@@ -50,10 +69,13 @@ class Ledger(Tally):
         run_name: str = "rayjobs",
         datasets: tuple[str, ...] | list[str] = (),
         rereads: bool = False,
+        by: str = "tokens",
+        interval: float = INTERVAL,
     ):
         """``datasets``: the config's dataset names; every counter of each, and the pack
         counters, are exported at 0 from here on, before any batch (``_init_counter``).
-        ``rereads``: see ``Tally``."""
+        ``rereads``: see ``Tally``. ``by``: the mix's unit (``mix.by``) in the progress lines,
+        printed every ``interval`` seconds (0: none)."""
         # Tally's methods named, not super(): a subclass of this class defined elsewhere (pickled
         # by value, its bases by name) gets Ray's actor class for ``Ledger`` in the worker,
         # which is no instance of this one, so a zero-argument super() fails there.
@@ -76,6 +98,34 @@ class Ledger(Tally):
         for counter in (self._packs, self._pack_slots, self._pack_tokens):
             _init_counter(counter, {"run": self._run})
         self._last_record: float | None = None
+        self._lock = threading.Lock()  # the progress thread reads what the reports change
+        if interval:
+            progress = threading.Thread(
+                target=self._progress, args=(by, interval), name="progress", daemon=True
+            )
+            progress.start()
+
+    def __repr__(self) -> str:
+        """The name the dashboard's Actors page and log prefixes show."""
+        return f"Ledger(run={self._run})"
+
+    def _progress(self, by: str, interval: float) -> None:
+        """Print the progress line every ``interval`` seconds while the counts move."""
+        last, last_time = None, time.monotonic()
+        while True:
+            time.sleep(interval)
+            try:
+                with self._lock:
+                    snapshot = self.snapshot()
+            except RuntimeError:  # a report changed a dict it was copying: next time
+                continue
+            now, moment = totals(snapshot), time.monotonic()
+            if now == last or not now["rows"]:
+                continue
+            rate = (now["tokens"] - (last["tokens"] if last else 0)) / (moment - last_time)
+            line = format_line(now, rate, mix_so_far(snapshot, by))
+            print(f"{HIDDEN}\nrayjobs: {line}", flush=True)
+            last, last_time = now, moment
 
     def _zero(self, dataset: str) -> None:
         """Export every per-dataset counter of ``dataset`` at 0, once (``_init_counter``): at
@@ -94,8 +144,9 @@ class Ledger(Tally):
     ) -> bool:
         """``Tally.add_tokenize``, and the counts and ``lengths`` (the ``rayjobs_sample_tokens``
         histogram) exported, once per batch like the counts."""
-        if not Tally.add_tokenize(self, by_dataset, key):
-            return False
+        with self._lock:
+            if not Tally.add_tokenize(self, by_dataset, key):
+                return False
         for dataset, values in (lengths or {}).items():
             tags = {"run": self._run, "dataset": dataset}
             for value in values:
@@ -118,8 +169,9 @@ class Ledger(Tally):
     ) -> bool:
         """``Tally.add_pack``, and the counts and ``samples_per_pack`` (the
         ``rayjobs_samples_per_pack`` histogram) exported."""
-        if not Tally.add_pack(self, epoch, counts, key):
-            return False
+        with self._lock:
+            if not Tally.add_pack(self, epoch, counts, key):
+                return False
         tags = {"run": self._run}
         for value in samples_per_pack or ():
             self._samples_per_pack.observe(value, tags=tags)
@@ -156,3 +208,11 @@ class Ledger(Tally):
             self._efficiency.set(efficiency, tags={"run": self._run})
             self._last_record = time.monotonic()
         return wait_for_export(self._last_record)
+
+
+def start_ledger(
+    run_name: str, datasets: list[str], rereads: bool = False, by: str = "tokens"
+) -> ray.actor.ActorHandle:
+    """The run's ``Ledger``, named ``run_name`` in ``NAMESPACE`` (``rayjobs status`` finds it)."""
+    options = {"name": run_name, "namespace": NAMESPACE}
+    return Ledger.options(**options).remote(run_name, datasets, rereads, by)

@@ -13,6 +13,7 @@ INFO is enabled for the logger.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from typing import Any
@@ -59,6 +60,29 @@ def format_line(now: dict[str, float], rate: float | None, mix: Any) -> str:
         shares = " ".join(f"{name} {share:.3f}" for name, share in mix[1].items())
         line += f"  mix (epoch {mix[0]}) {shares}"
     return line
+
+
+LINE = re.compile(
+    r"data: rows (?P<rows>\d+)  samples (?P<samples>\d+)  tokens (?P<tokens>\d+)"
+    r"(?: \((?P<rate>\d+)/s\))?  packs (?P<packs>\d+)  packing (?P<efficiency>[\d.]+)"
+    r"(?:  mix \(epoch (?P<epoch>\d+)\) (?P<mix>.*))?$"
+)
+
+
+def parse_line(line: str) -> dict[str, Any] | None:
+    """The counts of a line ``format_line`` wrote (``totals``' keys, ``tokens_per_s``, and
+    ``mix``: epoch and shares, when the line has them); None for any other line."""
+    found = LINE.search(line.rstrip())
+    if found is None:
+        return None
+    counts: dict[str, Any] = {key: int(found[key]) for key in ("rows", "samples", "tokens")}
+    counts |= {"packs": int(found["packs"]), "efficiency": float(found["efficiency"])}
+    counts["tokens_per_s"] = int(found["rate"]) if found["rate"] is not None else None
+    if found["mix"]:
+        words = found["mix"].split()
+        shares = {name: float(share) for name, share in zip(words[::2], words[1::2], strict=True)}
+        counts["mix"] = {"epoch": int(found["epoch"]), "shares": shares}
+    return counts
 
 
 class DataMonitor:

@@ -38,7 +38,7 @@ from rayjobs.data.tally import Tally
 from rayjobs.data.tokenizer import Tokenizer, load_fast
 from rayjobs.errors import AccountingError, ConfigError, Interrupted, RunFailed, user_error
 from rayjobs.job.connect import init_ray
-from rayjobs.job.ledger import Ledger
+from rayjobs.job.ledger import start_ledger
 from rayjobs.job.monitor import DataMonitor
 from rayjobs.train import trackers
 from rayjobs.train.callbacks import Callback
@@ -244,9 +244,11 @@ def eval_rows(config: Config, job: Job) -> tuple[ray.data.Dataset, Any]:
     ends. ``held_out`` trains with them; ``export`` and ``inspect`` write and report them."""
     names = [spec.name for spec in config.eval.datasets]
     config = backends.decided(config, job.config.tokenizer.backend)  # as the job's: decided once
-    ledger = Ledger.remote(f"{job.name}-eval", names)
+    ledger = start_ledger(f"{job.name}-eval", names)
     try:
-        return stream.packed_rows(eval_config(config), job.tokenizer.pad_id, ledger), ledger
+        rows = stream.packed_rows(eval_config(config), job.tokenizer.pad_id, ledger)
+        rows.set_name(f"{job.name}/eval")  # the dashboard's Ray Data Overview shows it
+        return rows, ledger
     except BaseException:
         ray.kill(ledger)
         raise
@@ -301,18 +303,19 @@ def start_job(
     if local:
         return Job(config, name, tokenizer, Tally(), unused_columns=unused, encoder=encoder)
     rereads = config.packing.mode == "stream"  # a restarted worker group reads it again
-    ledger = Ledger.remote(name, [spec.name for spec in config.datasets], rereads)
+    ledger = start_ledger(name, [spec.name for spec in config.datasets], rereads, config.mix.by)
     monitor = DataMonitor(ledger, config.mix.by)
     try:
         if config.packing.mode == "planned":
             logger.info("data: planned mode: tokenizing every dataset once, then each epoch's plan")
             monitor.start()
-            epochs = Epochs(config, tokenize(config, ledger), tokenizer.pad_id, ledger)
+            epochs = Epochs(config, tokenize(config, ledger), tokenizer.pad_id, ledger, name)
             job = Job(config, name, tokenizer, ledger, epochs=epochs, unused_columns=unused)
             job.monitor, job.encoder = monitor, encoder
             checks.require_training(job.snapshot()["tokenize"])  # every sample is tokenized
             return job
         rows = stream.packed_rows(config, tokenizer.pad_id, ledger)
+        rows.set_name(f"{name}/train")  # the dashboard's Ray Data Overview shows it
     except BaseException:
         monitor.stop()
         ray.kill(ledger)  # nothing will read or close it

@@ -4,7 +4,7 @@
 rayjobs submit CONFIG [dotted.key=value ...] [--address URL] [--working-dir DIR] [--no-wait]
                [--json] [--allow-absolute] [--max-upload-mib N] [--max-file-mib N]
                [--submission-id ID] [--runtime-env-json JSON] [--dry-run]
-rayjobs status JOB [--address URL] [--json]
+rayjobs status JOB [--address URL] [--json] [--watch]
 rayjobs logs JOB [--address URL] [--follow]
 rayjobs stop JOB [--address URL]
 
@@ -549,19 +549,17 @@ def job_command(args: argparse.Namespace) -> int:
     job = args.job
     try:
         client = _client(address)
-        if args.command == "status":
-            info = client.get_job_info(job)
-            status = _status(info.status)
-            if args.json:
-                fields = ("entrypoint", "message", "start_time", "end_time", "driver_exit_code")
-                record = {"submission_id": job, "status": status}
-                record.update({name: getattr(info, name, None) for name in fields})
-                _emit_json(record)
-            else:
-                print(f"{job}: {status}")
-                if info.message:
-                    print(info.message)
-            return 0
+        if args.command == "status":  # with its counts; --watch: again until it ends
+            from rayjobs.job import watch  # Ray's state API, imported with the client (_client)
+
+            while True:
+                info = client.get_job_info(job)
+                ended = _status(info.status) in TERMINAL
+                summary = summary_from_logs(client.get_job_logs(job)) if ended else None
+                watch.show(address, job, info, summary, args.json)
+                if ended or not args.watch:
+                    return 0
+                time.sleep(watch.INTERVAL)
         if args.command == "logs":
             if not args.follow:
                 sys.stdout.write(client.get_job_logs(job))
