@@ -121,9 +121,10 @@ class Epochs:
         run: str = "rayjobs",
     ):
         """``run``: the run's name, which names its datasets on the Ray dashboard
-        (``<run>/tokenize``, ``<run>/train/epoch-<e>``)."""
+        (``<run>.tokenize``, ``<run>.train.epoch-<e>``; no ``/``: Ray Data names a log file
+        after a dataset)."""
         self.config, self.ledger, self.pad_id, self.run = config, ledger, pad_id, run
-        tokenized.set_name(f"{run}/tokenize")
+        tokenized.set_name(f"{run}.tokenize")
         self.tokenized = tokenized.materialize()
         columns = self.tokenized.select_columns(["source", "uid", "num_tokens"]).to_arrow_refs()
         table = pa.concat_tables(ray.get(columns)) if columns else None
@@ -246,5 +247,5 @@ class Epochs:
             },
             **on_data_nodes(self.config),
         )
-        packed.set_name(f"{self.run}/train/epoch-{epoch}")
+        packed.set_name(f"{self.run}.train.epoch-{epoch}")
         return packed

@@ -21,7 +21,7 @@ mode's packs, assembled again, keep their keys and count once.
 What reaches the Ray dashboard without Prometheus or Grafana: the ledger is a named actor
 (``start_ledger``: named after the run, in the ``NAMESPACE`` namespace, so two runs on one
 cluster never share one), listed on the Actors page as ``Ledger(run=<run>)``, and it prints the
-data side's progress line (``monitor.format_line``) to its own log every ``monitor.INTERVAL``
+data side's progress line (``monitor.format_line``) to its own log every ``LOG_INTERVAL``
 seconds while the counts move, shown under Actors → the ledger → Log however the driver was started.
 ``rayjobs status JOB`` reads a running job's counts from that log (``rayjobs.job.watch``). The
 lines are marked as no job's (``HIDDEN``), so no driver echoes them next to the one its own
@@ -30,6 +30,7 @@ lines are marked as no job's (``HIDDEN``), so no driver echoes them next to the 
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -37,8 +38,12 @@ import ray
 
 from rayjobs.data.counts import PackCounts, TokenizeCounts, packing_efficiency
 from rayjobs.data.tally import Tally
-from rayjobs.job.monitor import INTERVAL, format_line, mix_so_far, totals
+from rayjobs.job.monitor import format_line, mix_so_far, totals
 from rayjobs.metrics import METRICS, _init_counter, _series, wait_for_export
+
+LOG_INTERVAL = 2.0
+"""Seconds between two of the ledger's own progress lines (only when the counts moved): what
+``rayjobs status`` reads, so a few seconds at most."""
 
 NAMESPACE = "rayjobs"
 """The Ray namespace of every run's named ``Ledger`` actors."""
@@ -70,7 +75,7 @@ class Ledger(Tally):
         datasets: tuple[str, ...] | list[str] = (),
         rereads: bool = False,
         by: str = "tokens",
-        interval: float = INTERVAL,
+        interval: float = LOG_INTERVAL,
     ):
         """``datasets``: the config's dataset names; every counter of each, and the pack
         counters, are exported at 0 from here on, before any batch (``_init_counter``).
@@ -124,7 +129,7 @@ class Ledger(Tally):
                 continue
             rate = (now["tokens"] - (last["tokens"] if last else 0)) / (moment - last_time)
             line = format_line(now, rate, mix_so_far(snapshot, by))
-            print(f"{HIDDEN}\nrayjobs: {line}", flush=True)
+            print(f"{HIDDEN}\nrayjobs: {line}", file=sys.stderr, flush=True)
             last, last_time = now, moment
 
     def _zero(self, dataset: str) -> None:

@@ -247,7 +247,7 @@ def eval_rows(config: Config, job: Job) -> tuple[ray.data.Dataset, Any]:
     ledger = start_ledger(f"{job.name}-eval", names)
     try:
         rows = stream.packed_rows(eval_config(config), job.tokenizer.pad_id, ledger)
-        rows.set_name(f"{job.name}/eval")  # the dashboard's Ray Data Overview shows it
+        rows.set_name(f"{job.name}.eval")  # the dashboard's Ray Data Overview shows it
         return rows, ledger
     except BaseException:
         ray.kill(ledger)
@@ -315,7 +315,7 @@ def start_job(
             checks.require_training(job.snapshot()["tokenize"])  # every sample is tokenized
             return job
         rows = stream.packed_rows(config, tokenizer.pad_id, ledger)
-        rows.set_name(f"{name}/train")  # the dashboard's Ray Data Overview shows it
+        rows.set_name(f"{name}.train")  # the dashboard's Ray Data Overview shows it
     except BaseException:
         monitor.stop()
         ray.kill(ledger)  # nothing will read or close it

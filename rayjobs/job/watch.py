@@ -5,7 +5,7 @@ How a job maps to its ledger: the Jobs API gives the submitted job's Ray job id;
 ``Ledger`` actors of that job in the ledgers' namespace (``ledger.NAMESPACE``), each named after
 its run; the run's own is the one whose name is not an eval set's (``<run>-eval``). Its counts
 are the last progress line it printed to its log (``monitor.format_line``, every
-``monitor.INTERVAL`` seconds while they move): read over HTTP, with no driver connected to the
+``ledger.LOG_INTERVAL`` seconds while they move): read over HTTP, with no driver connected to the
 cluster. Once the job has ended, its counts are the run summary's (the last JSON line of its log).
 """
 
@@ -13,14 +13,20 @@ from __future__ import annotations
 
 import json
 import sys
+import urllib.parse
+import urllib.request
 from typing import Any
 
-from ray.util.state import get_log, list_actors
+from ray._private.authentication.http_token_authentication import (  # what ray.util.state sends
+    get_auth_headers_if_auth_enabled,
+)
+from ray.util.state import list_actors
 
-from rayjobs.job.ledger import NAMESPACE
-from rayjobs.job.monitor import INTERVAL, parse_line
+from rayjobs.job.ledger import LOG_INTERVAL, NAMESPACE
+from rayjobs.job.monitor import parse_line
 
-__all__ = ["INTERVAL"]
+INTERVAL = LOG_INTERVAL
+"""``--watch``: seconds between two reports, the ledger's own line interval."""
 
 LOG_LINES = 200
 """Lines read back from the end of the ledger's log for its last progress line."""
@@ -41,10 +47,20 @@ def run_ledger(address: str, job_id: str) -> tuple[str, str] | None:
     return None
 
 
+def log_tail(address: str, actor_id: str, lines: int = LOG_LINES) -> str:
+    """The last ``lines`` lines of an actor's log (its stderr, where the ledger prints), over the state API's HTTP route
+    (``ray.util.state.get_log`` takes a GCS address, not the dashboard's)."""
+    query = urllib.parse.urlencode({"actor_id": actor_id, "lines": lines, "suffix": "err"})
+    request = urllib.request.Request(
+        f"{address}/api/v0/logs/file?{query}", headers=get_auth_headers_if_auth_enabled({})
+    )
+    with urllib.request.urlopen(request, timeout=30) as answer:
+        return answer.read().decode("utf-8", "replace")
+
+
 def live_counts(address: str, actor_id: str) -> dict[str, Any] | None:
     """The counts of the last progress line in a ledger's log; None before its first."""
-    lines = "".join(get_log(address=address, actor_id=actor_id, tail=LOG_LINES)).splitlines()
-    for line in reversed(lines):
+    for line in reversed(log_tail(address, actor_id).splitlines()):
         counts = parse_line(line)
         if counts is not None:
             return counts
@@ -102,7 +118,7 @@ def show(address: str, job: str, info: Any, summary: dict[str, Any] | None, as_j
     status = status_of(info)
     counts = job_counts(address, info, summary)
     if as_json:
-        fields = ("entrypoint", "message", "start_time", "end_time", "driver_exit_code")
+        fields = ("job_id", "entrypoint", "message", "start_time", "end_time", "driver_exit_code")
         record = {"submission_id": job, "status": status}
         record |= {name: getattr(info, name, None) for name in fields} | counts
         sys.stdout.flush()
