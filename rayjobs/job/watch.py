@@ -48,8 +48,9 @@ def run_ledger(address: str, job_id: str) -> tuple[str, str] | None:
 
 
 def log_tail(address: str, actor_id: str, lines: int = LOG_LINES) -> str:
-    """The last ``lines`` lines of an actor's log (its stderr, where the ledger prints), over the state API's HTTP route
-    (``ray.util.state.get_log`` takes a GCS address, not the dashboard's)."""
+    """The last ``lines`` lines of an actor's log (its stderr, where the ledger prints), over
+    the state API's HTTP route (``ray.util.state.get_log`` takes a GCS address, not the
+    dashboard's)."""
     query = urllib.parse.urlencode({"actor_id": actor_id, "lines": lines, "suffix": "err"})
     request = urllib.request.Request(
         f"{address}/api/v0/logs/file?{query}", headers=get_auth_headers_if_auth_enabled({})
