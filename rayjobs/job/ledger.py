@@ -74,13 +74,10 @@ class Ledger(Tally):
         run_name: str = "rayjobs",
         datasets: tuple[str, ...] | list[str] = (),
         rereads: bool = False,
-        by: str = "tokens",
-        interval: float = LOG_INTERVAL,
     ):
         """``datasets``: the config's dataset names; every counter of each, and the pack
         counters, are exported at 0 from here on, before any batch (``_init_counter``).
-        ``rereads``: see ``Tally``. ``by``: the mix's unit (``mix.by``) in the progress lines,
-        printed every ``interval`` seconds (0: none)."""
+        ``rereads``: see ``Tally``."""
         # Tally's methods named, not super(): a subclass of this class defined elsewhere (pickled
         # by value, its bases by name) gets Ray's actor class for ``Ledger`` in the worker,
         # which is no instance of this one, so a zero-argument super() fails there.
@@ -104,18 +101,20 @@ class Ledger(Tally):
             _init_counter(counter, {"run": self._run})
         self._last_record: float | None = None
         self._lock = threading.Lock()  # the progress thread reads what the reports change
-        if interval:
-            progress = threading.Thread(
-                target=self._progress, args=(by, interval), name="progress", daemon=True
-            )
-            progress.start()
 
     def __repr__(self) -> str:
         """The name the dashboard's Actors page and log prefixes show."""
         return f"Ledger(run={self._run})"
 
+    def log_progress(self, by: str = "tokens", interval: float = LOG_INTERVAL) -> None:
+        """From now on, print the progress line to this actor's log every ``interval`` seconds
+        while the counts move, on a thread of its own; ``by``: the mix's unit (``mix.by``)."""
+        thread = threading.Thread(
+            target=self._progress, args=(by, interval), name="progress", daemon=True
+        )
+        thread.start()
+
     def _progress(self, by: str, interval: float) -> None:
-        """Print the progress line every ``interval`` seconds while the counts move."""
         last, last_time = None, time.monotonic()
         while True:
             time.sleep(interval)
@@ -218,6 +217,8 @@ class Ledger(Tally):
 def start_ledger(
     run_name: str, datasets: list[str], rereads: bool = False, by: str = "tokens"
 ) -> ray.actor.ActorHandle:
-    """The run's ``Ledger``, named ``run_name`` in ``NAMESPACE`` (``rayjobs status`` finds it)."""
-    options = {"name": run_name, "namespace": NAMESPACE}
-    return Ledger.options(**options).remote(run_name, datasets, rereads, by)
+    """The run's ``Ledger``, named ``run_name`` in ``NAMESPACE`` (``rayjobs status`` finds it),
+    printing its progress lines (``log_progress``)."""
+    ledger = Ledger.options(name=run_name, namespace=NAMESPACE).remote(run_name, datasets, rereads)
+    ledger.log_progress.remote(by)
+    return ledger

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import ROOT
-from rayjobs.job import monitor
+from rayjobs.job import monitor, watch
 from rayjobs.train import trackers
 from rayjobs.train.callbacks import LoopContext
 from rayjobs.train.checkpoint import TrainState
@@ -371,3 +371,49 @@ def test_a_missing_tracker_exits_2_naming_the_extra_before_ray_starts(monkeypatc
     err = capsys.readouterr().err
     assert "train.report_to: mlflow needs" in err and "pip install 'rayjobs[mlflow]'" in err
     assert started == []  # refused before start_job (which starts or joins Ray)
+
+
+@pytest.mark.parametrize(
+    ("rate", "mix", "expected"),
+    [
+        (
+            250.0,
+            (1, {"a": 0.5, "b": 0.5}),
+            {"tokens_per_s": 250, "mix": {"epoch": 1, "shares": {"a": 0.5, "b": 0.5}}},
+        ),
+        (None, (0, {"a": 1.0}), {"tokens_per_s": None}),  # one dataset: no mix on the line
+        (None, None, {"tokens_per_s": None}),
+    ],
+)
+def test_a_progress_line_reads_back_as_its_counts(rate, mix, expected):
+    """``rayjobs status`` reads a running job's counts from the ledger's last line, as printed
+    (``rayjobs: `` prefix and all): what ``format_line`` wrote comes back, efficiency rounded as
+    shown."""
+    now = {"rows": 15, "samples": 14, "tokens": 1000, "packs": 5, "efficiency": 0.77777}
+    line = "rayjobs: " + monitor.format_line(now, rate, mix)
+    counts = {"rows": 15, "samples": 14, "tokens": 1000, "packs": 5, "efficiency": 0.778}
+    assert monitor.parse_line(line) == counts | expected
+    assert monitor.parse_line("rayjobs: data: first packed rows after 1.0 s") is None
+
+
+def test_status_of_an_ended_run_gives_the_summarys_totals():
+    summary = {
+        "run_name": "rayjobs-1",
+        "datasets": {
+            "a": {"rows": 10, "samples": 9, "tokens": 900},
+            "b": {"rows": 5, "samples": 5, "tokens": 100},
+        },
+        "packed": {"num_packs": 4, "num_tokens": 1000, "efficiency": 0.9765625},
+    }
+    counts = watch.final_counts(summary)
+    assert counts == {
+        "rows": 15,
+        "samples": 14,
+        "tokens": 1000,
+        "packs": 4,
+        "efficiency": 0.9765625,
+    }
+    assert watch.counts_line(counts) == (
+        "data: rows 15  samples 14  tokens 1000  packs 4  packing 0.977"
+    )
+    assert watch.counts_line(None).startswith("data: no counts yet")
