@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from support.ray_head import Head
+from support.ray_head import Head, rayjobs
 
 ROOT = Path(__file__).resolve().parents[2]
 INSTALL = ROOT / "cluster" / "install-chromium.sh"
@@ -68,23 +68,6 @@ for actor in list_actors(address=sys.argv[1], filters=ledgers, detail=True):
 print(json.dumps(found))
 """
 """Ray's state API over the dashboard's address: every ledger, with its log."""
-
-
-def _rayjobs(head: Head, *argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "rayjobs.cli", *argv],
-        capture_output=True,
-        text=True,
-        env=head.env,
-        cwd=ROOT,
-        timeout=timeout,
-    )
-
-
-def _status(head: Head, submission: str) -> dict:
-    done = _rayjobs(head, "status", submission, "--address", head.url, "--json")
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.splitlines()[-1])
 
 
 def _ledgers(head: Head) -> list[dict]:
@@ -231,7 +214,7 @@ def runs(ray_head, tmp_path_factory) -> Runs:
     """Both runs, watched as they run and read back once they ended (see the module note)."""
     temp = tmp_path_factory.mktemp("dashboard")
     argv = ["configs/demo.yaml", *OVERRIDES]
-    submitted = _rayjobs(ray_head, "submit", *argv, "--address", ray_head.url, "--no-wait")
+    submitted = rayjobs(ray_head, "submit", *argv, "--address", ray_head.url, "--no-wait")
     assert submitted.returncode == 0, submitted.stderr[-3000:]
     result = Runs(re.search(r"submitted job (\S+)", submitted.stderr)[1])
     outputs = {"shell": temp / "shell.out", "watch": temp / "watch.out"}
@@ -267,7 +250,7 @@ def runs(ray_head, tmp_path_factory) -> Runs:
                 process.kill()
     records = [json.loads(x) for x in outputs["watch"].read_text().splitlines() if x[:1] == "{"]
     result.statuses, result.final = records[:-1], records[-1]
-    logs = _rayjobs(ray_head, "logs", result.submission, "--address", ray_head.url).stdout
+    logs = rayjobs(ray_head, "logs", result.submission, "--address", ray_head.url).stdout
     for run, lines in (("submitted", logs), ("shell", outputs["shell"].read_text())):
         last = [line for line in lines.splitlines() if line.startswith("{")][-1]
         result.summaries[run] = json.loads(last)
@@ -283,7 +266,6 @@ def runs(ray_head, tmp_path_factory) -> Runs:
 def test_every_dataset_is_named_after_its_run(runs):
     """Acceptance 1 and 3: the dashboard's Ray Data API lists each run's datasets under
     ``<run>.train`` (the demo trains on one stream, no eval sets), the run's summary name."""
-    print(json.dumps(runs.datasets)[:3000])
     for run in ("submitted", "shell"):
         name = runs.summaries[run]["run_name"]
         names = {d["dataset"] for d in runs.datasets[run]["datasets"]}

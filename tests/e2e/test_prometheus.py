@@ -44,7 +44,7 @@ import yaml
 
 from conftest import ROOT
 from rayjobs.metrics import METRICS
-from support.ray_head import Head, free_ports
+from support.ray_head import Head, free_ports, rayjobs
 
 INSTALL = ROOT / "cluster" / "install-prometheus.sh"
 SHIPPED_CONFIG = ROOT / "cluster" / "prometheus.yml"
@@ -363,17 +363,6 @@ def _project(folder: Path) -> Path:
     return path
 
 
-def _rayjobs(head: Head, *argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "rayjobs.cli", *argv],
-        capture_output=True,
-        text=True,
-        env=head.env,
-        cwd=ROOT,
-        timeout=timeout,
-    )
-
-
 @dataclass
 class Job:
     record: dict
@@ -393,7 +382,7 @@ def job(ray_head, prometheus, tmp_path_factory) -> Job:
     config = _project(folder)
     started = time.time()
     argv = ["submit", str(config), "--working-dir", str(folder), "--address", ray_head.url]
-    done = _rayjobs(ray_head, *argv, "--json", timeout=600)
+    done = rayjobs(ray_head, *argv, "--json", timeout=600)
     finished = time.time()
     assert done.returncode == 0, done.stderr[-4000:] + done.stdout[-2000:]
     record = json.loads(done.stdout.splitlines()[-1])
@@ -418,11 +407,11 @@ def test_submit_runs_the_job_and_follows_it_to_its_summary(ray_head, job):
     assert "dataset 'hh_chat'" in example and f"row {SUBSET_ROWS[1] // 2 + 1}:" in example
     # On the cluster `rayjobs run --json` printed the summary last, after Ray shut down: no
     # raylet warning or log line follows it.
-    logs = _rayjobs(ray_head, "logs", submission, "--address", ray_head.url)
+    logs = rayjobs(ray_head, "logs", submission, "--address", ray_head.url)
     assert logs.returncode == 0, logs.stderr[-2000:]
     last = [line for line in logs.stdout.splitlines() if line.strip()][-1]
     assert json.loads(last) == summary
-    status = _rayjobs(ray_head, "status", submission, "--address", ray_head.url, "--json")
+    status = rayjobs(ray_head, "status", submission, "--address", ray_head.url, "--json")
     assert json.loads(status.stdout.splitlines()[-1])["status"] == "SUCCEEDED"
 
 

@@ -50,6 +50,19 @@ class Head:
         return self.temp / DISCOVERY
 
 
+def rayjobs(head: Head, *argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``python -m rayjobs.cli ARGV`` from the checkout, with ``head``'s environment (its token
+    auth), as a user's shell runs it; its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "rayjobs.cli", *argv],
+        capture_output=True,
+        text=True,
+        env=head.env,
+        cwd=Path(__file__).resolve().parents[2],
+        timeout=timeout,
+    )
+
+
 def free_ports(count: int) -> list[int]:
     sockets = [socket.socket() for _ in range(count)]
     for sock in sockets:
