@@ -270,7 +270,10 @@ def test_planned_mode_keeps_every_data_operator_on_the_data_nodes(monkeypatch):
         def map_groups(self, fn, **kwargs):
             return self.map_batches(fn, **kwargs)
 
-    reads = []
+        def set_name(self, name):
+            names.append(name)
+
+    reads, names = [], []
     monkeypatch.setattr(
         pipeline,
         "read_dataset",
@@ -280,9 +283,11 @@ def test_planned_mode_keeps_every_data_operator_on_the_data_nodes(monkeypatch):
     pipeline.tokenize(config)
     planned = epochs.Epochs.__new__(epochs.Epochs)
     planned.config, planned.ledger, planned.pad_id, planned.tokenized = config, None, 0, Operator()
+    planned.run = "r"
     monkeypatch.setattr(planned, "pack_plan", lambda epoch: {}, raising=False)
     planned.packed(0)
     assert reads == [selector, selector]
+    assert names == ["r.train.epoch-0"]  # what the dashboard's Ray Data Overview lists
     assert calls == [("Tokenize", selector), ("ExpandPlan", selector), ("AssemblePacks", selector)]
 
 
