@@ -25,7 +25,6 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,32 +54,27 @@ to the dashboard's page by the test's proxy: Chromium's command line cannot clic
 TOKENS = re.compile(r"rayjobs: data: rows \d+  samples \d+  tokens (\d+)")
 
 STATE = """
-import json, sys
+import json, re, sys, time
 from ray.util.state import list_actors
 from rayjobs.job.watch import log_tail
-found = []
-ledgers = [("class_name", "=", "Ledger")]
-for actor in list_actors(address=sys.argv[1], filters=ledgers, detail=True):
-    log = log_tail(sys.argv[1], actor.actor_id)
-    found.append({"id": actor.actor_id, "name": actor.name, "namespace": actor.ray_namespace,
-                  "state": actor.state, "repr": actor.repr_name, "job_id": actor.job_id,
-                  "log": log})
-print(json.dumps(found))
+tokens, seen = re.compile(sys.argv[2]), False
+while True:
+    alive = [("class_name", "=", "Ledger"), ("state", "=", "ALIVE")]
+    found = [
+        {"id": actor.actor_id, "name": actor.name, "namespace": actor.ray_namespace,
+         "repr": actor.repr_name, "job_id": actor.job_id,
+         "log": log_tail(sys.argv[1], actor.actor_id)}
+        for actor in list_actors(address=sys.argv[1], filters=alive, detail=True)
+    ]
+    print(json.dumps(found), flush=True)
+    if len({x["job_id"] for x in found if tokens.search(x["log"])}) == 2 or (seen and not found):
+        break  # both runs' ledgers at once, or every ledger gone
+    seen = seen or bool(found)
+    time.sleep(1)
 """
-"""Ray's state API over the dashboard's address: every ledger, with its log."""
-
-
-def _ledgers(head: Head) -> list[dict]:
-    done = subprocess.run(
-        [sys.executable, "-c", STATE, head.url],
-        capture_output=True,
-        text=True,
-        env=head.env,
-        cwd=ROOT,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.splitlines()[-1])
+"""Ray's state API over the dashboard's address, every second: the live ledgers, each with its
+log (one JSON line a read), until both runs' ledgers have printed progress lines, or none is
+left."""
 
 
 def _api(head: Head, path: str) -> dict:
@@ -97,8 +91,12 @@ class Runs:
     submission: str
     statuses: list[dict] = field(default_factory=list)
     """``rayjobs status --json --watch``'s records of the submitted job while it ran."""
-    ledgers: list[dict] = field(default_factory=list)
-    """The state API's ledgers, read once both runs' ledgers had printed a progress line."""
+    ledgers: dict[str, dict] = field(default_factory=dict)
+    """The state API's ledgers by name, each as last read alive with a progress line."""
+    together: bool = False
+    """Whether one read of the state API found both runs' ledgers alive with progress lines."""
+    polls: list[list] = field(default_factory=list)
+    """Each read of the state API: (name, progress lines) of every live ledger."""
     pages: dict[str, str] = field(default_factory=dict)
     """The dashboard pages Chromium rendered once the runs ended: page → its DOM."""
     browser: str | None = None
@@ -199,7 +197,7 @@ def _render_pages(result: Runs, head: Head, temp: Path) -> None:
         result.browser = why
         return
     shots = os.environ.get("RAYJOBS_SCREENSHOTS")
-    [ledger] = [x for x in result.ledgers if x["job_id"] == result.final["job_id"]]
+    [ledger] = [x for x in result.ledgers.values() if x["job_id"] == result.final["job_id"]]
     with _authenticating_proxy(head) as url:
         for page, path in (
             ("job", f"/#/jobs/{result.submission}"),
@@ -217,44 +215,44 @@ def runs(ray_head, tmp_path_factory) -> Runs:
     submitted = rayjobs(ray_head, "submit", *argv, "--address", ray_head.url, "--no-wait")
     assert submitted.returncode == 0, submitted.stderr[-3000:]
     result = Runs(re.search(r"submitted job (\S+)", submitted.stderr)[1])
-    outputs = {"shell": temp / "shell.out", "watch": temp / "watch.out"}
+    outputs = {name: temp / f"{name}.out" for name in ("shell", "watch", "state")}
     commands = {
-        "shell": ["run", *argv, f"train.storage_path={temp / 'runs'}", "--json"]
-        + ["--address", ray_head.address],
-        "watch": ["status", result.submission, "--address", ray_head.url, "--json", "--watch"],
+        "shell": ["-m", "rayjobs.cli", "run", *argv, f"train.storage_path={temp / 'runs'}"]
+        + ["--json", "--address", ray_head.address],
+        "watch": ["-m", "rayjobs.cli", "status", result.submission, "--json", "--watch"]
+        + ["--address", ray_head.url],
+        "state": ["-c", STATE, ray_head.url, TOKENS.pattern],
     }
     processes = {}
     try:
         for name, command in commands.items():
             with open(outputs[name], "w") as out:
                 processes[name] = subprocess.Popen(
-                    [sys.executable, "-m", "rayjobs.cli", *command],
+                    [sys.executable, *command],
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     env=ray_head.env,
                     cwd=ROOT,
                 )
-        deadline = time.monotonic() + 600
-        while processes["watch"].poll() is None and time.monotonic() < deadline:
-            time.sleep(2)
-            if not result.ledgers:
-                ledgers = _ledgers(ray_head)
-                printed = [x for x in ledgers if x["state"] == "ALIVE" and TOKENS.search(x["log"])]
-                if len({x["job_id"] for x in printed}) == 2:  # both runs' ledgers counting
-                    result.ledgers = ledgers
         for name, process in processes.items():
             assert process.wait(timeout=600) == 0, outputs[name].read_text()[-4000:]
     finally:
         for process in processes.values():
             if process.poll() is None:
                 process.kill()
+    reads = [x for x in outputs["state"].read_text().splitlines() if x[:1] == "["]
+    for found in map(json.loads, reads):
+        printed = [x for x in found if TOKENS.search(x["log"])]
+        result.polls.append([(x["name"], len(TOKENS.findall(x["log"]))) for x in found])
+        result.together |= len({x["job_id"] for x in printed}) == 2
+        result.ledgers |= {x["name"]: x for x in printed}  # each ledger's latest, alive
     records = [json.loads(x) for x in outputs["watch"].read_text().splitlines() if x[:1] == "{"]
     result.statuses, result.final = records[:-1], records[-1]
     logs = rayjobs(ray_head, "logs", result.submission, "--address", ray_head.url).stdout
     for run, lines in (("submitted", logs), ("shell", outputs["shell"].read_text())):
         last = [line for line in lines.splitlines() if line.startswith("{")][-1]
         result.summaries[run] = json.loads(last)
-    for ledger in result.ledgers:
+    for ledger in result.ledgers.values():
         run = "submitted" if ledger["job_id"] == result.final["job_id"] else "shell"
         result.job_ids[run] = ledger["job_id"]
     for run, job_id in result.job_ids.items():
@@ -276,7 +274,8 @@ def test_each_run_has_its_own_named_ledger_logging_its_counts(runs):
     """Acceptance 1, 3 and 4: while both ran, Ray's state API listed two live ledgers, each named
     after its run in the ``rayjobs`` namespace, its repr naming the run, its log holding progress
     lines with token counts that end at most at its run's final total."""
-    alive = {x["name"]: x for x in runs.ledgers if x["state"] == "ALIVE"}
+    alive = runs.ledgers
+    assert runs.together, runs.polls
     for run in ("submitted", "shell"):
         summary = runs.summaries[run]
         ledger = alive[summary["run_name"]]
@@ -285,7 +284,7 @@ def test_each_run_has_its_own_named_ledger_logging_its_counts(runs):
         tokens = [int(t) for t in TOKENS.findall(ledger["log"])]
         total = sum(d["tokens"] for d in summary["datasets"].values())
         assert tokens and 0 < tokens[-1] <= total, (run, tokens, total)
-    assert len({x["job_id"] for x in alive.values()}) == 2  # one per run, never shared
+    assert len({x["job_id"] for x in alive.values()}) == 2, runs.polls  # one per run
 
 
 def test_status_shows_growing_counts_then_the_summarys_totals(runs):
