@@ -495,6 +495,9 @@ class Config(Strict):
     (the initial model)."""
     datasets: list[DatasetConfig] = Field(min_length=1)
     tokenizer: TokenizerConfig
+    """The run's tokenizer; may be left out (or given without ``path``) with a pretrained
+    ``train.model.path`` (``kind: hf``): the model's own tokenizer, chat template and special
+    tokens, as TRL takes them (``_tokenizer_from_model``)."""
     packing: PackingConfig = Field(default_factory=PackingConfig)
     mix: MixConfig = Field(default_factory=MixConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
@@ -505,6 +508,26 @@ class Config(Strict):
     allow_duplicate_sources: bool = False
     """Let one file be read by two datasets (two training datasets, or an eval dataset and
     another); by default that is refused, naming both (``rayjobs.config.load``)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tokenizer_from_model(cls, data: Any) -> Any:
+        """No ``tokenizer.path``: the pretrained model's folder (or Hub name) is the tokenizer's,
+        resolved against the config's folder as the model's path is."""
+        if not isinstance(data, dict):
+            return data
+        tokenizer, train = data.get("tokenizer"), data.get("train")
+        model = train.get("model") if isinstance(train, dict) else None
+        if tokenizer is not None and (not isinstance(tokenizer, dict) or "path" in tokenizer):
+            return data
+        if isinstance(model, dict) and model.get("kind") == "hf" and model.get("path"):
+            return {**data, "tokenizer": {**(tokenizer or {}), "path": model["path"]}}
+        if tokenizer is None:
+            raise ValueError(
+                "tokenizer: missing; set tokenizer.path, or train.model.path (kind: hf, a "
+                "pretrained model) to use the model's own tokenizer"
+            )
+        return data
 
     @model_validator(mode="after")
     def _task_fits(self) -> Config:
