@@ -16,6 +16,7 @@ from rayjobs.data import seeds
 from rayjobs.data.tokenizer import Tokenizer
 from rayjobs.errors import ConfigError
 from rayjobs.train.hf import attention_layers, build_hf_model, hf_config
+from rayjobs.train.lora import adapt
 from rayjobs.train.model import Decoder, DecoderConfig, PackedLM
 
 logger = logging.getLogger(__name__)
@@ -31,6 +32,9 @@ def resolve_attention(attention: str, device: torch.device) -> str:
         )
     return attention
 
+
+PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+"""``train.param_dtype`` → the parameters' torch dtype."""
 
 HF_ATTENTION = {"sdpa": "sdpa", "flex": "flex_attention"}
 """``train.attention`` (resolved) → the Hugging Face attention implementation it means."""
@@ -66,7 +70,9 @@ def build_model(
                 n_heads=spec.n_heads,
             )
         )
-        packed = PackedLM(decoder, attention, chunk).to(device)
+        packed = PackedLM(decoder, attention, chunk).to(
+            device, PARAM_DTYPES[config.train.param_dtype]
+        )
         if config.train.activation_checkpointing:
             enable_activation_checkpointing(packed)
         return packed
@@ -83,7 +89,11 @@ def build_model(
     except (OSError, ValueError, KeyError) as error:
         raise ValueError(_cannot_build(spec, error)) from None
     packed = PackedLM(model.to(device), loss_chunk_tokens=chunk)
-    packed.check_head()
+    packed.check_head()  # in fp32, before the cast and the adapters
+    if config.train.param_dtype == "bf16":
+        packed.to(torch.bfloat16)
+    if config.train.lora is not None:
+        packed.model = adapt(packed.model, config.train.lora)
     if config.train.activation_checkpointing:
         enable_activation_checkpointing(packed)
     if config.task == "dpo" and config.dpo.disable_dropout:
@@ -261,10 +271,24 @@ def lr_lambda(schedule: str, warmup_steps: int, max_steps: int | None, min_ratio
 
 
 def use_bf16(precision: str, device: torch.device) -> bool:
-    """Whether the forward runs under bf16 autocast (``train.precision``)."""
+    """Whether the forward runs under bf16 autocast (``train.precision``; fp16: see
+    ``loss_scaler``)."""
     if precision == "auto":
         return device.type == "cuda" and torch.cuda.is_bf16_supported()
     return precision == "bf16"
+
+
+def loss_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler | None:
+    """``train.precision: fp16``'s loss scaler (the forward then runs under fp16 autocast,
+    ``train_step``); None otherwise."""
+    return torch.amp.GradScaler(device.type) if precision == "fp16" else None
+
+
+def compute_dtype(spec: TrainConfig, bf16: bool) -> str:
+    """The dtype the forward computes in, for the summary and the progress line."""
+    if spec.precision == "fp16":
+        return "fp16"
+    return "bf16" if bf16 or spec.param_dtype == "bf16" else "fp32"
 
 
 def transformer_blocks(packed: PackedLM) -> list[torch.nn.Module]:
@@ -320,8 +344,9 @@ def build_optimizer(model: torch.nn.Module, spec: TrainConfig) -> torch.optim.Ad
     gains (parameters of fewer than 2 dimensions) are in a group without decay, as HF's Trainer
     (and so TRL) and nanoGPT do; decaying a norm gain pulls it toward 0 even where its gradient
     is 0. By dimension rather than by name: it holds for any architecture (Qwen3's q/k norms,
-    Gemma's, the demo decoder's) and for FSDP2's DTensor parameters."""
-    params = list(model.parameters())
+    Gemma's, the demo decoder's) and for FSDP2's DTensor parameters. Frozen parameters (a LoRA
+    base) are left out. Its state is in each parameter's dtype (torch's AdamW)."""
+    params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": spec.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
