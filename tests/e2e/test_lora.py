@@ -8,10 +8,11 @@ import os
 
 import torch
 
-from conftest import ROOT
+from conftest import GPT2, ROOT
 from rayjobs.cli import format_summary
 from rayjobs.config import load_config
 from rayjobs.job.pipeline import run
+from support.models import CHATML, pretrained_folder, tiny_qwen2
 
 TINY_LLAMA = ROOT / "configs" / "tiny_llama.yaml"
 SHORT = ["packing.seq_len=256", "eval.datasets=[]", "eval.every_steps=null"]
@@ -76,3 +77,32 @@ def test_bf16_parameters_train_and_load_in_bf16(ray_local, tmp_path):
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
     logits, trained = _probe_logits(model.eval(), summary["checkpoint"])
     assert (logits - trained).abs().max() <= 0.05 * trained.abs().max(), "not the trained model"
+
+
+def test_the_pretrained_example_runs_on_cpu(ray_local, tmp_path):
+    """configs/qwen2_5_0_5b_lora.yaml end to end on CPU, its Hub model replaced by a local folder
+    of the same architecture (``train.model.path``; its tokenizer and chat template come with
+    it): LoRA on every linear layer of a bf16 base, the loss falls, and the adapter loads on that
+    base with ``PeftModel.from_pretrained`` to the trained model's logits (to bf16's
+    precision); the merged model is written beside it."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    folder = pretrained_folder(tmp_path / "qwen", GPT2, tiny_qwen2(), CHATML)
+    overrides = [
+        f"train.model.path={folder}", "train.use_gpu=false", "train.num_workers=1",
+        "train.cpus_per_worker=1", "train.max_steps=4", "train.warmup_steps=0", "train.lr=0.01",
+        *SHORT, f"train.storage_path={tmp_path / 'runs'}",
+    ]  # fmt: skip
+    summary = run(load_config(ROOT / "configs" / "qwen2_5_0_5b_lora.yaml", overrides))
+    assert summary["steps_per_rank"] == [4] and summary["param_dtype"] == "bf16"
+    counts = summary["parameters"]
+    assert 0 < counts["trainable"] < 0.05 * counts["total"], counts
+    assert summary["loss_last"] < summary["loss_first"], summary
+    checkpoint = summary["checkpoint"]
+    assert {"adapter_model.safetensors", "merged"} <= set(os.listdir(checkpoint))
+    assert "base_model" not in os.listdir(checkpoint)  # the base is train.model.path
+    base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    adapted = PeftModel.from_pretrained(base, checkpoint).eval()
+    logits, trained = _probe_logits(adapted, checkpoint)
+    assert (logits - trained).abs().max() <= 0.05 * trained.abs().max()

@@ -21,6 +21,20 @@ def tiny_llama(max_position_embeddings: int, **changes) -> dict:
     }
 
 
+def tiny_qwen2(**changes) -> dict:
+    """Qwen2.5-Instruct's architecture (Qwen2: biased q/k/v, tied embeddings, 32,768 positions,
+    a sliding window it does not use) at ``tiny_llama``'s size, for a local stand-in of the
+    Hub model."""
+    return {
+        **tiny_llama(32768),
+        "model_type": "qwen2",
+        "tie_word_embeddings": True,
+        "use_sliding_window": False,
+        "sliding_window": 32768,
+        **changes,
+    }
+
+
 CHATML = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

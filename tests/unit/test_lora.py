@@ -9,9 +9,10 @@ import io
 
 import pytest
 import torch
+import yaml
 
 from conftest import ALPACA, GPT2
-from rayjobs.config import ConfigError, config_from_dict
+from rayjobs.config import ConfigError, config_from_dict, load_config
 from rayjobs.data.tokenizer import Tokenizer
 from rayjobs.train.build import build_model, build_optimizer
 from rayjobs.train.checkpoint import full_state, load_state, save_model
@@ -177,3 +178,31 @@ def test_fp16_autocast_with_a_loss_scaler_trains(tokenizer):
         assert abs(half.loss - full.loss) < 0.05 * full.loss, (half, full)
         assert abs(half.grad_norm - full.grad_norm) < 0.1 * full.grad_norm, (half, full)
     assert scaler.get_scale() == 2.0**10, "guard: no step overflowed and was skipped"
+
+
+# a peer's key (TRL, Axolotl, torchtune, HF) → what the refusal names
+PEER_KEYS = {
+    "train.adapter=lora": "train.adapter: unknown key; use train.lora (a section of PEFT's keys",
+    "train.use_peft=true": "train.use_peft: unknown key; use train.lora",
+    "train.peft_config.r=8": "train.peft_config: unknown key; use train.lora",
+    "train.lora_r=8": "train.lora_r: unknown key; use train.lora.r",
+    "train.lora.lora_r=8": "train.lora.lora_r: unknown key; use train.lora.r",
+    "train.lora_alpha=16": "train.lora_alpha: unknown key; use train.lora.lora_alpha",
+    "train.lora_dropout=0.1": "train.lora_dropout: unknown key; use train.lora.lora_dropout",
+    "train.lora_target_modules=[q_proj]": "use train.lora.target_modules",
+    "train.bf16=true": "train.bf16: unknown key; use train.precision (bf16 autocast; bf16 weights",
+    "train.fp16=true": "train.fp16: unknown key; use train.precision (fp16: autocast with a loss",
+    "train.torch_dtype=bfloat16": "train.torch_dtype: unknown key; use train.param_dtype",
+    "train.dtype=bf16": "train.dtype: unknown key; use train.param_dtype",
+    "train.lora.load_in_4bit=true": "QLoRA (a 4-bit base) is not supported: it needs CUDA and "
+    "bitsandbytes; use train.lora with train.param_dtype: bf16",
+}
+
+
+@pytest.mark.parametrize("override", sorted(PEER_KEYS))
+def test_a_peers_lora_and_dtype_keys_name_the_rayjobs_key(override, tmp_path):
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(_raw({})))
+    with pytest.raises(ConfigError) as refused:
+        load_config(path, [override])
+    assert PEER_KEYS[override] in str(refused.value), str(refused.value)

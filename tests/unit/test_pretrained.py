@@ -10,11 +10,11 @@ import shutil
 import pytest
 import yaml
 
-from conftest import ALPACA, DEMO_TOKENIZER, GPT2
+from conftest import ALPACA, DEMO_TOKENIZER, GPT2, ROOT
 from rayjobs.cli import main
 from rayjobs.config import load_config
 from rayjobs.data.tokenizer import Tokenizer
-from support.models import CHATML, pretrained_folder, tiny_llama
+from support.models import CHATML, pretrained_folder, tiny_llama, tiny_qwen2
 
 
 @pytest.fixture(scope="module")
@@ -114,3 +114,31 @@ def test_a_chosen_eos_token_is_a_warning_not_an_error(tmp_path, llama, capsys):
     warned = capsys.readouterr().err
     assert "rayjobs: warning: tokenizer.eos_token: the tokenizer's eos id is 3 but" in warned
     assert "(tokenizer.eos_token: '<|pad|>' chosen)" in warned
+
+
+QWEN_EXAMPLE = ROOT / "configs" / "qwen2_5_0_5b_lora.yaml"
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    """A local stand-in for Qwen/Qwen2.5-0.5B-Instruct (no Qwen tokenizer offline): its
+    architecture at tiny sizes, random weights, the GPT-2 tokenizer's files with a ChatML
+    template."""
+    return pretrained_folder(tmp_path_factory.mktemp("qwen"), GPT2, tiny_qwen2(), CHATML)
+
+
+def test_the_pretrained_example_validates_against_a_local_folder(qwen, capsys):
+    """configs/qwen2_5_0_5b_lora.yaml names the Hub model (and so its tokenizer), LoRA, bf16 and
+    GPUs; offline, ``validate`` checks it with ``train.model.path`` overridden to a folder of the
+    same architecture: the model's own tokenizer and chat template, seq_len within its
+    positions."""
+    config = load_config(QWEN_EXAMPLE)
+    assert config.train.model.path == config.tokenizer.path == "Qwen/Qwen2.5-0.5B-Instruct"
+    assert config.train.lora.target_modules == "all-linear" and config.train.use_gpu
+    assert config.train.param_dtype == "bf16"
+    override = f"train.model.path={qwen}"
+    assert main(["validate", str(QWEN_EXAMPLE), override, "--rows", "4"]) == 0
+    out = capsys.readouterr().out
+    assert f"model: kind hf, qwen2 from {qwen}, vocab_size 50257" in out
+    assert "tokenizer: the model's own" in out
+    assert Tokenizer(load_config(QWEN_EXAMPLE, [override]).tokenizer).chat_template == CHATML
