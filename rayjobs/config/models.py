@@ -105,11 +105,6 @@ def check_training_choices(train: Any) -> None:
             "train.lora adapts a Hugging Face model (PEFT): set train.model.kind: hf; the demo "
             "decoder trains whole"
         )
-    if train.lora is not None and train.parallelism == "fsdp":
-        raise ValueError(
-            "train.lora with train.parallelism: fsdp is not supported yet; use ddp (every worker "
-            "holds the frozen base once, only the adapters' gradients are all-reduced)"
-        )
     if train.precision == "fp16" and not train.use_gpu:
         raise ValueError(
             "train.precision: fp16 (autocast with a loss scaler) runs on CUDA only; set "

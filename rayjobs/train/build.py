@@ -93,7 +93,8 @@ def build_model(
     if config.train.param_dtype == "bf16":
         packed.to(torch.bfloat16)
     if config.train.lora is not None:
-        packed.model = adapt(packed.model, config.train.lora)
+        fp32_adapters = config.train.parallelism != "fsdp"
+        packed.model = adapt(packed.model, config.train.lora, fp32_adapters)
     if config.train.activation_checkpointing:
         enable_activation_checkpointing(packed)
     if config.task == "dpo" and config.dpo.disable_dropout:

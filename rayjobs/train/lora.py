@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM
 
 from rayjobs.config import LoraConfig
 
@@ -26,17 +27,19 @@ MERGED = "merged"
 """The folder of the final checkpoint that holds the merged model (``save_merged``)."""
 
 
-def adapt(model: torch.nn.Module, spec: LoraConfig) -> PeftModel:
+def adapt(model: torch.nn.Module, spec: LoraConfig, fp32_adapters: bool = True) -> PeftModel:
     """``model`` with LoRA adapters (PEFT's ``get_peft_model``): every base parameter frozen,
     the adapters (and ``modules_to_save``) trainable; on a bf16 base the adapters are fp32 (PEFT's
-    ``autocast_adapter_dtype``).
+    ``autocast_adapter_dtype``) where ``fp32_adapters``, else the base's dtype (FSDP2 gathers a
+    group's parameters in one dtype).
 
     Raises:
         ValueError: naming ``train.lora`` and what PEFT refused (a target module the model does
             not have, for one).
     """
     try:
-        return get_peft_model(model, PeftLoraConfig(task_type="CAUSAL_LM", **spec.peft()))
+        config = PeftLoraConfig(task_type="CAUSAL_LM", **spec.peft())
+        return get_peft_model(model, config, autocast_adapter_dtype=fp32_adapters)
     except (ValueError, KeyError, TypeError) as error:
         raise ValueError(f"train.lora: {error}") from None
 
@@ -65,8 +68,22 @@ def save_adapted(
     model.save_pretrained(directory, state_dict=state_dict)
     folders = []
     if not model.peft_config["default"].base_model_name_or_path:  # a random init
-        copy.deepcopy(model).unload().save_pretrained(os.path.join(directory, BASE))
+        _whole_copy(model, state_dict).unload().save_pretrained(os.path.join(directory, BASE))
     if merged:
         folders.append(os.path.join(directory, MERGED))
-        copy.deepcopy(model).merge_and_unload().save_pretrained(folders[-1])
+        _whole_copy(model, state_dict).merge_and_unload().save_pretrained(folders[-1])
     return folders
+
+
+def _whole_copy(model: PeftModel, state_dict: dict[str, Any] | None) -> PeftModel:
+    """A copy of ``model`` to unload or merge (both change the model they run on): a deep copy,
+    or, for a sharded model (FSDP2, whose ``state_dict`` is the gathered one), the same
+    architecture and adapters built whole on the CPU with that state loaded."""
+    if state_dict is None:
+        return copy.deepcopy(model)
+    base = model.get_base_model()
+    dtype = next(p.dtype for n, p in model.named_parameters() if "lora_" not in n)
+    whole = AutoModelForCausalLM.from_config(base.config, dtype=dtype)
+    whole = get_peft_model(whole, copy.deepcopy(model.peft_config["default"]))
+    whole.load_state_dict(state_dict)
+    return whole

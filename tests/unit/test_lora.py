@@ -6,13 +6,15 @@ taken, and fp16 autocast with a loss scaler (the CUDA path's step, run here on C
 from __future__ import annotations
 
 import io
+import os
+import socket
 
 import pytest
 import torch
 import yaml
 
 from conftest import ALPACA, GPT2
-from rayjobs.config import ConfigError, config_from_dict, load_config
+from rayjobs.config import ConfigError, TrainConfig, config_from_dict, load_config
 from rayjobs.data.tokenizer import Tokenizer
 from rayjobs.train.build import build_model, build_optimizer
 from rayjobs.train.checkpoint import full_state, load_state, save_model
@@ -72,10 +74,6 @@ REFUSED = {
     "lora_on_the_demo_decoder": (
         {"lora": {"r": 8}, "model": {"kind": "demo"}},
         "train.lora adapts a Hugging Face model (PEFT): set train.model.kind: hf",
-    ),
-    "lora_under_fsdp": (
-        {"lora": {"r": 8}, "parallelism": "fsdp"},
-        "train.lora with train.parallelism: fsdp is not supported yet; use ddp",
     ),
     "fp16_on_cpu": (
         {"precision": "fp16"},
@@ -206,3 +204,111 @@ def test_a_peers_lora_and_dtype_keys_name_the_rayjobs_key(override, tmp_path):
     with pytest.raises(ConfigError) as refused:
         load_config(path, [override])
     assert PEER_KEYS[override] in str(refused.value), str(refused.value)
+
+
+def _lora_llama(tokenizer: Tokenizer) -> torch.nn.Module:
+    """The tiny Llama with adapters on every linear layer, as ``parallelism: fsdp`` builds it,
+    their B matrices made non-zero (as after some training)."""
+    lora = {"r": 4, "target_modules": "all-linear"}
+    _, packed = _built(tokenizer, lora=lora, parallelism="fsdp")
+    generator = torch.Generator().manual_seed(1)
+    for name, parameter in packed.named_parameters():
+        if "lora_B" in name:
+            parameter.data.normal_(std=0.1, generator=generator)
+    return packed
+
+
+def _fsdp_lora_worker(rank: int, port: int, folder: str) -> None:
+    """One rank of a two-process FSDP2 run of ``_lora_llama``: a step on its own batch, the
+    final save (merged too) as the loop does it, then a restart from the gathered state,
+    written as ``TRAIN_STATE`` and read back by ``restore`` (rank 0 only)."""
+    import dataclasses
+    import types
+
+    import ray.train
+    import torch.distributed as dist
+
+    from rayjobs.train import checkpoint
+    from rayjobs.train.build import parallelize
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    tokenizer = Tokenizer(config_from_dict(_raw({})).tokenizer)
+    packed = _lora_llama(tokenizer)
+    model = parallelize(packed, "fsdp")
+    spec = TrainConfig()
+    optimizer = build_optimizer(model, spec)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    result = train_step(
+        model, optimizer, scheduler, [_batch(rank)], fsdp=True, bf16=False, spec=spec
+    )
+    state, optimizer_state = full_state(model, optimizer, fsdp=True)
+    final = checkpoint.full_model_state(model)
+    save_model(packed, tokenizer, os.path.join(folder, "final"), final, rank == 0, merged=True)
+    restart = os.path.join(folder, f"checkpoint_rank{rank}")
+    os.makedirs(restart)
+    if rank == 0:
+        blob = {"model": state, "optimizer": optimizer_state, "scheduler": scheduler.state_dict()}
+        blob["state"] = dataclasses.asdict(checkpoint.TrainState(steps=1))
+        torch.save(blob, os.path.join(restart, checkpoint.TRAIN_STATE))
+    ray.train.get_checkpoint = lambda: ray.train.Checkpoint.from_directory(restart)
+    ray.train.get_context = lambda: types.SimpleNamespace(get_world_rank=lambda: rank)
+    fresh = parallelize(_lora_llama(tokenizer), "fsdp")
+    fresh_optimizer = build_optimizer(fresh, spec)
+    fresh_scheduler = torch.optim.lr_scheduler.LambdaLR(fresh_optimizer, lambda _: 1.0)
+    checkpoint.restore(fresh, fresh_optimizer, fresh_scheduler, fsdp=True)
+    reloaded, reloaded_optimizer = full_state(fresh, fresh_optimizer, fsdp=True)
+    if rank == 0:
+        out = {"loss": result.loss, "norm": result.grad_norm, "state": state}
+        out |= {"reloaded": reloaded, "optimizer": optimizer_state["state"]}
+        out["reloaded_optimizer"] = reloaded_optimizer["state"]
+        torch.save(out, os.path.join(folder, "result.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.e2e
+def test_lora_under_fsdp2_takes_the_single_process_step_and_saves_and_restores(tokenizer, tmp_path):
+    """LoRA under FSDP2 on two gloo processes: the step of one process on both ranks' batches
+    (loss, gradient norm, every parameter), the final checkpoint's adapter, random base and
+    merged model gathered and loadable, and a restart's model and optimizer state exactly what
+    was saved."""
+    import torch.multiprocessing as mp
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    os.makedirs(tmp_path / "final")
+    mp.spawn(_fsdp_lora_worker, args=(port, str(tmp_path)), nprocs=2)
+    result = torch.load(tmp_path / "result.pt", weights_only=True)
+    reference = _lora_llama(tokenizer)
+    spec = TrainConfig()
+    optimizer = build_optimizer(reference, spec)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    group = [_batch(0), _batch(1)]  # two micro-batches: the step of one batch of both
+    expected = train_step(reference, optimizer, scheduler, group, fsdp=False, bf16=False, spec=spec)
+    assert result["loss"] == pytest.approx(expected.loss, abs=1e-5)
+    assert result["norm"] == pytest.approx(expected.grad_norm, rel=1e-4)
+    state = reference.state_dict()
+    assert set(result["state"]) == set(state)
+    for name, value in state.items():
+        torch.testing.assert_close(result["state"][name], value, atol=1e-6, rtol=1e-5, msg=name)
+    for name, value in result["state"].items():
+        assert torch.equal(result["reloaded"][name], value), name
+    assert result["optimizer"].keys() == result["reloaded_optimizer"].keys()
+    assert len(result["optimizer"]) == 2 * 7 * 2, "guard: the adapters' AdamW state only"
+    for name, value in result["optimizer"].items():
+        assert torch.equal(result["reloaded_optimizer"][name]["exp_avg"], value["exp_avg"])
+    final = tmp_path / "final"
+    probe = torch.load(final / "probe.pt", weights_only=True)
+    base = AutoModelForCausalLM.from_pretrained(final / "base_model")
+    loaded = {
+        "adapter": PeftModel.from_pretrained(base, final).eval(),
+        "merged": AutoModelForCausalLM.from_pretrained(final / "merged").eval(),
+    }
+    for name, model in loaded.items():
+        with torch.no_grad():
+            logits = model(input_ids=probe["input_ids"]).logits
+        torch.testing.assert_close(logits, probe["logits"], atol=1e-5, rtol=0, msg=name)
