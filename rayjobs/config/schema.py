@@ -285,7 +285,7 @@ class TrainConfig(Strict):
     param_dtype: Literal["fp32", "bf16"] = "fp32"
     """The parameters' dtype (torchtune's ``dtype``): bf16 halves the weights' memory and the
     AdamW state's, which torch keeps in the parameters' dtype (docs/training.md, "Precision");
-    LoRA adapters stay fp32 on a bf16 base."""
+    LoRA adapters stay fp32 on a bf16 base (bf16 under FSDP2, which gathers one dtype)."""
     lora: LoraConfig | None = None
     """LoRA adapters through PEFT (``kind: hf``); null: full fine-tuning."""
     parallelism: Literal["ddp", "fsdp"] = "ddp"
