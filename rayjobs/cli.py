@@ -324,6 +324,16 @@ def format_summary(summary: dict[str, Any]) -> str:
     ]
     if summary.get("untrained_packs"):
         lines[-1] += f"  ({summary['untrained_packs']} packs made, not trained: untrained_packs)"
+    if "parameters" in summary:
+        counts = summary["parameters"]
+        share = f"{counts['trainable'] / max(1, counts['total']):.2%}"
+        if "lora" in summary:
+            share += f", LoRA r {summary['lora']['r']}"
+        lines.append(
+            f"model {summary['model']}: {counts['trainable']:,} of {counts['total']:,} parameters "
+            f"trainable ({share})  parameters {summary['param_dtype']}, compute "
+            f"{summary['precision']}"
+        )
     for name, stats in summary["datasets"].items():
         lines.append(_dataset_line(name, stats))
     if "dpo" in summary:

@@ -27,6 +27,11 @@ DEMO_TOKENIZER = {
 """The demo's tokenizer section (configs/demo.yaml): a 4,096-token BPE, so a training step costs
 little on a CPU, where GPT-2's 50,257-way projection costs seconds."""
 
+HUB_MODEL_CONFIGS = ("qwen2_5_0_5b_lora.yaml",)
+"""Shipped configs whose model, and so tokenizer, is a Hub name (nothing downloads in the tests):
+validated and run with ``train.model.path`` overridden to a local folder of the same architecture
+(tests/unit/test_pretrained.py, tests/e2e/test_lora_run.py)."""
+
 
 def alpaca_and_chat(seq_len: int, epochs: int = 1, **patch) -> dict:
     """A config mapping of the bundled alpaca and hh chat sets, GPT-2, ``seq_len``, ``epochs``;

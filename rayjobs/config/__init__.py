@@ -1,7 +1,7 @@
 """The run configuration: typed sections (``schema``) and the loader (``load``)."""
 
 from rayjobs.config.load import _apply_override, config_from_dict, load_config, yaml_load
-from rayjobs.config.models import HFModelConfig, ModelConfig
+from rayjobs.config.models import HFModelConfig, LoraConfig, ModelConfig
 from rayjobs.config.schema import (
     Config,
     DatasetConfig,
@@ -23,6 +23,7 @@ __all__ = [
     "DatasetConfig",
     "EvalConfig",
     "HFModelConfig",
+    "LoraConfig",
     "MixConfig",
     "ModelConfig",
     "PackingConfig",

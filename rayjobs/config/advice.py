@@ -44,6 +44,12 @@ class Peer(NamedTuple):
 
 ALWAYS_PACKED = Peer(None, "rayjobs always packs; remove it (packing.seq_len sets the row length)")
 BATCH = Peer("train.batch_size", "packed rows of packing.seq_len tokens per worker and step")
+LORA_KEYS = "a section of PEFT's keys: r, lora_alpha, lora_dropout, target_modules"
+QLORA = Peer(
+    None,
+    "QLoRA (a 4-bit base) is not supported: it needs CUDA and bitsandbytes; use train.lora "
+    "with train.param_dtype: bf16",
+)
 
 PEERS: dict[str, Peer] = {
     "learning_rate": Peer("train.lr"),
@@ -78,10 +84,10 @@ PEERS: dict[str, Peer] = {
     "optim": Peer(None, "the optimizer is AdamW: set train.lr and train.weight_decay"),
     "output_dir": Peer("train.storage_path"),
     "seed": Peer("seed", "at the top level"),
-    "bf16": Peer("train.precision", "bf16, fp32 or auto"),
-    "fp16": Peer("train.precision", "bf16, fp32 or auto"),
-    "dtype": Peer("train.precision", "bf16, fp32 or auto"),
-    "mixed_precision": Peer("train.precision", "bf16, fp32 or auto"),
+    "bf16": Peer("train.precision", "bf16 autocast; bf16 weights: train.param_dtype: bf16"),
+    "fp16": Peer("train.precision", "fp16: autocast with a loss scaler, CUDA only"),
+    "dtype": Peer("train.param_dtype", "fp32 or bf16, the parameters' dtype"),
+    "mixed_precision": Peer("train.precision", "bf16, fp16, fp32 or auto"),
     "gradient_checkpointing": Peer("train.activation_checkpointing"),
     "enable_activation_checkpointing": Peer("train.activation_checkpointing"),
     "logging_steps": Peer("train.report_every"),
@@ -116,6 +122,28 @@ PEERS: dict[str, Peer] = {
     "assistant_only_loss": Peer("datasets[].train_on_input", "false trains on assistant turns"),
     "dataset_text_field": Peer("datasets[].column_map", "{text: COLUMN} with template: text"),
     "dataloader_drop_last": Peer("train.drop_last"),
+    # LoRA, QLoRA and weight dtypes (TRL's peft_config, Axolotl's adapter, torchtune's LoRA)
+    "adapter": Peer("train.lora", LORA_KEYS),
+    "peft_config": Peer("train.lora", LORA_KEYS),
+    "use_peft": Peer("train.lora", LORA_KEYS),
+    "lora": Peer("train.lora", LORA_KEYS),
+    "lora_r": Peer("train.lora.r"),
+    "lora_rank": Peer("train.lora.r"),
+    "lora_alpha": Peer("train.lora.lora_alpha"),
+    "lora_dropout": Peer("train.lora.lora_dropout"),
+    "lora_target_modules": Peer("train.lora.target_modules"),
+    "lora_attn_modules": Peer("train.lora.target_modules"),
+    "lora_target_linear": Peer("train.lora.target_modules", "all-linear"),
+    "apply_lora_to_mlp": Peer("train.lora.target_modules", "name the MLP's modules, or all-linear"),
+    "lora_modules_to_save": Peer("train.lora.modules_to_save"),
+    "merge_lora": Peer("train.lora.save_merged"),
+    "torch_dtype": Peer("train.param_dtype", "fp32 or bf16"),
+    "load_in_4bit": QLORA,
+    "load_in_8bit": QLORA,
+    "quantize": QLORA,
+    "quantize_base": QLORA,
+    "bnb_4bit_quant_type": QLORA,
+    "bnb_4bit_compute_dtype": QLORA,
 }
 """Peers' names (TRL / HF ``TrainingArguments``, Axolotl, torchtune) → the rayjobs key, wherever
 they are written (a key of that name in some section is never looked up here)."""

@@ -66,3 +66,52 @@ class HFModelConfig(Strict):
 
 MODEL_KINDS = {"demo": ModelConfig, "hf": HFModelConfig}
 """``train.model.kind`` → its section."""
+
+
+class LoraConfig(Strict):
+    """``train.lora``: LoRA adapters through PEFT (``peft.LoraConfig``, whose names these keys
+    keep) on a ``kind: hf`` model; only the adapters (and ``modules_to_save``) train."""
+
+    r: int = Field(default=8, gt=0)
+    """The adapters' rank."""
+    lora_alpha: float = Field(default=16.0, gt=0)
+    """Scaling: the adapters' update is multiplied by ``lora_alpha / r``."""
+    lora_dropout: float = Field(default=0.0, ge=0, lt=1)
+    """Dropout on the adapters' input."""
+    target_modules: list[str] | str | None = None
+    """Module names (or a regex, or ``all-linear``) that get adapters; null: PEFT's default for
+    the architecture (Llama, Qwen: ``q_proj`` and ``v_proj``)."""
+    modules_to_save: list[str] | None = None
+    """Modules trained whole beside the adapters (``embed_tokens``, ``lm_head``: where a new token
+    needs its embedding trained)."""
+    save_merged: bool = False
+    """Also write the final checkpoint's model with the adapters merged into its weights, in a
+    ``merged`` folder that ``AutoModelForCausalLM.from_pretrained`` loads without PEFT."""
+
+    def peft(self) -> dict[str, Any]:
+        """The ``peft.LoraConfig`` keyword arguments of this section."""
+        return self.model_dump(exclude={"save_merged"})
+
+
+def check_training_choices(train: Any) -> None:
+    """``TrainConfig``'s model, LoRA and precision settings that cannot go together, each refused
+    before Ray starts, naming the keys to change.
+
+    Raises:
+        ValueError: for the first that does not fit.
+    """
+    if train.lora is not None and train.model.kind != "hf":
+        raise ValueError(
+            "train.lora adapts a Hugging Face model (PEFT): set train.model.kind: hf; the demo "
+            "decoder trains whole"
+        )
+    if train.precision == "fp16" and not train.use_gpu:
+        raise ValueError(
+            "train.precision: fp16 (autocast with a loss scaler) runs on CUDA only; set "
+            "train.use_gpu: true, or use bf16 on CPU"
+        )
+    if train.param_dtype == "bf16" and train.precision in ("fp32", "fp16"):
+        raise ValueError(
+            f"train.param_dtype: bf16 computes in bf16, but train.precision is "
+            f"{train.precision}; set train.precision: auto (or bf16), or train.param_dtype: fp32"
+        )

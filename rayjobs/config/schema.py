@@ -11,7 +11,13 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from rayjobs.config.base import Strict, registered
-from rayjobs.config.models import MODEL_KINDS, HFModelConfig, ModelConfig
+from rayjobs.config.models import (
+    MODEL_KINDS,
+    HFModelConfig,
+    LoraConfig,
+    ModelConfig,
+    check_training_choices,
+)
 from rayjobs.data import formats, pack, templates
 
 
@@ -272,9 +278,16 @@ class TrainConfig(Strict):
     warmup_steps: int = Field(default=0, ge=0)
     """Optimizer steps of linear warm-up from 0 to ``lr``."""
     min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
-    precision: Literal["auto", "fp32", "bf16"] = "auto"
-    """bf16: the forward runs under bf16 autocast (weights, gradients and optimizer state stay
-    fp32, the loss is computed in fp32); auto: bf16 on GPUs that support it, fp32 on CPU."""
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """The forward's autocast. bf16: under bf16 autocast (fp32 parameters keep fp32 gradients
+    and optimizer state; the loss is computed in fp32); fp16: fp16 autocast with a loss scaler
+    (``torch.amp.GradScaler``), CUDA only; auto: bf16 on GPUs that support it, else none."""
+    param_dtype: Literal["fp32", "bf16"] = "fp32"
+    """The parameters' dtype (torchtune's ``dtype``): bf16 halves the weights' memory and the
+    AdamW state's, which torch keeps in the parameters' dtype (docs/training.md, "Precision");
+    LoRA adapters stay fp32 on a bf16 base (bf16 under FSDP2, which gathers one dtype)."""
+    lora: LoraConfig | None = None
+    """LoRA adapters through PEFT (``kind: hf``); null: full fine-tuning."""
     parallelism: Literal["ddp", "fsdp"] = "ddp"
     """ddp: every worker holds the whole model (Ray Train's ``prepare_model``); fsdp: FSDP2
     (``fully_shard`` per transformer block, then the whole model) shards parameters, gradients
@@ -357,6 +370,11 @@ class TrainConfig(Strict):
             f"{key} trains on CUDA only (FlexAttention has no CPU backward pass in torch 2.13); "
             f"set train.use_gpu: true, or use sdpa (train.attention: auto picks flex on CUDA)"
         )
+
+    @model_validator(mode="after")
+    def _choices_fit(self) -> TrainConfig:
+        check_training_choices(self)
+        return self
 
     @property
     def schedule(self) -> str:
@@ -495,6 +513,9 @@ class Config(Strict):
     (the initial model)."""
     datasets: list[DatasetConfig] = Field(min_length=1)
     tokenizer: TokenizerConfig
+    """The run's tokenizer; may be left out (or given without ``path``) with a pretrained
+    ``train.model.path`` (``kind: hf``): the model's own tokenizer, chat template and special
+    tokens, as TRL takes them (``_tokenizer_from_model``)."""
     packing: PackingConfig = Field(default_factory=PackingConfig)
     mix: MixConfig = Field(default_factory=MixConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
@@ -505,6 +526,26 @@ class Config(Strict):
     allow_duplicate_sources: bool = False
     """Let one file be read by two datasets (two training datasets, or an eval dataset and
     another); by default that is refused, naming both (``rayjobs.config.load``)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tokenizer_from_model(cls, data: Any) -> Any:
+        """No ``tokenizer.path``: the pretrained model's folder (or Hub name) is the tokenizer's,
+        resolved against the config's folder as the model's path is."""
+        if not isinstance(data, dict):
+            return data
+        tokenizer, train = data.get("tokenizer"), data.get("train")
+        model = train.get("model") if isinstance(train, dict) else None
+        if tokenizer is not None and (not isinstance(tokenizer, dict) or "path" in tokenizer):
+            return data
+        if isinstance(model, dict) and model.get("kind") == "hf" and model.get("path"):
+            return {**data, "tokenizer": {**(tokenizer or {}), "path": model["path"]}}
+        if tokenizer is None:
+            raise ValueError(
+                "tokenizer: missing; set tokenizer.path, or train.model.path (kind: hf, a "
+                "pretrained model) to use the model's own tokenizer"
+            )
+        return data
 
     @model_validator(mode="after")
     def _task_fits(self) -> Config:

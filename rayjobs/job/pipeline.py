@@ -539,7 +539,12 @@ def builtin_callbacks(config: Config, job: Job) -> list[Callback]:
     if spec.report_to:
         folder = os.path.join(_storage(spec.storage_path), job.name)
         chosen = trackers.Trackers(spec.report_to, folder, config.model_dump(), job.ledger)
-    return [Progress(spec.report_every, total, spec.epochs, show=show, trackers=chosen)]
+    dtype = f"params {spec.param_dtype}"
+    if spec.param_dtype == "fp32" and spec.precision in ("bf16", "fp16"):
+        dtype += f", {spec.precision} autocast"
+    return [
+        Progress(spec.report_every, total, spec.epochs, show=show, trackers=chosen, dtype=dtype)
+    ]
 
 
 def untrained_packs(config: Config, summary: dict[str, Any], num_datasets: int) -> int | None:

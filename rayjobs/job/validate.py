@@ -90,8 +90,8 @@ def validate(config: Config, rows: int = ROWS) -> list[str]:
     if model.kind == "hf":
         from rayjobs.train.build import check_model_config  # torch: for kind hf only
 
-        check_model_config(config, tokenizer)
-        lines.append("model: kind hf, its config read (no weights loaded)")
+        read = check_model_config(config, tokenizer)
+        lines.append(f"model: kind hf, {read} (its config read, no weights loaded)")
     else:
         lines.append(f"model: demo decoder, dim {model.dim}, {model.n_layers} layers")
     specs = [*config.datasets, *config.eval.datasets]

@@ -4,6 +4,7 @@ optimizer and the LR schedule."""
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -14,8 +15,11 @@ from rayjobs.config import Config, HFModelConfig, TrainConfig
 from rayjobs.data import seeds
 from rayjobs.data.tokenizer import Tokenizer
 from rayjobs.errors import ConfigError
-from rayjobs.train.hf import build_hf_model, hf_config
+from rayjobs.train.hf import attention_layers, build_hf_model, hf_config
+from rayjobs.train.lora import adapt
 from rayjobs.train.model import Decoder, DecoderConfig, PackedLM
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_attention(attention: str, device: torch.device) -> str:
@@ -28,6 +32,9 @@ def resolve_attention(attention: str, device: torch.device) -> str:
         )
     return attention
 
+
+PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+"""``train.param_dtype`` → the parameters' torch dtype."""
 
 HF_ATTENTION = {"sdpa": "sdpa", "flex": "flex_attention"}
 """``train.attention`` (resolved) → the Hugging Face attention implementation it means."""
@@ -63,7 +70,9 @@ def build_model(
                 n_heads=spec.n_heads,
             )
         )
-        packed = PackedLM(decoder, attention, chunk).to(device)
+        packed = PackedLM(decoder, attention, chunk).to(
+            device, PARAM_DTYPES[config.train.param_dtype]
+        )
         if config.train.activation_checkpointing:
             enable_activation_checkpointing(packed)
         return packed
@@ -80,7 +89,12 @@ def build_model(
     except (OSError, ValueError, KeyError) as error:
         raise ValueError(_cannot_build(spec, error)) from None
     packed = PackedLM(model.to(device), loss_chunk_tokens=chunk)
-    packed.check_head()
+    packed.check_head()  # in fp32, before the cast and the adapters
+    if config.train.param_dtype == "bf16":
+        packed.to(torch.bfloat16)
+    if config.train.lora is not None:
+        fp32_adapters = config.train.parallelism != "fsdp"
+        packed.model = adapt(packed.model, config.train.lora, fp32_adapters)
     if config.train.activation_checkpointing:
         enable_activation_checkpointing(packed)
     if config.task == "dpo" and config.dpo.disable_dropout:
@@ -124,21 +138,97 @@ def disable_dropout(model: torch.nn.Module) -> None:
             module.attention_dropout = 0.0
 
 
-def check_model_config(config: Config, tokenizer: Tokenizer) -> None:
+def check_model_config(config: Config, tokenizer: Tokenizer) -> str:
     """Read a Hugging Face model's config as the train workers will (no weights), so that a
-    typo in ``train.model.config`` or an unknown ``model_type`` fails before Ray and the data
-    start, not in every worker once they have.
+    typo in ``train.model.config``, an unknown ``model_type`` or a model that does not fit the
+    tokenizer or ``packing.seq_len`` (``model_mismatches``) fails before Ray and the data start,
+    not in every worker once they have. Returns what was read, in words (``validate``'s line).
 
     Raises:
-        ConfigError: naming ``train.model`` and what transformers refused.
+        ConfigError: naming ``train.model`` and what transformers refused, or each mismatch
+            with both values and the keys to change.
     """
     spec = config.train.model
     if not isinstance(spec, HFModelConfig):
-        return
+        return ""
     try:
-        hf_config(**_hf_sources(spec, tokenizer))
+        read = hf_config(**_hf_sources(spec, tokenizer)).get_text_config()
+        window, _ = attention_layers(read)
     except (OSError, ValueError, KeyError) as error:
         raise ConfigError(_cannot_build(spec, error)) from None
+    own = spec.path is not None and config.tokenizer.path == spec.path
+    problems, notes = model_mismatches(read, tokenizer, config, own)
+    for note in notes:
+        logger.warning(note)
+    if problems:
+        raise ConfigError("; ".join(problems))
+    source = f"from {spec.path}" if spec.path else "random init"
+    words = (
+        f"{read.model_type} {source}, vocab_size {read.vocab_size}, max_position_embeddings "
+        f"{getattr(read, 'max_position_embeddings', None)}"
+    )
+    if window is not None:
+        words += f", sliding window {window}"
+    return words + ("; tokenizer: the model's own" if own else "")
+
+
+def _ids(value: Any) -> list[int]:
+    """A config's token id setting (None, an id, or a list of ids: Llama 3's eos) as a list."""
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def model_mismatches(
+    read: Any, tokenizer: Tokenizer, config: Config, own: bool
+) -> tuple[list[str], list[str]]:
+    """(errors, warnings) of a model's text config ``read`` against the run's tokenizer and
+    ``packing.seq_len``: token ids beyond the model's ``vocab_size`` (a model with more rows than
+    the tokenizer is fine: Qwen and Llama pad theirs), ``seq_len`` above
+    ``max_position_embeddings``, and, unless the tokenizer is the model's own (``own``), eos,
+    bos and pad ids that differ from the model config's. An eos or pad token the config names
+    itself (``tokenizer.eos_token``, ``pad_token``) is a choice: a warning, not an error."""
+    errors, warnings = [], []
+    where = f"train.model ({config.train.model.path or 'its config'})"
+    if tokenizer.vocab_size > read.vocab_size:
+        errors.append(
+            f"tokenizer.path: the tokenizer has {tokenizer.vocab_size} token ids but {where} "
+            f"embeds {read.vocab_size} (vocab_size): ids beyond it would index no embedding; "
+            "use the model's own tokenizer (leave tokenizer.path out) or a model with at least "
+            f"{tokenizer.vocab_size} (train.model.config.vocab_size for a random init)"
+        )
+    positions = getattr(read, "max_position_embeddings", None)
+    if positions is not None and config.packing.seq_len > positions:
+        errors.append(
+            f"packing.seq_len ({config.packing.seq_len}) is above {where}'s "
+            f"max_position_embeddings ({positions}); lower packing.seq_len to at most "
+            f"{positions} (or raise train.model.config.max_position_embeddings)"
+        )
+    if own:
+        return errors, warnings
+    bos = tokenizer.special_tokens.get("bos_token")
+    ours = {
+        "eos": (tokenizer.eos_id, config.tokenizer.eos_token),
+        "bos": (tokenizer.backend.token_to_id(bos) if bos else None, None),
+        "pad": (tokenizer.pad_id, config.tokenizer.pad_token),
+    }
+    for name, (token_id, chosen) in ours.items():
+        theirs = _ids(getattr(read, f"{name}_token_id", None))
+        if token_id is None or not theirs or token_id in theirs:
+            continue
+        shown = theirs[0] if len(theirs) == 1 else theirs
+        message = (
+            f"tokenizer.{name}_token: the tokenizer's {name} id is {token_id} but {where}'s "
+            f"{name}_token_id is {shown}"
+        )
+        if chosen:
+            warnings.append(f"{message} (tokenizer.{name}_token: {chosen!r} chosen)")
+        else:
+            errors.append(
+                f"{message}: a tokenizer of another family; use the model's own tokenizer "
+                f"(leave tokenizer.path out), or set tokenizer.{name}_token"
+            )
+    return errors, warnings
 
 
 def _hf_sources(spec: HFModelConfig, tokenizer: Tokenizer) -> dict[str, Any]:
@@ -182,10 +272,24 @@ def lr_lambda(schedule: str, warmup_steps: int, max_steps: int | None, min_ratio
 
 
 def use_bf16(precision: str, device: torch.device) -> bool:
-    """Whether the forward runs under bf16 autocast (``train.precision``)."""
+    """Whether the forward runs under bf16 autocast (``train.precision``; fp16: see
+    ``loss_scaler``)."""
     if precision == "auto":
         return device.type == "cuda" and torch.cuda.is_bf16_supported()
     return precision == "bf16"
+
+
+def loss_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler | None:
+    """``train.precision: fp16``'s loss scaler (the forward then runs under fp16 autocast,
+    ``train_step``); None otherwise."""
+    return torch.amp.GradScaler(device.type) if precision == "fp16" else None
+
+
+def compute_dtype(spec: TrainConfig, bf16: bool) -> str:
+    """The dtype the forward computes in, for the summary and the progress line."""
+    if spec.precision == "fp16":
+        return "fp16"
+    return "bf16" if bf16 or spec.param_dtype == "bf16" else "fp32"
 
 
 def transformer_blocks(packed: PackedLM) -> list[torch.nn.Module]:
@@ -241,8 +345,9 @@ def build_optimizer(model: torch.nn.Module, spec: TrainConfig) -> torch.optim.Ad
     gains (parameters of fewer than 2 dimensions) are in a group without decay, as HF's Trainer
     (and so TRL) and nanoGPT do; decaying a norm gain pulls it toward 0 even where its gradient
     is 0. By dimension rather than by name: it holds for any architecture (Qwen3's q/k norms,
-    Gemma's, the demo decoder's) and for FSDP2's DTensor parameters."""
-    params = list(model.parameters())
+    Gemma's, the demo decoder's) and for FSDP2's DTensor parameters. Frozen parameters (a LoRA
+    base) are left out. Its state is in each parameter's dtype (torch's AdamW)."""
+    params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": spec.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from rayjobs.data.tokenizer import Tokenizer
 from rayjobs.train.collectives import all_reduce
+from rayjobs.train.lora import is_adapted, save_adapted
 from rayjobs.train.model import PackedLM
 from rayjobs.train.names import TRAIN_STATE
 
@@ -29,10 +30,12 @@ def save_model(
     directory: str,
     state_dict: dict[str, torch.Tensor] | None = None,
     write: bool = True,
+    merged: bool = False,
 ) -> None:
     """Write ``model`` into ``directory``: an HF model with ``save_pretrained``, the tokenizer
     next to it and ``probe.pt`` (``input_ids`` [1,16] and the model's fp32 ``logits`` on them,
-    through the training path); the demo decoder as ``model.pt``.
+    through the training path); the demo decoder as ``model.pt``. A model with LoRA adapters:
+    as ``lora.save_adapted`` writes it (``merged``: with the merged model too).
 
     ``state_dict``: the ``PackedLM``'s full state dict when its parameters are sharded (FSDP2);
     every rank then calls this (the probe's forward gathers the shards) and only the one with
@@ -56,8 +59,13 @@ def save_model(
     model.train(was_training)
     if not write:
         return
-    model.model.save_pretrained(directory, state_dict=inner)
-    save_tokenizer(tokenizer, directory)
+    folders = [directory]
+    if is_adapted(model.model):
+        folders += save_adapted(model.model, directory, inner, merged)
+    else:
+        model.model.save_pretrained(directory, state_dict=inner)
+    for folder in folders:
+        save_tokenizer(tokenizer, folder)
     torch.save(
         {"input_ids": input_ids.cpu(), "logits": logits.float().cpu()},
         os.path.join(directory, "probe.pt"),
@@ -204,6 +212,7 @@ def restore(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     fsdp: bool,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> TrainState:
     """The ``TrainState`` of the latest checkpoint Ray Train holds for this run (after a worker
     failure, or for a run resumed by name), with model, optimizer and schedule loaded; a fresh
@@ -227,6 +236,7 @@ def restore(
             if os.path.exists(path):
                 blob = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
                 header = {"scheduler": blob["scheduler"], "state": blob["state"]}
+                header["scaler"] = blob.get("scaler")
         if fsdp:  # rank 0 says whether there is a state to load (all raise alike), and its
             shared = [header]  # small parts
             dist.broadcast_object_list(shared, src=0)
@@ -238,6 +248,8 @@ def restore(
             )
         load_state(model, optimizer, blob, fsdp)  # while the (mapped) file is there
         scheduler.load_state_dict(header["scheduler"])
+        if scaler is not None and header.get("scaler"):
+            scaler.load_state_dict(header["scaler"])
         state = TrainState(**header["state"])
         del blob
     if rank != 0:  # totals are global: counted once
@@ -257,10 +269,11 @@ def save_checkpoint(
     device: torch.device,
     metrics: dict[str, Any],
     storage: Any = None,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> None:
     """Report a periodic checkpoint (every rank calls it): the model as ``save_model`` writes it
-    plus ``TRAIN_STATE`` with the global totals. ``storage``: a run in the driver's
-    (``driver_storage``)."""
+    plus ``TRAIN_STATE`` with the global totals (and fp16's ``scaler`` state). ``storage``: a run
+    in the driver's (``driver_storage``)."""
     import ray.train
 
     name = f"checkpoint_step_{state.steps:06d}"
@@ -286,5 +299,7 @@ def save_checkpoint(
                 "scheduler": scheduler.state_dict(),
                 "state": dataclasses.asdict(saved),
             }
+            if scaler is not None:
+                blob["scaler"] = scaler.state_dict()
             torch.save(blob, os.path.join(directory, TRAIN_STATE))
         report(metrics, directory if rank == 0 else None, name, storage)

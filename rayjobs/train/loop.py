@@ -27,7 +27,9 @@ from rayjobs.train.batches import Guard, train_batches
 from rayjobs.train.build import (
     build_model,
     build_optimizer,
+    compute_dtype,
     frozen_reference,
+    loss_scaler,
     lr_lambda,
     parallelize,
     resolve_attention,
@@ -45,6 +47,7 @@ from rayjobs.train.checkpoint import (
     save_model,
 )
 from rayjobs.train.collectives import all_gather_int, all_reduce
+from rayjobs.train.lora import parameter_counts
 from rayjobs.train.metrics import TrainMetrics
 from rayjobs.train.names import EVAL_DATASET, FINAL_SUMMARY
 from rayjobs.train.objectives import objective_for
@@ -133,13 +136,15 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             names[0], spec.batch_size, device=device, guard=first_guard, drop_last=spec.drop_last
         )
     packed = build_model(config, tokenizer, device, attention)
+    parameters = parameter_counts(packed)
     fsdp = spec.parallelism == "fsdp" and dist.is_initialized()
     model = parallelize(packed, spec.parallelism)
     optimizer = build_optimizer(model, spec)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(spec.schedule, spec.warmup_steps, spec.max_steps, spec.min_lr_ratio)
     )
-    state = restore(model, optimizer, scheduler, fsdp)
+    scaler = loss_scaler(spec.precision, device)
+    state = restore(model, optimizer, scheduler, fsdp, scaler)
     reference = None
     if config.task == "dpo":  # the frozen reference: the policy's initial weights, once a worker
         reference = frozen_reference(build_model(config, tokenizer, device, attention), fsdp)
@@ -218,6 +223,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
                 bf16=bf16,
                 spec=spec,
                 objective=objective,
+                scaler=scaler,
             )
             step_loss, trained, grad_norm = result.loss, result.tokens, result.grad_norm
             state.losses.append(step_loss)
@@ -250,7 +256,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
                 if due:
                     save_checkpoint(
                         packed, model, optimizer, scheduler, state, tokenizer, fsdp, device,
-                        metrics, storage,
+                        metrics, storage, scaler,
                     )  # fmt: skip
                     clock = time.monotonic()
                     keep = spec.keep_checkpoints
@@ -295,7 +301,9 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         "throughput": throughput(step_ends, timed_tokens, began),
         "attention": packed.attention,
         "model": spec.model.kind,
-        "precision": "bf16" if bf16 else "fp32",
+        "precision": compute_dtype(spec, bf16),
+        "param_dtype": spec.param_dtype,
+        "parameters": parameters,
         "parallelism": spec.parallelism if dist.is_initialized() else "none",
         "lr_schedule": spec.schedule,
         "checkpoints": state.checkpoints,
@@ -310,13 +318,16 @@ def train_loop(loop_config: dict[str, Any]) -> None:
                 summary["dpo"][f"{name}_first"] = _mean(values[:tenth])
                 summary["dpo"][name] = _mean(values[-tenth:])
         summary["dpo"]["triples"] = int(sum(state.series["triples"]))
+    if spec.lora is not None:
+        summary["lora"] = spec.lora.peft()
     if state.evals:
         summary["eval"] = {"loss": state.evals[-1]["loss"], "history": state.evals}
     for callback in callbacks:
         callback.on_train_end(where, state, summary)
     model_state = full_model_state(model) if fsdp else None
     with tempfile.TemporaryDirectory() as directory:
-        save_model(packed, tokenizer, directory, model_state, write=rank == 0)
+        merged = spec.lora is not None and spec.lora.save_merged
+        save_model(packed, tokenizer, directory, model_state, write=rank == 0, merged=merged)
         if rank == 0:
             with open(os.path.join(directory, FINAL_SUMMARY), "w") as f:
                 json.dump(summary, f)

@@ -85,7 +85,8 @@ class Progress(Callback):
 
     ``total_steps``: the run's steps where known (``max_steps``, or a planned run's count),
     shown as ``step/total`` with an ETA; ``epochs``: shown as ``epoch/epochs``; ``show``: print
-    the line (``rayjobs run --quiet`` does not); ``trackers``: where the scalars also go. Its
+    the line (``rayjobs run --quiet`` does not); ``trackers``: where the scalars also go;
+    ``dtype``: the parameters' and autocast dtypes, in words, at the line's end. Its
     other methods are usable from a loop of one's own: call ``begin``, then ``step`` after each
     optimizer step, then ``end``."""
 
@@ -96,8 +97,10 @@ class Progress(Callback):
         epochs: int | None = None,
         show: bool = True,
         trackers: Trackers | None = None,
+        dtype: str | None = None,
     ):
         self.every, self.total, self.epochs = every, total_steps, epochs
+        self.dtype = dtype
         self.show, self.trackers = show, trackers
         self._batch: dict[str, torch.Tensor] | None = None
         self._result: StepResult | None = None
@@ -193,6 +196,8 @@ class Progress(Callback):
             eta = max(0, self.total - step) * elapsed / done
         if self.show:
             line = format_line(step, scalars, self.total, self.epochs, elapsed, eta)
+            if self.dtype:
+                line += f"  {self.dtype}"
             self.emit(line)
         if self.trackers is not None:
             self.trackers.log(scalars, step)

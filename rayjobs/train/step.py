@@ -42,6 +42,7 @@ def train_step(
     bf16: bool,
     spec: TrainConfig,
     objective: TokenLoss | None = None,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> StepResult:
     """One optimizer step over ``group`` (``grad_accum_steps`` micro-batches, the same count on
     every rank).
@@ -52,7 +53,9 @@ def train_step(
     ranks: so every unit weighs the same whatever its pack, micro-batch and rank, and
     accumulating k micro-batches gives the gradient of one batch k times larger. Gradients are
     synchronized on the last micro-batch only (``no_sync``, FSDP2's
-    ``set_requires_gradient_sync``)."""
+    ``set_requires_gradient_sync``). ``scaler``: fp16 (``train.precision``): the forward runs
+    under fp16 autocast, the loss is scaled before backward and the gradients unscaled before
+    clipping; a step whose gradients overflowed is skipped (``GradScaler.step``)."""
     objective = objective or TokenLoss()
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     device = group[0]["input_ids"].device
@@ -72,15 +75,22 @@ def train_step(
         elif not last and hasattr(model, "no_sync"):
             sync = model.no_sync()
         with sync:
-            local_sum, batch_sums = _forward(objective, model, batch, bf16)
-            (local_sum.float() / global_units * world_size).backward()
+            local_sum, batch_sums = _forward(objective, model, batch, bf16, scaler is not None)
+            scaled = local_sum.float() / global_units * world_size
+            (scaler.scale(scaled) if scaler is not None else scaled).backward()
         sums += batch_sums
     grad_norm = None
+    if scaler is not None:
+        scaler.unscale_(optimizer)
     if spec.max_grad_norm is not None:
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), spec.max_grad_norm)
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     lr = optimizer.param_groups[0]["lr"]
-    optimizer.step()
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     loss, metrics = objective.means(all_reduce(sums), global_units)
@@ -88,10 +98,15 @@ def train_step(
 
 
 def _forward(
-    objective: TokenLoss, model: torch.nn.Module, batch: dict[str, torch.Tensor], bf16: bool
+    objective: TokenLoss,
+    model: torch.nn.Module,
+    batch: dict[str, torch.Tensor],
+    bf16: bool,
+    fp16: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The objective's forward on one micro-batch, under bf16 autocast where asked."""
-    with torch.autocast(batch["input_ids"].device.type, dtype=torch.bfloat16, enabled=bf16):
+    """The objective's forward on one micro-batch, under bf16 (or fp16) autocast where asked."""
+    dtype = torch.float16 if fp16 else torch.bfloat16
+    with torch.autocast(batch["input_ids"].device.type, dtype=dtype, enabled=bf16 or fp16):
         return objective.forward(model, batch)
 
 

@@ -166,7 +166,7 @@ BAD_CONFIGS = {
         ["warmup_steps (20) exceeds max_steps (10)"],
     ),
     "unknown_parallelism": ({"train": {"parallelism": "tp"}}, [], ["train.parallelism", "'tp'"]),
-    "unknown_precision": ({"train": {"precision": "fp16"}}, [], ["train.precision", "'fp16'"]),
+    "unknown_precision": ({"train": {"precision": "fp8"}}, [], ["train.precision", "'fp8'"]),
     "preference_data_without_task_dpo": (
         _dataset(template="preference"),
         [],

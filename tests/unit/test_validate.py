@@ -9,11 +9,15 @@ import time
 
 import pytest
 
-from conftest import ROOT
+from conftest import HUB_MODEL_CONFIGS, ROOT
 from rayjobs.cli import main
 
 DEMO = ROOT / "configs" / "demo.yaml"
-SHIPPED = sorted(p for p in (ROOT / "configs").glob("*.yaml") if "s3" not in p.name)
+SHIPPED = sorted(
+    p
+    for p in (ROOT / "configs").glob("*.yaml")
+    if "s3" not in p.name and p.name not in HUB_MODEL_CONFIGS
+)
 
 NO_RAY = """
 import sys
