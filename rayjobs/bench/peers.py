@@ -102,6 +102,34 @@ class PeerRun:
         return sum(self.cpu_by_process.values())
 
 
+@dataclass
+class TreeFigures:
+    """What ``run_tree`` measured of a process tree (module note)."""
+
+    exit_s: float
+    peak_pss_mb: float
+    peak_rss_mb: float
+    load: tuple[float, float]
+    steal_share: float | None
+    peak_by_process: dict[str, float]
+    cpu_by_process: dict[str, float]
+    processes: int
+
+    @property
+    def cpu_s(self) -> float:
+        return sum(self.cpu_by_process.values())
+
+    def describe(self) -> str:
+        """The host's load, the tree's processes and where its CPU and memory went, one line."""
+        steal = "" if self.steal_share is None else f", steal {self.steal_share:.1%}"
+        top = ", ".join(f"{k} {v:,.1f}" for k, v in list(self.cpu_by_process.items())[:5])
+        memory = ", ".join(f"{k} {v:,.0f}" for k, v in list(self.peak_by_process.items())[:3])
+        return (
+            f"load {self.load[0]:.1f} -> {self.load[1]:.1f}{steal}; {self.processes} processes, "
+            f"CPU s {self.cpu_s:,.1f}: {top}; MB at the peak: {memory}"
+        )
+
+
 def missing_extras() -> list[str]:
     """The bench's modules that are not installed."""
     return [name for name in EXTRAS if importlib.util.find_spec(name) is None]
@@ -200,10 +228,10 @@ def _parquet_files(out: Path) -> list[Path]:
 
 
 def run_tree(command: list[str], log: Path, env: dict[str, str],
-             stdout: Path | None = None) -> tuple[int, float, dict[str, Any]]:  # fmt: skip
+             stdout: Path | None = None) -> tuple[int, float, TreeFigures]:  # fmt: skip
     """Run ``command`` in its own process group, its output to ``log`` (its stdout to
     ``stdout`` where given), and sample its process tree (module note): its exit code, the
-    ``time.time()`` just before it started, and the measures (``exit_s``, peaks, CPU, load)."""
+    ``time.time()`` just before it started, and what was measured."""
     ticks, load_before = cpu_ticks(), os.getloadavg()[0]
     started = time.time()
     with contextlib.ExitStack() as files:
@@ -226,16 +254,16 @@ def run_tree(command: list[str], log: Path, env: dict[str, str],
     return (
         code,
         started,
-        {
-            "exit_s": exit_s,
-            "peak_pss_mb": tree.peak_mb,
-            "peak_rss_mb": tree.peak_rss_mb,
-            "peak_by_process": tree.peak_by_process,
-            "cpu_by_process": tree.cpu_by_process(),
-            "processes": len(tree.last_cpu),
-            "load": (load_before, os.getloadavg()[0]),
-            "steal_share": steal_between(ticks, cpu_ticks()),
-        },
+        TreeFigures(
+            exit_s=exit_s,
+            peak_pss_mb=tree.peak_mb,
+            peak_rss_mb=tree.peak_rss_mb,
+            load=(load_before, os.getloadavg()[0]),
+            steal_share=steal_between(ticks, cpu_ticks()),
+            peak_by_process=tree.peak_by_process,
+            cpu_by_process=tree.cpu_by_process(),
+            processes=len(tree.last_cpu),
+        ),
     )
 
 
@@ -255,7 +283,7 @@ def run_measured(command: list[str], out: Path, log: Path, env: dict[str, str]) 
     return {
         "wall_s": max(f.stat().st_mtime for f in files) - started,
         "first_output_s": min(f.stat().st_mtime for f in files) - started,
-        **measured,
+        **asdict(measured),
     }
 
 

@@ -46,12 +46,12 @@ import shutil
 import statistics
 import sys
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from rayjobs.bench.packing import DEFAULT_DATA_DIR
-from rayjobs.bench.peers import child_env, failure, missing_extras, run_tree
+from rayjobs.bench.peers import TreeFigures, child_env, failure, missing_extras, run_tree
 
 SIDES = ("rayjobs", "trl")
 TINY_LLAMA = Path(__file__).resolve().parents[2] / "configs" / "tiny_llama.yaml"
@@ -64,23 +64,13 @@ class SftRun:
     side: str
     first_step_s: float
     last_step_s: float
-    exit_s: float
     tokens_per_s: float | None
     steps: int
     loss_first: float
     loss_last: float
-    peak_pss_mb: float
-    peak_rss_mb: float
+    tree: TreeFigures
+    """The process tree's exit time, peak memory and CPU (``peers.run_tree``)."""
     repeat: int = 0
-    load: tuple[float, float] = (0.0, 0.0)
-    steal_share: float | None = None
-    peak_by_process: dict[str, float] = field(default_factory=dict)
-    cpu_by_process: dict[str, float] = field(default_factory=dict)
-    processes: int = 0
-
-    @property
-    def cpu_s(self) -> float:
-        return sum(self.cpu_by_process.values())
 
 
 @dataclass(frozen=True)
@@ -236,8 +226,10 @@ def run_side(side: str, work: Path, command: list[str]) -> dict[str, Any]:
     if code != 0:
         raise failure(command, code, log)
     if side == "rayjobs":
-        return rayjobs_result(json.loads(stdout.read_text()), started) | measured
-    return trl_result(json.loads((work / "timeline.json").read_text()), started) | measured
+        return rayjobs_result(json.loads(stdout.read_text()), started) | {"tree": measured}
+    return trl_result(json.loads((work / "timeline.json").read_text()), started) | {
+        "tree": measured
+    }
 
 
 def bench_sft(data_dir: Path, scales: list[int], shared: Shared, repeats: int = 1,
@@ -266,7 +258,9 @@ def bench_sft(data_dir: Path, scales: list[int], shared: Shared, repeats: int = 
 
 
 def _median(runs: list[SftRun], name: str) -> float | None:
-    values = [getattr(r, name) for r in runs if getattr(r, name) is not None]
+    """The median of a figure of the runs, theirs or their process tree's."""
+    values = [getattr(r, name, None) for r in runs] + [getattr(r.tree, name, None) for r in runs]
+    values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
 
 
@@ -283,9 +277,8 @@ def format_table(runs: list[SftRun]) -> str:
         f"{'tokens/s':>10}{'peak MB':>9}{'(RSS)':>8}{'CPU s':>8}{'steps':>6}  loss first -> last"
     )
     lines = [header, "-" * len(header)]
-    groups: dict[tuple[int, str], list[SftRun]] = {}
-    for r in runs:
-        groups.setdefault((r.scale, r.side), []).append(r)
+    keys = dict.fromkeys((r.scale, r.side) for r in runs)  # in the order they ran
+    groups = {key: [r for r in runs if (r.scale, r.side) == key] for key in keys}
     for (scale, side), group in groups.items():
         m = {name: _median(group, name) for name in (
             "first_step_s", "last_step_s", "exit_s", "tokens_per_s", "peak_pss_mb",
@@ -319,13 +312,7 @@ def format_table(runs: list[SftRun]) -> str:
             f"{scale}x: rayjobs reached its first step {'before' if first else 'after'} TRL; "
             f"its steady tokens/s is {'at least' if rate else 'below'} TRL's"
         )
-    for r in runs:
-        top = ", ".join(f"{k} {v:,.1f}" for k, v in list(r.cpu_by_process.items())[:5])
-        steal = "" if r.steal_share is None else f", steal {r.steal_share:.1%}"
-        lines.append(
-            f"{r.scale}x {r.side} #{r.repeat}: load {r.load[0]:.1f} -> {r.load[1]:.1f}{steal}; "
-            f"{r.processes} processes, CPU s {r.cpu_s:,.1f}: {top}"
-        )
+    lines += [f"{r.scale}x {r.side} #{r.repeat}: {r.tree.describe()}" for r in runs]
     return "\n".join(lines)
 
 
@@ -380,15 +367,14 @@ def argument_error(args: argparse.Namespace) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     """``rayjobs bench sft``."""
     args = make_parser().parse_args(argv)
-    if error := argument_error(args):
-        print(f"rayjobs: {error}", file=sys.stderr)
-        return 2
-    if missing := missing_extras():
-        print(
-            f"rayjobs: bench sft needs {', '.join(missing)} (the TRL side and the memory "
-            "sampler): pip install 'rayjobs[bench]'",
-            file=sys.stderr,
+    error = argument_error(args)
+    if error is None and (missing := missing_extras()):
+        error = (
+            f"bench sft needs {', '.join(missing)} (the TRL side and the memory sampler): "
+            "pip install 'rayjobs[bench]'"
         )
+    if error:
+        print(f"rayjobs: {error}", file=sys.stderr)
         return 2
     base = tiny_llama()
     shared = Shared(

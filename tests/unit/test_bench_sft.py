@@ -5,13 +5,13 @@ and the table from a fake result (the whole bench runs in tests/e2e/test_bench_s
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import yaml
 
 from conftest import ROOT
 from rayjobs.bench import sft as bench_sft
+from rayjobs.bench.peers import TreeFigures
 from rayjobs.bench.sft import (
     SftRun,
     Shared,
@@ -121,15 +121,17 @@ def test_the_steady_rate_leaves_out_the_first_tenth(ends, seen, rate):
     assert steady_rate(ends, seen) == rate
 
 
+def _tree(exit_s, pss, rss, cpu, load=(2.0, 3.0), steal=None, processes=3):
+    return TreeFigures(exit_s, pss, rss, load, steal, {}, cpu, processes)
+
+
 def test_the_table_shows_each_side_and_the_ratios():
+    ours = _tree(70.0, 3000.0, 5000.0, {"RayTrainWorker": 30.0, "main process": 10.0}, processes=30)
+    theirs = _tree(155.0, 1500.0, 1600.0, {"main process": 80.0}, (3.0, 2.5), 0.01)
     runs = [
-        SftRun(30, "rayjobs", 20.0, 60.0, 70.0, 1000.0, 40, 10.8, 9.5, 3000.0, 5000.0,
-               load=(2.0, 3.0), cpu_by_process={"RayTrainWorker": 30.0, "main process": 10.0},
-               processes=30),
-        SftRun(30, "trl", 50.0, 150.0, 155.0, 500.0, 40, 10.8, 9.75, 1500.0, 1600.0,
-               load=(3.0, 2.5), steal_share=0.01, cpu_by_process={"main process": 80.0},
-               processes=3),
-    ]  # fmt: skip
+        SftRun(30, "rayjobs", 20.0, 60.0, 1000.0, 40, 10.8, 9.5, ours),
+        SftRun(30, "trl", 50.0, 150.0, 500.0, 40, 10.8, 9.75, theirs),
+    ]
     lines = format_table(runs).splitlines()
     assert lines[2:] == [
         "   30x  rayjobs           20.0        60.0    70.0     1,000    3,000   5,000    40.0"
@@ -140,15 +142,16 @@ def test_the_table_shows_each_side_and_the_ratios():
         "30x rayjobs / trl: first step 0.40x, last step 0.40x, tokens/s 2.00x, peak memory 2.00x",
         "30x: rayjobs reached its first step before TRL; its steady tokens/s is at least TRL's",
         "30x rayjobs #0: load 2.0 -> 3.0; 30 processes, CPU s 40.0: RayTrainWorker 30.0, "
-        "main process 10.0",
-        "30x trl #0: load 3.0 -> 2.5, steal 1.0%; 3 processes, CPU s 80.0: main process 80.0",
+        "main process 10.0; MB at the peak: ",
+        "30x trl #0: load 3.0 -> 2.5, steal 1.0%; 3 processes, CPU s 80.0: main process 80.0; "
+        "MB at the peak: ",
     ]
 
 
 def test_the_table_says_when_rayjobs_is_behind_and_the_spread_of_repeats():
     def run(side, repeat, first, rate):
-        return SftRun(1, side, first, first + 10, first + 12, rate, 4, 10.0, 9.0, 100.0, 100.0,
-                      repeat=repeat)  # fmt: skip
+        tree = _tree(first + 12, 100.0, 100.0, {"main process": 1.0})
+        return SftRun(1, side, first, first + 10, rate, 4, 10.0, 9.0, tree, repeat=repeat)
 
     runs = [run("rayjobs", 0, 30.0, 90.0), run("trl", 0, 20.0, 100.0),
             run("trl", 1, 20.0, 100.0), run("rayjobs", 1, 50.0, 90.0)]  # fmt: skip
@@ -158,4 +161,3 @@ def test_the_table_says_when_rayjobs_is_behind_and_the_spread_of_repeats():
     assert (
         "1x: rayjobs reached its first step after TRL; its steady tokens/s is below TRL's" in text
     )
-    assert not math.isnan(runs[0].cpu_s)
