@@ -1,6 +1,6 @@
 """rayjobs bench sft without running either side: its arguments (defaults from tiny_llama.yaml,
 refusals before any work), the rayjobs side's config, the figures read from each side's output,
-and the table from a fake result (the whole bench runs in tests/e2e/test_bench_sft.py)."""
+and the table from a fake result (the whole bench runs in tests/e2e/test_sft_against_trl.py)."""
 
 from __future__ import annotations
 
