@@ -20,6 +20,9 @@ rayjobs bench attention [--seq-len N ...] [--mean-length L] [--json OUT]        
 rayjobs bench train --export DIR [--rows N] [--variants V ...] [--steps N] [--warmup N]
                     [--dim D --layers L --heads H] [--vocab-size V] [--json OUT]
                                                                (packed vs padded train steps)
+rayjobs bench sft [--scales N ...] [--steps N] [--repeats N] [--num-workers 0|1] [--threads N]
+                  [--sides S ...] [--data-dir DIR] [--json OUT]
+                               (rayjobs run beside TRL's SFTTrainer, same model; needs '.[bench]')
 rayjobs submit CONFIG [dotted.key=value ...] [--address URL] [--working-dir DIR] [--no-wait]
                [--json] [--allow-absolute] [--max-upload-mib N] [--max-file-mib N]
                [--submission-id ID] [--runtime-env-json JSON] [--dry-run]
@@ -165,13 +168,14 @@ def _parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmarks")
     bench.add_argument(
         "what",
-        choices=["packing", "pipeline", "peers", "attention", "read", "train"],
+        choices=["packing", "pipeline", "peers", "attention", "read", "train", "sft"],
         help="packing: efficiency and speed on real data; pipeline: the streaming path end to "
         "end at growing data sizes; peers: rayjobs export beside the path a TRL user takes "
         "(datasets map + trl.pack_dataset) on the same files; attention: the document mask on "
         "a CUDA GPU, FlexAttention vs dense SDPA; read: peak memory of one read task on a large "
         "JSONL file; train: training steps on an export's packed rows vs the same samples padded "
-        "(`rayjobs bench train --help`)",
+        "(`rayjobs bench train --help`); sft: rayjobs run beside TRL's SFTTrainer on the same "
+        "model, data and steps (`rayjobs bench sft --help`)",
     )
     # No defaults here for options a bench has its own defaults for (applied in _bench): an
     # option given to a bench that does not take it is refused there, so it must show as given.
@@ -414,6 +418,10 @@ def _main(argv: list[str]) -> int:
         from rayjobs.bench import train as bench_train
 
         return bench_train.main(argv[2:])
+    if argv[:2] == ["bench", "sft"]:  # its own options (steps, threads, sides): bench/sft.py
+        from rayjobs.bench import sft as bench_sft
+
+        return bench_sft.main(argv[2:])
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     if args.command in ("status", "logs", "stop"):

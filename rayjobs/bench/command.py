@@ -27,8 +27,11 @@ def usage_error(args: argparse.Namespace) -> str | None:
     """An option given that the chosen bench does not take (the benches share one parser, and
     another bench's option was dropped without a word: ``bench pipeline --seq-len 8192`` ran at
     2048), or a bad value of ``bench packing``'s; the other benches check their own values."""
-    if args.what == "train":  # only ``rayjobs bench train ...`` reaches bench_train's parser
-        return "bench train takes its options after `bench train` (rayjobs bench train --help)"
+    if args.what in ("train", "sft"):  # only ``rayjobs bench train|sft ...`` reach their parsers
+        return (
+            f"bench {args.what} takes its options after `bench {args.what}` "
+            f"(rayjobs bench {args.what} --help)"
+        )
     # (``started``: the CLI's clock for validate's wall time, set on every command's args)
     foreign = [
         "--" + dest.replace("_", "-")

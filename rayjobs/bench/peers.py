@@ -43,6 +43,7 @@ Reported for each (scale, path), from the process's start:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import itertools
 import json
@@ -99,6 +100,34 @@ class PeerRun:
         """CPU seconds of the whole tree: the path's work, which other load on the host slows
         down less than its wall time."""
         return sum(self.cpu_by_process.values())
+
+
+@dataclass
+class TreeFigures:
+    """What ``run_tree`` measured of a process tree (module note)."""
+
+    exit_s: float
+    peak_pss_mb: float
+    peak_rss_mb: float
+    load: tuple[float, float]
+    steal_share: float | None
+    peak_by_process: dict[str, float]
+    cpu_by_process: dict[str, float]
+    processes: int
+
+    @property
+    def cpu_s(self) -> float:
+        return sum(self.cpu_by_process.values())
+
+    def describe(self) -> str:
+        """The host's load, the tree's processes and where its CPU and memory went, one line."""
+        steal = "" if self.steal_share is None else f", steal {self.steal_share:.1%}"
+        top = ", ".join(f"{k} {v:,.1f}" for k, v in list(self.cpu_by_process.items())[:5])
+        memory = ", ".join(f"{k} {v:,.0f}" for k, v in list(self.peak_by_process.items())[:3])
+        return (
+            f"load {self.load[0]:.1f} -> {self.load[1]:.1f}{steal}; {self.processes} processes, "
+            f"CPU s {self.cpu_s:,.1f}: {top}; MB at the peak: {memory}"
+        )
 
 
 def missing_extras() -> list[str]:
@@ -198,14 +227,18 @@ def _parquet_files(out: Path) -> list[Path]:
     return sorted(out.rglob("*.parquet")) if out.exists() else []
 
 
-def run_measured(command: list[str], out: Path, log: Path, env: dict[str, str]) -> dict[str, Any]:
-    """Run ``command`` (it writes Parquet under ``out``) in its own process group and measure it
-    (module note). Raises RuntimeError naming the log when it fails."""
+def run_tree(command: list[str], log: Path, env: dict[str, str],
+             stdout: Path | None = None) -> tuple[int, float, TreeFigures]:  # fmt: skip
+    """Run ``command`` in its own process group, its output to ``log`` (its stdout to
+    ``stdout`` where given), and sample its process tree (module note): its exit code, the
+    ``time.time()`` just before it started, and what was measured."""
     ticks, load_before = cpu_ticks(), os.getloadavg()[0]
     started = time.time()
-    with log.open("wb") as output:
+    with contextlib.ExitStack() as files:
+        output = files.enter_context(log.open("wb"))
+        out = files.enter_context(stdout.open("wb")) if stdout else output
         process = subprocess.Popen(
-            command, stdout=output, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            command, stdout=out, stderr=output, env=env, start_new_session=True
         )
         tree = _Tree(process.pid)
         tree.start()
@@ -218,21 +251,39 @@ def run_measured(command: list[str], out: Path, log: Path, env: dict[str, str]) 
     exit_s = time.time() - started
     tree.running = False
     tree.join()
+    return (
+        code,
+        started,
+        TreeFigures(
+            exit_s=exit_s,
+            peak_pss_mb=tree.peak_mb,
+            peak_rss_mb=tree.peak_rss_mb,
+            load=(load_before, os.getloadavg()[0]),
+            steal_share=steal_between(ticks, cpu_ticks()),
+            peak_by_process=tree.peak_by_process,
+            cpu_by_process=tree.cpu_by_process(),
+            processes=len(tree.last_cpu),
+        ),
+    )
+
+
+def failure(command: list[str], code: int, log: Path) -> RuntimeError:
+    """The error of a path that failed: its command, exit code and the tail of its log."""
+    tail = log.read_text(errors="replace")[-3000:]
+    return RuntimeError(f"{' '.join(command[:4])} ... exited {code}; its log {log}:\n{tail}")
+
+
+def run_measured(command: list[str], out: Path, log: Path, env: dict[str, str]) -> dict[str, Any]:
+    """Run ``command`` (it writes Parquet under ``out``) and measure it (``run_tree``). Raises
+    RuntimeError naming the log when it fails."""
+    code, started, measured = run_tree(command, log, env)
     files = _parquet_files(out)
     if code != 0 or not files:
-        tail = log.read_text(errors="replace")[-3000:]
-        raise RuntimeError(f"{' '.join(command[:4])} ... exited {code}; its log {log}:\n{tail}")
+        raise failure(command, code, log)
     return {
         "wall_s": max(f.stat().st_mtime for f in files) - started,
-        "exit_s": exit_s,
         "first_output_s": min(f.stat().st_mtime for f in files) - started,
-        "peak_pss_mb": tree.peak_mb,
-        "peak_rss_mb": tree.peak_rss_mb,
-        "peak_by_process": tree.peak_by_process,
-        "cpu_by_process": tree.cpu_by_process(),
-        "processes": len(tree.last_cpu),
-        "load": (load_before, os.getloadavg()[0]),
-        "steal_share": steal_between(ticks, cpu_ticks()),
+        **asdict(measured),
     }
 
 

@@ -108,6 +108,16 @@ def throughput(step_ends: list[float], timed_tokens: int, began: float) -> dict[
     }
 
 
+def step_clock(step_ends: list[float]) -> dict[str, float]:
+    """The summary's ``throughput.first_step_at`` and ``last_step_at``: when the first and the
+    last step ended, as Unix times (``time.time()``), for a caller timing the run from its own
+    clock (``rayjobs bench sft``: from the command's start); ``step_ends`` are perf_counter's."""
+    if not step_ends:
+        return {}
+    offset = time.time() - time.perf_counter()
+    return {"first_step_at": step_ends[0] + offset, "last_step_at": step_ends[-1] + offset}
+
+
 def train_loop(loop_config: dict[str, Any]) -> None:
     """The per-worker loop (``train_loop_per_worker`` of the TorchTrainer)."""
     import ray.train
@@ -298,7 +308,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         "packing_efficiency": pack_tokens / (rows * seq_len) if rows else 0.0,
         "guard_dropped_batches": guard_dropped,
         "stopped_early": stopped_early,
-        "throughput": throughput(step_ends, timed_tokens, began),
+        "throughput": throughput(step_ends, timed_tokens, began) | step_clock(step_ends),
         "attention": packed.attention,
         "model": spec.model.kind,
         "precision": compute_dtype(spec, bf16),

@@ -88,6 +88,7 @@ def test_readme_usage_is_the_help_text_and_lists_every_flag():
     import argparse
 
     from rayjobs import cli
+    from rayjobs.bench import sft as bench_sft
     from rayjobs.bench import train as bench_train
 
     usage = _usage_lines()
@@ -98,6 +99,7 @@ def test_readme_usage_is_the_help_text_and_lists_every_flag():
     checked = {name: subparser for name, subparser in subcommands.items() if name != "bench"} | {
         "bench": subcommands["bench"],
         "bench train": bench_train.make_parser(),
+        "bench sft": bench_sft.make_parser(),
     }
     missing = []
     for name, subparser in checked.items():
@@ -111,8 +113,8 @@ def test_readme_usage_is_the_help_text_and_lists_every_flag():
                 if flag.startswith("--") and flag != "--help" and flag not in lines:
                     missing.append(f"{name} {flag}")
     assert missing == []
-    # run export inspect validate init submit status logs stop, bench, bench train
-    assert len(checked) == 11
+    # run export inspect validate init submit status logs stop, bench, bench train, bench sft
+    assert len(checked) == 12
 
 
 SUMMARY = {
