@@ -341,9 +341,12 @@ def _resolve_hf(spec: DatasetConfig, key: str, base_dir: Path) -> DatasetConfig:
         source, revision = snapshot, None  # offline: the cached revision's folder
     import datasets
 
+    data_files = spec.data_files
+    if source in PACKAGED_BUILDERS:  # the files are the config's, not a dataset's
+        data_files = _under(data_files, base_dir)
     try:
         builder = datasets.load_dataset_builder(
-            source, name=spec.subset, data_files=spec.data_files, revision=revision
+            source, name=spec.subset, data_files=data_files, revision=revision
         )
     except Exception as error:  # noqa: BLE001 - datasets raises many kinds for a bad source
         raise ConfigError(
@@ -364,6 +367,25 @@ def _resolve_hf(spec: DatasetConfig, key: str, base_dir: Path) -> DatasetConfig:
             update={"source": source, "format": fmts.pop(), "files": tuple(sorted(found))}
         )
     return spec.model_copy(update={"source": source})
+
+
+PACKAGED_BUILDERS = ("json", "csv", "parquet", "text", "arrow")
+"""``datasets``' builders by format (``source: json`` with ``data_files``), whose data files
+are the config's own (a Hub dataset's are relative to it)."""
+
+
+def _under(data_files: Any, base_dir: Path) -> Any:
+    """``data_files`` (a pattern, a list, or ``{split: patterns}``) with each relative local
+    pattern resolved against ``base_dir`` (the config's folder), as every other path of a config;
+    a URI or an absolute path as it is."""
+    if isinstance(data_files, str):
+        relative = "://" not in data_files and not Path(data_files).is_absolute()
+        return str(base_dir / data_files) if relative else data_files
+    if isinstance(data_files, dict):
+        return {split: _under(patterns, base_dir) for split, patterns in data_files.items()}
+    if isinstance(data_files, list | tuple):
+        return [_under(pattern, base_dir) for pattern in data_files]
+    return data_files
 
 
 def _resolve_storage(path: str, base_dir: Path) -> str:
