@@ -30,6 +30,7 @@ import yaml
 from pydantic import ValidationError
 
 from rayjobs.config.advice import describe, idle_keys
+from rayjobs.config.llamafactory import expand_all
 from rayjobs.config.models import HFModelConfig, ModelConfig
 from rayjobs.config.schema import Config, DatasetConfig
 from rayjobs.config.user_templates import import_template_modules
@@ -106,6 +107,7 @@ def config_from_dict(raw: dict[str, Any], base_dir: str | os.PathLike = ".") -> 
     ``template_modules`` are imported first, from it: ``user_templates``); warn (the
     ``rayjobs`` logger) of the keys it sets that have no effect (``advice.idle_keys``)."""
     import_template_modules(raw.get("template_modules"), Path(base_dir).resolve())
+    raw = expand_all(raw, Path(base_dir).resolve())
     try:
         config = Config.model_validate(raw)
     except ValidationError as error:
