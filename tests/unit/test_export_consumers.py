@@ -147,37 +147,51 @@ def per_document_loss(model, rows: dict[str, np.ndarray]) -> float:
     return total / count
 
 
-def test_hf_trainer_on_whole_rows_trains_on_each_document_alone(exported, tmp_path):
-    from transformers import Trainer, TrainingArguments, default_data_collator
-
+def _setup(exported, columns: list[str]):
+    """The chosen rows, a fresh model, their per-document loss and the split's rows with
+    ``columns``, for a trainer."""
     out, manifest = exported
     rows = _rows(out)
     model = _model(manifest["tokenizer"]["vocab_size"])
     expected = per_document_loss(model, rows)
     model.config.use_cache = False  # with a cache, the packed rows' documents see each other
-    train = load_dataset(str(out), split="train").select(_chosen(out))
-    train = train.select_columns(["input_ids", "labels", "position_ids"])
+    train = load_dataset(str(out), split="train").select(_chosen(out)).select_columns(columns)
+    return rows, model, expected, train
+
+
+def _train(trainer_class, expected: float, **kwargs) -> None:
+    """``trainer_class(**kwargs).train()``: its first step's loss (as computed, not the rounded
+    log) is the per-document loss ``expected``, and the loss falls."""
     losses = []
 
-    class Recording(Trainer):
-        def compute_loss(self, model, inputs, *args, **kwargs):
-            loss = super().compute_loss(model, inputs, *args, **kwargs)
+    class Recording(trainer_class):
+        def compute_loss(self, model, inputs, *args, **kw):
+            loss = super().compute_loss(model, inputs, *args, **kw)
             losses.append((loss[0] if isinstance(loss, tuple) else loss).item())
             return loss
 
-    arguments = TrainingArguments(
-        output_dir=str(tmp_path), per_device_train_batch_size=ROWS, max_steps=STEPS,
-        learning_rate=1e-3, report_to=[], save_strategy="no", use_cpu=True, logging_steps=1,
-    )  # fmt: skip
-    Recording(
-        model=model, args=arguments, train_dataset=train, data_collator=default_data_collator
-    ).train()
+    Recording(**kwargs).train()
     assert len(losses) == STEPS
     assert abs(losses[0] - expected) < TOLERANCE, (losses[0], expected)
     assert losses[-1] < losses[0]  # it trains
+
+
+TRAINING = {
+    "per_device_train_batch_size": ROWS, "max_steps": STEPS, "learning_rate": 1e-3,
+    "report_to": [], "save_strategy": "no", "use_cpu": True, "logging_steps": 1,
+}  # fmt: skip
+
+
+def test_hf_trainer_on_whole_rows_trains_on_each_document_alone(exported, tmp_path):
+    from transformers import Trainer, TrainingArguments, default_data_collator
+
+    rows, model, expected, train = _setup(exported, ["input_ids", "labels", "position_ids"])
+    arguments = TrainingArguments(output_dir=str(tmp_path), **TRAINING)
+    _train(Trainer, expected, model=model, args=arguments, train_dataset=train,
+           data_collator=default_data_collator)  # fmt: skip
     # guard: with the cache on, the same rows give another loss (documents see each other)
     batch = {k: torch.tensor(v) for k, v in rows.items() if k in ("input_ids", "position_ids")}
-    fresh = _model(manifest["tokenizer"]["vocab_size"])
+    fresh = _model(exported[1]["tokenizer"]["vocab_size"])
     with torch.no_grad():
         cached = fresh(**batch, labels=torch.tensor(rows["labels"]), use_cache=True).loss.item()
     assert abs(cached - expected) > 1e-4
@@ -186,45 +200,15 @@ def test_hf_trainer_on_whole_rows_trains_on_each_document_alone(exported, tmp_pa
 def test_trl_padding_free_on_seq_lengths_trains_on_each_document_alone(exported, tmp_path):
     from trl import SFTConfig, SFTTrainer
 
-    out, manifest = exported
-    rows = _rows(out)
-    model = _model(manifest["tokenizer"]["vocab_size"])
-    expected = per_document_loss(model, rows)
-    model.config.use_cache = False
-    train = load_dataset(str(out), split="train").select(_chosen(out))
-    train = train.select_columns(["input_ids", "labels", "seq_lengths"])
-    losses = []
-
-    class Recording(SFTTrainer):
-        def compute_loss(self, model, inputs, *args, **kwargs):
-            loss = super().compute_loss(model, inputs, *args, **kwargs)
-            losses.append((loss[0] if isinstance(loss, tuple) else loss).item())
-            return loss
-
+    _, model, expected, train = _setup(exported, ["input_ids", "labels", "seq_lengths"])
+    # bf16=False: TRL's default bf16 moves the loss by 4e-5 on this CPU
     arguments = SFTConfig(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=ROWS,
-        max_steps=STEPS,
-        learning_rate=1e-3,
-        report_to=[],
-        save_strategy="no",
-        use_cpu=True,
-        logging_steps=1,
-        padding_free=True,
-        max_length=None,
-        bf16=False,
-        gradient_checkpointing=False,
-    )  # fmt: skip  (bf16: TRL's default; on this CPU it moves the loss by 4e-5)
-    trainer = Recording(
-        model=model,
-        args=arguments,
-        train_dataset=train,
-        processing_class=AutoTokenizer.from_pretrained(out / "_tokenizer"),
-    )
-    trainer.train()
-    assert len(losses) == STEPS
-    assert abs(losses[0] - expected) < TOLERANCE, (losses[0], expected)
-    assert losses[-1] < losses[0]
+        output_dir=str(tmp_path), padding_free=True, max_length=None, bf16=False,
+        gradient_checkpointing=False, **TRAINING,
+    )  # fmt: skip
+    tokenizer = AutoTokenizer.from_pretrained(exported[0] / "_tokenizer")
+    _train(SFTTrainer, expected, model=model, args=arguments, train_dataset=train,
+           processing_class=tokenizer)  # fmt: skip
 
 
 def test_a_torch_loop_with_a_document_mask_trains_on_each_document_alone(exported):
