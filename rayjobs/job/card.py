@@ -80,7 +80,8 @@ def relative_paths(value: Any, base: str | None = None) -> Any:
     if not isinstance(value, str):
         return value
     if os.path.isabs(value) and "\n" not in value and "://" not in value:
-        return os.path.relpath(value, base)
+        trailing = os.sep if value.endswith(os.sep) else ""  # a folder source, as written
+        return os.path.relpath(value, base) + trailing
     return value.replace(base.rstrip(os.sep) + os.sep, "")
 
 
