@@ -84,7 +84,7 @@ BAD_CONFIGS = {
         [
             "datasets.0",
             "column_map key(s) ['inputs']",
-            "['history', 'input', 'instruction', 'output']",
+            "['history', 'input', 'instruction', 'output', 'system']",
         ],
     ),
     "files_set_in_the_config": (
