@@ -58,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"rayjobs {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="build the packed pipeline and train on Ray")
-    export = commands.add_parser("export", help="write the packed rows as Parquet + manifest.json")
+    export = commands.add_parser("export", help="write the packed rows as Parquet + _manifest.json")
     inspect = commands.add_parser(
         "inspect",
         help="data side only: per-dataset counts and lengths, packing, a decoded packed row",
@@ -109,7 +109,7 @@ def _parser() -> argparse.ArgumentParser:
         default="hf",
         help="labels convention: hf (default; unshifted, -100 on prompts, padding and each "
         "document's first token, as Hugging Face models, TRL, Axolotl and torchtune read them) "
-        "or shifted (labels[t] the target of position t, as rayjobs trains); manifest.json and "
+        "or shifted (labels[t] the target of position t, as rayjobs trains); _manifest.json and "
         "each Parquet file's metadata say which",
     )
     for command in (export, inspect):

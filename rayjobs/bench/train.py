@@ -41,7 +41,7 @@ import torch
 
 from rayjobs.data.rows import IGNORE_INDEX, PACKED_COLUMNS, export_convention, shifted_labels
 from rayjobs.errors import ConfigError
-from rayjobs.job.manifest import require_finished
+from rayjobs.job.manifest import TRAIN, manifest_path, require_finished
 from rayjobs.train.model import Decoder, DecoderConfig, PackedLM
 
 VARIANTS = ("padded_sdpa", "packed_sdpa", "packed_flex")
@@ -84,18 +84,31 @@ def read_export(folder: str | Path) -> tuple[dict[str, np.ndarray], int]:
         ConfigError: no finished export there (no manifest, or no Parquet files).
         ValueError: the export does not say how its labels are laid out, or says two things."""
     require_finished(folder)
+    found = manifest_path(str(folder))
+    manifest = json.loads(Path(found).read_text()) if found else None
     folder = Path(folder)
-    manifest_path = folder / "manifest.json"
-    manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else None
-    files = sorted(folder.glob("epoch=*/*.parquet"), key=lambda p: (len(p.parent.name), str(p)))
+    # the epochs in order: the files of each (an epoch column; epoch=<e>/ in the layout before)
+    files = sorted(folder.glob(f"{TRAIN}/*.parquet")) or sorted(
+        folder.glob("epoch=*/*.parquet"), key=lambda p: (len(p.parent.name), str(p))
+    )
     if not files:
         raise ConfigError(
-            f"{folder}: an export without packed rows (no epoch=*/*.parquet files); make one "
+            f"{folder}: an export without packed rows (no {TRAIN}/*.parquet files); make one "
             f"with `rayjobs export CONFIG --out {folder}`"
         )
+
     columns: dict[str, list[np.ndarray]] = {name: [] for name in (*PACKED_COLUMNS, "num_tokens")}
+    epochs = []
     for path in files:
         table = pq.read_table(path, columns=list(columns))
+        epoch = (
+            pq.read_table(path, columns=["epoch"])
+            if "epoch" in pq.read_schema(path).names
+            else None
+        )
+        epochs.append(
+            np.zeros(table.num_rows, np.int64) if epoch is None else epoch.column(0).to_numpy()
+        )
         convention = export_convention(manifest, table.schema.metadata, str(path))
         read = {}
         for name in PACKED_COLUMNS:
@@ -107,7 +120,8 @@ def read_export(folder: str | Path) -> tuple[dict[str, np.ndarray], int]:
         for name in PACKED_COLUMNS:
             columns[name].append(read[name])
         columns["num_tokens"].append(table.column("num_tokens").to_numpy().astype(np.int64))
-    rows = {name: np.concatenate(parts) for name, parts in columns.items()}
+    order = np.argsort(np.concatenate(epochs), kind="stable")  # a Ray export's files mix epochs
+    rows = {name: np.concatenate(parts)[order] for name, parts in columns.items()}
     return rows, rows["input_ids"].shape[1]
 
 

@@ -144,13 +144,40 @@ PEERS: dict[str, Peer] = {
     "quantize_base": QLORA,
     "bnb_4bit_quant_type": QLORA,
     "bnb_4bit_compute_dtype": QLORA,
+    # data and runtime keys of TRL, Axolotl and torchtune configs (docs/config.md's table)
+    "message_property_mappings": Peer("datasets[].message_keys", "{role: from, content: value}"),
+    "roles_to_train": Peer(None, "which turns train is a chat dataset's setting: docs/data.md"),
+    "train_on_eos": Peer(None, "whether EOS trains is a chat dataset's setting: docs/data.md"),
+    "packing_strategy": Peer("packing.strategy", "bfd, ffd, first_fit or next_fit"),
+    "padding_free": Peer(
+        None,
+        "packed rows are padding-free already (padding only at a row's "
+        "end, documents masked apart); remove it",
+    ),  # fmt: skip
+    "streaming": Peer("packing.mode", "stream, the default, reads and packs as a stream"),
+    "dataset_num_proc": Peer("ray.tokenize_concurrency", "Tokenize actors, each a process"),
+    "dataset_processes": Peer("ray.tokenize_concurrency", "Tokenize actors, each a process"),
+    "deepspeed": Peer("train.parallelism", "ddp or fsdp; DeepSpeed is not supported"),
+    "fsdp": Peer("train.parallelism", "fsdp: FSDP2 over the workers"),
+    "fsdp_config": Peer("train.parallelism", "fsdp: FSDP2 over the workers"),
+    "wandb_project": Peer("train.report_to", "[wandb]; the project from WANDB_PROJECT"),
+    "metric_logger": Peer("train.report_to", "tensorboard, mlflow or wandb"),
+    "compile": Peer(
+        None, "torch.compile is not supported; train.attention: flex compiles its attention"
+    ),  # fmt: skip
+    "torch_compile": Peer(
+        None, "torch.compile is not supported; train.attention: flex compiles its attention"
+    ),  # fmt: skip
+    "device": Peer("train.use_gpu", "and train.num_workers: one device per worker"),
+    "max_steps_per_epoch": Peer("train.max_steps", "for the whole run; an epoch is every row"),
 }
 """Peers' names (TRL / HF ``TrainingArguments``, Axolotl, torchtune) → the rayjobs key, wherever
 they are written (a key of that name in some section is never looked up here)."""
 
 DATASET_PEERS: dict[str, Peer] = {
     "path": Peer("source", "a file, folder, glob, URI or Hub name"),
-    "type": Peer("template", "alpaca, chat, text or preference"),
+    "type": Peer("template", "alpaca, chat, prompt_completion, text or preference"),
+    "message_property_mappings": Peer("message_keys", "{role: from, content: value}"),
     "ds_type": Peer("format"),
     "field_messages": Peer("column_map", "{messages: COLUMN}"),
     "train_on_inputs": Peer("train_on_input"),
@@ -237,7 +264,8 @@ def unknown_key(loc: tuple[Any, ...], raw: Any) -> str:
     if name in PEERS:
         return _use(*PEERS[name])
     known = list(model.model_fields) if model else []
-    close = difflib.get_close_matches(name, known, n=1, cutoff=0.7)
+    # 0.8: a typo (seq_lenn, templat); at 0.7 streaming was "did you mean train?"
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
     if close:
         return f"did you mean {prefix}{close[0]}?"
     elsewhere = [key for key in KEYS if key.rsplit(".", 1)[-1] == name]

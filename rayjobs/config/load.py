@@ -30,6 +30,7 @@ import yaml
 from pydantic import ValidationError
 
 from rayjobs.config.advice import describe, idle_keys
+from rayjobs.config.llamafactory import expand_all
 from rayjobs.config.models import HFModelConfig, ModelConfig
 from rayjobs.config.schema import Config, DatasetConfig
 from rayjobs.config.user_templates import import_template_modules
@@ -106,6 +107,7 @@ def config_from_dict(raw: dict[str, Any], base_dir: str | os.PathLike = ".") -> 
     ``template_modules`` are imported first, from it: ``user_templates``); warn (the
     ``rayjobs`` logger) of the keys it sets that have no effect (``advice.idle_keys``)."""
     import_template_modules(raw.get("template_modules"), Path(base_dir).resolve())
+    raw = expand_all(raw, Path(base_dir).resolve())
     try:
         config = Config.model_validate(raw)
     except ValidationError as error:
@@ -341,9 +343,12 @@ def _resolve_hf(spec: DatasetConfig, key: str, base_dir: Path) -> DatasetConfig:
         source, revision = snapshot, None  # offline: the cached revision's folder
     import datasets
 
+    data_files = spec.data_files
+    if source in PACKAGED_BUILDERS:  # the files are the config's, not a dataset's
+        data_files = _under(data_files, base_dir)
     try:
         builder = datasets.load_dataset_builder(
-            source, name=spec.subset, data_files=spec.data_files, revision=revision
+            source, name=spec.subset, data_files=data_files, revision=revision
         )
     except Exception as error:  # noqa: BLE001 - datasets raises many kinds for a bad source
         raise ConfigError(
@@ -364,6 +369,25 @@ def _resolve_hf(spec: DatasetConfig, key: str, base_dir: Path) -> DatasetConfig:
             update={"source": source, "format": fmts.pop(), "files": tuple(sorted(found))}
         )
     return spec.model_copy(update={"source": source})
+
+
+PACKAGED_BUILDERS = ("json", "csv", "parquet", "text", "arrow")
+"""``datasets``' builders by format (``source: json`` with ``data_files``), whose data files
+are the config's own (a Hub dataset's are relative to it)."""
+
+
+def _under(data_files: Any, base_dir: Path) -> Any:
+    """``data_files`` (a pattern, a list, or ``{split: patterns}``) with each relative local
+    pattern resolved against ``base_dir`` (the config's folder), as every other path of a config;
+    a URI or an absolute path as it is."""
+    if isinstance(data_files, str):
+        relative = "://" not in data_files and not Path(data_files).is_absolute()
+        return str(base_dir / data_files) if relative else data_files
+    if isinstance(data_files, dict):
+        return {split: _under(patterns, base_dir) for split, patterns in data_files.items()}
+    if isinstance(data_files, list | tuple):
+        return [_under(pattern, base_dir) for pattern in data_files]
+    return data_files
 
 
 def _resolve_storage(path: str, base_dir: Path) -> str:

@@ -66,6 +66,10 @@ class DatasetConfig(Strict):
     (instruction/input/output), ``chat`` (``messages`` or ShareGPT ``conversations``),
     ``prompt_completion`` (TRL's prompt and completion), ``text`` (raw text, every token
     trained), ``preference`` (``task: dpo``), or one of ``template_modules``."""
+    dataset_info: str | None = None
+    """A LLaMA-Factory ``dataset_info.json`` (``PATH``, its entry named as the dataset, or
+    ``PATH#ENTRY``) whose entry sets ``source``, ``template``, ``column_map``, ``message_keys``
+    and ``roles`` (``rayjobs.config.llamafactory``)."""
     column_map: dict[str, str] = Field(default_factory=dict)
     """Template field → dataset column, e.g. ``{output: response}``; the keys must be fields the
     template reads (``Template.fields``)."""

@@ -1,13 +1,16 @@
 """``rayjobs export``: run the data side only and write the packed rows as Parquet plus a manifest.
 
-Layout of ``OUT``: ``epoch=<e>/*.parquet`` (the data-contract columns as ``fixed_size_list<int32>``
-of ``seq_len``, with ``parent_ids`` and ``response_role`` for ``task: dpo``, plus ``num_tokens`` and
-``num_documents``), ``eval/*.parquet`` (the packed ``eval.datasets``, when the config has them:
-the rows a run evaluates on, same columns) and ``manifest.json``: the validated
-config, per-dataset accounting (the same numbers as the run summary), the realized mix and the pack
-counts of each epoch, and the eval sets' own counts (``eval``: datasets and packs, the run
-summary's ``eval.datasets`` and ``eval.packed``), so exported data can be audited and reused by
-any trainer.
+Layout of ``OUT`` (``manifest``'s names; docs/cli.md, "rayjobs export"): ``train/*.parquet`` (every
+epoch's packed rows: the data-contract columns as ``fixed_size_list<int32>`` of ``seq_len``, with
+``parent_ids`` and ``response_role`` for ``task: dpo``, plus ``num_tokens``, ``num_documents``,
+``seq_lengths`` (each row's documents' lengths and its padding's, what TRL's padding-free collator
+reads) and ``epoch``), ``_validation/*.parquet`` (the packed ``eval.datasets``, when the config has
+them: the rows a run evaluates on, same columns but ``epoch``), ``_tokenizer/`` (the run's
+tokenizer), ``_README.md`` (the dataset card) and ``_manifest.json``: the validated config,
+per-dataset accounting (the same numbers as the run summary), the realized mix and the pack counts
+of each epoch, the eval sets' own counts (``eval``: datasets and packs, the run summary's
+``eval.datasets`` and ``eval.packed``) and the special tokens' ids, so exported data can be
+audited, decoded and reused by any trainer. Every path in it is relative to ``OUT``.
 
 Labels (``labels``, ``--labels``): ``hf`` by default, the Hugging Face convention every other
 trainer reads (``labels[t] = input_ids[t]`` where trained; -100 on prompts, padding and each
@@ -55,16 +58,38 @@ from rayjobs.data.rows import (
 )
 from rayjobs.data.tally import Tally
 from rayjobs.errors import ConfigError, Interrupted
-from rayjobs.job.manifest import MANIFEST
+from rayjobs.job.card import (
+    card,
+    relative_paths,
+    tokenizer_info,
+    tokenizer_metadata,
+    write_tokenizer,
+)
+from rayjobs.job.manifest import (
+    CARD,
+    LEGACY_MANIFEST,
+    MANIFEST,
+    TOKENIZER,
+    TRAIN,
+    VALIDATION,
+)
 
-EVAL = "eval"
+EVAL = VALIDATION
 """The folder of the packed ``eval.datasets``."""
+LEGACY_FOLDERS = r"epoch=\d+|eval"
+"""The data folders of an export in the layout before this one."""
 
 
-def to_arrow(batch: dict[str, np.ndarray], epoch: bool = True, labels: str = "hf") -> pa.Table:
-    """Packed rows (2-D numpy columns, labels shifted) → Arrow with fixed-size list columns (and
-    ``epoch``, when the rows carry it and ``epoch`` is true), the labels in the convention
-    ``labels`` (``rows.LABEL_CONVENTIONS``), which the schema's metadata states."""
+def to_arrow(
+    batch: dict[str, np.ndarray],
+    epoch: bool = True,
+    labels: str = "hf",
+    metadata: dict[str, str] | None = None,
+) -> pa.Table:
+    """Packed rows (2-D numpy columns, labels shifted) → Arrow with fixed-size list columns,
+    ``seq_lengths`` (``seq_lengths``) and ``epoch``, when the rows carry it and ``epoch`` is true;
+    the labels in the convention ``labels`` (``rows.LABEL_CONVENTIONS``), which the schema's
+    metadata states, with ``metadata`` (the export's tokenizer: ``card.tokenizer_metadata``)."""
     if labels not in LABEL_CONVENTIONS:
         raise ValueError(f"labels must be one of {', '.join(LABEL_CONVENTIONS)}, got {labels!r}")
     columns = {}
@@ -76,10 +101,32 @@ def to_arrow(batch: dict[str, np.ndarray], epoch: bool = True, labels: str = "hf
             values = hf_labels(values, batch["document_ids"])
         values = np.ascontiguousarray(values, dtype=np.int32)
         columns[name] = pa.FixedSizeListArray.from_arrays(values.reshape(-1), values.shape[1])
-    for name in (*STAT_COLUMNS, *(("epoch",) if epoch else ())):
+    for name in STAT_COLUMNS:
         if name in batch:
             columns[name] = pa.array(np.asarray(batch[name], dtype=np.int32))
-    return pa.table(columns).replace_schema_metadata({LABELS_METADATA: labels.encode()})
+    columns["seq_lengths"] = seq_lengths(np.asarray(batch["document_ids"]))
+    if epoch and "epoch" in batch:
+        columns["epoch"] = pa.array(np.asarray(batch["epoch"], dtype=np.int32))
+    stated = {LABELS_METADATA: labels.encode()}
+    stated |= {key.encode(): value.encode() for key, value in (metadata or {}).items()}
+    return pa.table(columns).replace_schema_metadata(stated)
+
+
+def seq_lengths(document_ids: np.ndarray) -> pa.ListArray:
+    """[rows, seq_len] document ids → each row's run lengths of equal ids, which sum to
+    ``seq_len`` (the padding after the last document is one more run): the ``seq_lengths`` TRL's
+    padding-free collator builds each document's ``position_ids`` from.
+
+    >>> seq_lengths(np.array([[0, 0, 1, 2, 2], [0, 0, 0, 0, 1]])).to_pylist()
+    [[2, 1, 2], [4, 1]]
+    """
+    rows, width = document_ids.shape
+    starts = np.ones((rows, width), dtype=bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    flat = np.flatnonzero(starts.reshape(-1))
+    lengths = np.diff(np.r_[flat, rows * width]).astype(np.int32)
+    offsets = np.r_[0, np.cumsum(starts.sum(axis=1))].astype(np.int32)
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(lengths))
 
 
 @dataclass
@@ -155,7 +202,11 @@ def prepare_out(out: str | os.PathLike, overwrite: bool = False) -> Target:
         foreign = _foreign(fs, entries)
         # On an object store export-shaped entries without a manifest are an interrupted
         # export's (exports write there directly); a local export never writes into --out.
-        leftovers = remote and not foreign and all(e.base_name != MANIFEST for e in entries)
+        leftovers = (
+            remote
+            and not foreign
+            and all(e.base_name not in (MANIFEST, LEGACY_MANIFEST) for e in entries)
+        )
         if entries and not leftovers and not overwrite:
             raise ConfigError(
                 f"--out {shown} is not empty; export into a new folder, or pass "
@@ -164,8 +215,8 @@ def prepare_out(out: str | os.PathLike, overwrite: bool = False) -> Target:
         if foreign:
             raise ConfigError(
                 f"--out {shown} holds {foreign[:3]}, which no export writes; --overwrite "
-                f"only replaces an earlier export (manifest.json, epoch=<e>/, eval/), so remove "
-                "them yourself"
+                f"only replaces an earlier export ({MANIFEST}, {TRAIN}/, {VALIDATION}/, ...), "
+                "so remove them yourself"
             )
         if remote:  # no rename there: the earlier export goes now, its manifest first
             _clear(fs, path, entries)
@@ -206,7 +257,7 @@ def _foreign(fs: pafs.FileSystem, entries: list[pafs.FileInfo]) -> list[str]:
 def _clear(fs: pafs.FileSystem, path: str, entries: list[pafs.FileInfo]) -> None:
     """Delete an export's ``entries`` of ``path``, its manifest first: from then on, whatever
     is left of it is no finished export."""
-    for entry in sorted(entries, key=lambda e: e.base_name != MANIFEST):
+    for entry in sorted(entries, key=lambda e: e.base_name not in (MANIFEST, LEGACY_MANIFEST)):
         if entry.type == pafs.FileType.Directory:
             fs.delete_dir(entry.path)
         else:
@@ -214,12 +265,15 @@ def _clear(fs: pafs.FileSystem, path: str, entries: list[pafs.FileInfo]) -> None
 
 
 def _export_entry(fs: pafs.FileSystem, entry: pafs.FileInfo) -> bool:
-    """Whether ``entry`` (in an export folder) is something an export writes: the manifest, or
-    an ``epoch=<number>`` or ``eval`` folder of Parquet files only (a Hive-partitioned folder of
-    the user's own, ``epoch=2024/notes.csv``, is not)."""
-    if entry.base_name == MANIFEST:
+    """Whether ``entry`` (in an export folder) is something an export writes: the manifest or the
+    card, the tokenizer's folder, or a data folder (``train``, ``_validation``; ``epoch=<number>``
+    or ``eval`` of the layout before) of Parquet files only (a Hive-partitioned folder of the
+    user's own, ``epoch=2024/notes.csv``, is not)."""
+    if entry.base_name in (MANIFEST, LEGACY_MANIFEST, CARD):
         return entry.type == pafs.FileType.File
-    named = re.fullmatch(r"epoch=\d+", entry.base_name) or entry.base_name == EVAL
+    if entry.base_name == TOKENIZER:
+        return entry.type == pafs.FileType.Directory
+    named = entry.base_name in (TRAIN, VALIDATION) or re.fullmatch(LEGACY_FOLDERS, entry.base_name)
     if not named or entry.type != pafs.FileType.Directory:
         return False
     inside = fs.get_file_info(pafs.FileSelector(entry.path, recursive=True))
@@ -296,8 +350,8 @@ def export(
     labels: str = "hf",
     runner: str = "auto",
 ) -> dict[str, Any]:
-    """Write every epoch's packed rows under ``out`` (``epoch=<e>/*.parquet``; a folder or a URI
-    of one on object storage) and return the manifest (also written). ``out`` must be new or
+    """Write every epoch's packed rows under ``out`` (``train/*.parquet``; a folder or a URI of
+    one on object storage) and return the manifest (also written). ``out`` must be new or
     empty; ``overwrite`` first empties an earlier export there (see module note). ``labels``:
     their convention (``rows.LABEL_CONVENTIONS``, module note). ``runner``: where the data path
     runs (``RUNNERS``)."""
@@ -315,6 +369,8 @@ def export(
         try:
             manifest = _write(config, job, target.fs, target.writing, labels, estimates)
             manifest["runner"] = chosen
+            manifest = relative_paths(manifest)
+            _write_text(target.fs, f"{target.writing}/{CARD}", card(manifest))
             _write_manifest(target.fs, target.writing, manifest)
         finally:
             job.close()
@@ -337,32 +393,35 @@ def _write(
 ) -> dict[str, Any]:
     """``export`` once its job is set up: the Parquet files, then the manifest (its caller
     writes it, last). ``estimates``: the datasets', for the local runner, where chosen with them."""
-    arrow = {"batch_format": "numpy", "fn_kwargs": {"labels": labels}}
+    write_tokenizer(job.tokenizer, fs, f"{out}/{TOKENIZER}")
+    stated = {"labels": labels, "metadata": tokenizer_metadata(job.tokenizer)}
+    arrow = {"batch_format": "numpy", "fn_kwargs": stated}
     if job.local:
-        _write_local(job, fs, out, labels, estimates)
-    elif job.rows is not None:  # stream: one pass over every epoch, partitioned by epoch
-        job.rows.map_batches(to_arrow, **arrow).write_parquet(
-            out, filesystem=fs, partition_cols=["epoch"]
-        )
+        _write_local(job, fs, out, stated, estimates)
+    elif job.rows is not None:  # stream: one pass over every epoch, its rows' epoch a column
+        job.rows.map_batches(to_arrow, **arrow).write_parquet(f"{out}/{TRAIN}", filesystem=fs)
     else:
         for epoch in range(config.train.epochs):
             rows = job.epochs.packed(epoch).map_batches(to_arrow, **arrow)
-            rows.write_parquet(f"{out}/epoch={epoch}", filesystem=fs)
+            rows.write_parquet(f"{out}/{TRAIN}", filesystem=fs)
     summary = job.accounting()
     packs = job.snapshot()["pack"]
     manifest = {
         "config": config.model_dump(mode="json"),
         "seq_len": config.packing.seq_len,
         "labels": labels,
+        "splits": {"train": TRAIN, **({"validation": EVAL} if config.eval.datasets else {})},
         "columns": [
             *PACKED_COLUMNS,
             *(PREFERENCE_COLUMNS if config.task == "dpo" else ()),
             *STAT_COLUMNS,
+            "seq_lengths",
+            "epoch",
         ],
         "epochs": [
             {
                 "epoch": e["epoch"],
-                "path": f"epoch={e['epoch']}",
+                "path": TRAIN,
                 "mix": e["datasets"],
                 "packs": packs[e["epoch"]],
             }
@@ -370,48 +429,54 @@ def _write(
         ],
         **summary,
     }
+    # the encoder the run chose (the summary's) and what a reader decodes with
+    manifest["tokenizer"] = {**manifest.get("tokenizer", {}), **tokenizer_info(job.tokenizer)}
     if config.eval.datasets:
-        manifest["eval"] = _write_eval(config, job, fs, f"{out}/{EVAL}", labels)
+        manifest["eval"] = _write_eval(config, job, fs, f"{out}/{EVAL}", stated)
     return manifest
+
+
+def _write_text(fs: pafs.FileSystem, path: str, text: str) -> None:
+    with fs.open_output_stream(path, compression=None) as stream:
+        stream.write(text.encode())
 
 
 def _write_manifest(fs: pafs.FileSystem, out: str, manifest: dict[str, Any]) -> None:
     """The manifest, written last: an export is finished when it exists."""
-    with fs.open_output_stream(f"{out}/{MANIFEST}", compression=None) as stream:
-        stream.write(json.dumps(manifest, indent=1, default=str).encode())
+    _write_text(fs, f"{out}/{MANIFEST}", json.dumps(manifest, indent=1, default=str))
 
 
 def _write_local(
-    job: Any, fs: pafs.FileSystem, out: str, labels: str, estimates: dict | None = None
+    job: Any, fs: pafs.FileSystem, out: str, stated: dict[str, Any], estimates: dict | None = None
 ) -> None:
     """Every epoch's packed rows from the local runner (``data.local``): a Parquet file per
-    packer window, ``epoch=<e>/part-<n>.parquet``, as Ray's ``write_parquet`` partitions them
-    (the ``epoch`` column is the folder's name, not a column of the files)."""
+    packer window, ``train/epoch-<e>-part-<n>.parquet``, its rows' epoch a column."""
     config = job.config
-    for epoch in range(config.train.epochs):
-        fs.create_dir(f"{out}/epoch={epoch}")
+    fs.create_dir(f"{out}/{TRAIN}")
     rows = local.packed_rows(config, job.tokenizer.pad_id, job.ledger, estimates)
-    _write_parts(fs, out, rows, labels, partitioned=True)
+    _write_parts(fs, f"{out}/{TRAIN}", rows, stated, epochs=True)
 
 
 def _write_parts(
-    fs: pafs.FileSystem, out: str, windows: Any, labels: str, partitioned: bool
+    fs: pafs.FileSystem, folder: str, windows: Any, stated: dict[str, Any], epochs: bool
 ) -> None:
-    """Each non-empty window of packed rows as the next ``part-<n>.parquet`` under ``out`` (under
-    ``out/epoch=<e>`` when ``partitioned``)."""
-    parts: dict[str, int] = {}
+    """Each non-empty window of packed rows as the next Parquet file under ``folder``:
+    ``epoch-<e>-part-<n>.parquet`` with an ``epoch`` column where ``epochs``, else
+    ``part-<n>.parquet``. ``stated``: ``to_arrow``'s ``labels`` and ``metadata``."""
+    parts: dict[int, int] = {}
     for rows in windows:
         if not len(rows["num_tokens"]):
             continue
-        folder = f"{out}/epoch={int(rows['epoch'][0])}" if partitioned else out
-        table = to_arrow(rows, epoch=False, labels=labels)
-        index = parts[folder] = parts.get(folder, -1) + 1
-        with fs.open_output_stream(f"{folder}/part-{index:05d}.parquet") as stream:
+        epoch = int(rows["epoch"][0]) if epochs else -1
+        table = to_arrow(rows, epoch=epochs, **stated)
+        index = parts[epoch] = parts.get(epoch, -1) + 1
+        name = f"epoch-{epoch:04d}-part-{index:05d}" if epochs else f"part-{index:05d}"
+        with fs.open_output_stream(f"{folder}/{name}.parquet") as stream:
             pq.write_table(table, stream)
 
 
 def _write_eval(
-    config: Config, job: Any, fs: pafs.FileSystem, folder: str, labels: str
+    config: Config, job: Any, fs: pafs.FileSystem, folder: str, stated: dict[str, Any]
 ) -> dict[str, Any]:
     """The packed ``eval.datasets`` under ``folder`` (made even when no row is packed, so the
     manifest's path exists) and their counts."""
@@ -420,11 +485,11 @@ def _write_eval(
     if job.local:
         fs.create_dir(folder)
         windows, tally = local_eval_rows(config, job)
-        _write_parts(fs, folder, windows, labels, partitioned=False)
+        _write_parts(fs, folder, windows, stated, epochs=False)
         return {"path": EVAL, **eval_accounting(tally)}
     rows, ledger = eval_rows(config, job)
     try:
-        arrow = {"epoch": False, "labels": labels}
+        arrow = {"epoch": False, **stated}
         rows = rows.map_batches(to_arrow, batch_format="numpy", fn_kwargs=arrow)
         rows.write_parquet(folder, filesystem=fs)
         fs.create_dir(folder)

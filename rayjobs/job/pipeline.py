@@ -463,7 +463,9 @@ def _train(config: Config, job: Job, callbacks: Sequence[Callback]) -> dict[str,
     trainer = _trainer_class()(
         train_loop,
         train_loop_config={
-            "config": config.model_dump(),
+            # the validated config itself: validating it again in a worker would refuse a
+            # template of template_modules, which the workers do not import
+            "config": config,
             "vocab_size": job.tokenizer.vocab_size,
             "run_name": job.name,
             "datasets": list(datasets),

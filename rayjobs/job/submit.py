@@ -67,6 +67,7 @@ from pathlib import Path
 from typing import Any
 
 from rayjobs.config import _apply_override, load_config, yaml_load
+from rayjobs.config.llamafactory import expand
 from rayjobs.config.user_templates import unshipped
 from rayjobs.data import formats
 from rayjobs.errors import ConfigError, SubmitError
@@ -200,7 +201,11 @@ def plan_submission(
     ):
         for index, spec in enumerate(specs):
             key = f"{section}.{index}.source (dataset {spec.name!r})"
-            spelled = spelled_specs[index]["source"]
+            spelled = expand(spelled_specs[index], config_file.parent, section)
+            if spelled.get("dataset_info"):  # its registry travels too: the job reads it again
+                info = str(spelled["dataset_info"]).partition("#")[0]
+                checker.files(f"{section}.{index}.dataset_info", info, "json")
+            spelled = spelled["source"]
             for source in [spelled] if isinstance(spelled, str) else spelled:
                 if spec.format == formats.HF:
                     checker.folder_or_name(key, str(source))

@@ -123,7 +123,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     import ray.train
     import ray.train.torch
 
-    config = Config.model_validate(loop_config["config"])
+    config: Config = loop_config["config"]  # the driver's, validated there (``_train``)
     spec = config.train
     context = ray.train.get_context()
     world_size, rank = context.get_world_size(), context.get_world_rank()

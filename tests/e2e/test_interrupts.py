@@ -123,7 +123,7 @@ def interrupted_export(tmp_path_factory):
     staging = out.parent / ".out.partial"
     # Many epochs of the demo data: the export is still writing when its first file lands.
     export = _start("export", str(DEMO), "--out", str(out), "train.epochs=30", "--runner", "ray")
-    _wait_for(export, lambda: any(staging.glob("epoch=*/*.parquet")))
+    _wait_for(export, lambda: any(staging.glob("train/*.parquet")))
     sockets = _listening(_tree(export.pid))
     code, err = _interrupt(export, signal.SIGINT)
     return code, err, sockets, out
@@ -144,7 +144,7 @@ def test_an_interrupted_export_leaves_nothing_finished_and_a_rerun_works(interru
         f"rayjobs: interrupted (SIGINT): export not finished: nothing at {out}; its files are "
         f"in {staging}, which the next export to it clears"
     )
-    assert not out.exists() and any(staging.glob("epoch=*/*.parquet"))  # guard: it had written
+    assert not out.exists() and any(staging.glob("train/*.parquet"))  # guard: it had written
     for reader in (require_finished, read_export):
         with pytest.raises(ConfigError, match="is not a finished export"):
             reader(out)
@@ -153,7 +153,7 @@ def test_an_interrupted_export_leaves_nothing_finished_and_a_rerun_works(interru
     rerun = _start("export", str(DEMO), "--out", str(out), "train.epochs=1")
     _, err = rerun.communicate(timeout=600)
     assert rerun.returncode == 0, err[-3000:]
-    assert (out / MANIFEST).is_file() and any(out.glob("epoch=0/*.parquet"))
+    assert (out / MANIFEST).is_file() and any(out.glob("train/*.parquet"))
     assert sorted(p.name for p in out.parent.iterdir()) == ["out"]
     require_finished(out)
 

@@ -27,7 +27,7 @@ limit 180 python3 -m rayjobs.bench.attention --json "$out/attention.json" 2>&1 \
   | tee "$out/bench_attention.log"
 bench=$?
 export_dir=${2:-gpu-checks/export}
-if [ -f "$export_dir/manifest.json" ]; then
+if [ -f "$export_dir/_manifest.json" ] || [ -f "$export_dir/manifest.json" ]; then
   limit 180 python3 -m rayjobs.bench.train --export "$export_dir" --json "$out/train.json" 2>&1 \
     | tee "$out/bench_train.log"
   train=$?

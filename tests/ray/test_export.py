@@ -39,7 +39,7 @@ def exported(ray_local, tmp_path_factory):
 
 
 def _epoch(out, epoch):
-    return pq.read_table(out / f"epoch={epoch}")
+    return pq.read_table(out / "train", filters=[("epoch", "==", epoch)])
 
 
 def test_parquet_rows_keep_the_data_contract(exported):
@@ -92,8 +92,8 @@ def test_epochs_differ(exported):
 
 
 def _earlier_export(out):
-    (out / "epoch=0").mkdir(parents=True)
-    (out / "epoch=0" / "part-0.parquet").write_bytes(b"PAR1")
+    (out / "train").mkdir(parents=True)
+    (out / "train" / "part-0.parquet").write_bytes(b"PAR1")
     (out / MANIFEST).write_text("{}")
 
 
@@ -110,7 +110,7 @@ def test_export_into_a_non_empty_folder_is_refused_without_overwrite(tmp_path, m
     _earlier_export(tmp_path)
     with pytest.raises(ConfigError, match="is not empty; .* pass --overwrite"):
         export(None, tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch=0", MANIFEST]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [MANIFEST, "train"]
 
 
 def test_overwrite_keeps_the_earlier_export_until_the_new_one_is_whole(tmp_path, monkeypatch):
@@ -119,11 +119,11 @@ def test_overwrite_keeps_the_earlier_export_until_the_new_one_is_whole(tmp_path,
     monkeypatch.setattr("rayjobs.job.pipeline.load_tokenizer", _no_job)
     out = tmp_path / "out"
     _earlier_export(out)
-    (out / "eval").mkdir()  # an earlier export's eval sets
-    (out / "eval" / "part-0.parquet").write_bytes(b"PAR1")
+    (out / "_validation").mkdir()  # an earlier export's eval sets
+    (out / "_validation" / "part-0.parquet").write_bytes(b"PAR1")
     with pytest.raises(_Started):
         export(None, out, overwrite=True)
-    assert sorted(p.name for p in out.iterdir()) == ["epoch=0", "eval", MANIFEST]
+    assert sorted(p.name for p in out.iterdir()) == [MANIFEST, "_validation", "train"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
@@ -173,7 +173,7 @@ def test_overwrite_never_deletes_what_no_export_writes(tmp_path, monkeypatch):
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(ConfigError, match=r"holds \['notes.txt'\], which no export writes"):
         export(None, tmp_path, overwrite=True)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch=0", MANIFEST, "notes.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [MANIFEST, "notes.txt", "train"]
 
 
 @pytest.mark.parametrize(
@@ -183,12 +183,14 @@ def test_overwrite_never_deletes_what_no_export_writes(tmp_path, monkeypatch):
         ("epoch=0", ["part-0.parquet", "notes.txt"]),
         ("epoch=x", []),
         ("eval", ["part-0.parquet", "notes.txt"]),
+        ("train", ["part-0.parquet", "notes.txt"]),
+        ("_validation", ["notes.txt"]),
     ],
 )
 def test_overwrite_keeps_epoch_folders_an_export_did_not_write(tmp_path, monkeypatch, name, files):
-    """Only ``epoch=<number>`` (and ``eval``) folders of Parquet files count as an earlier
-    export's: a user's own Hive-partitioned folder (``epoch=2024/notes.csv``) was emptied with
-    the export."""
+    """Only ``train`` and ``_validation`` (``epoch=<number>`` and ``eval`` of the layout
+    before) folders of Parquet files count as an earlier export's: a user's own Hive-partitioned
+    folder (``epoch=2024/notes.csv``) was emptied with the export."""
     monkeypatch.setattr("rayjobs.job.pipeline.load_tokenizer", _no_job)
     (tmp_path / name).mkdir()
     for file in files:
@@ -203,7 +205,7 @@ def test_export_epochs_below_one_are_refused_before_anything_is_emptied(tmp_path
     _earlier_export(tmp_path)
     with pytest.raises(ConfigError, match=f"--epochs must be at least 1, got {epochs}"):
         export(None, tmp_path, epochs, overwrite=True)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch=0", MANIFEST]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [MANIFEST, "train"]
 
 
 @pytest.mark.parametrize(
@@ -237,7 +239,8 @@ def test_preference_rows_export_their_mask_columns():
     triples = [preference.Triple(np.array([1, 2]), np.array([3]), np.array([4, 5]))]
     rows = preference.assemble_triples(triples, [np.array([0])], seq_len=8, pad_id=0)
     table = to_arrow(rows)
-    assert table.column_names == [*preference.DPO_COLUMNS, "num_tokens", "num_documents"]
+    stats = ["num_tokens", "num_documents", "seq_lengths"]
+    assert table.column_names == [*preference.DPO_COLUMNS, *stats]
     assert table.column("parent_ids").to_pylist() == [[0, 0, 0, 0, 0, 0, 3, 3]]
     assert table.column("response_role").to_pylist() == [[0, 1, 1, 2, 2, 2, 0, 0]]
     sft = {k: v for k, v in rows.items() if k not in preference.PREFERENCE_COLUMNS}

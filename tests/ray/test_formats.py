@@ -181,10 +181,10 @@ def _export(tmp: Path, raw: dict) -> tuple[list[dict], dict]:
     config.write_text(yaml.safe_dump(raw))
     out = tmp / "out"
     assert main(["export", str(config), "--out", str(out)]) == 0
-    table = pq.read_table(out / "epoch=0")
+    table = pq.read_table(out / "train")
     rows = [{name: np.asarray(table.column(name)[i].as_py()) for name in table.column_names}
             for i in range(table.num_rows)]  # fmt: skip
-    return rows, json.loads((out / "manifest.json").read_text())
+    return rows, json.loads((out / "_manifest.json").read_text())
 
 
 def _documents(row: dict):

@@ -144,7 +144,7 @@ def test_inspect_json_equals_export(inspected, exported):
 def test_eval_sets_are_packed_apart_reported_and_exported_whole(inspected, exported, setup):
     """``eval.datasets``: inspect reports them apart from the training datasets (their own
     counts and packs, never in the training figures) and export writes their packed rows to
-    ``eval/`` with the same counts in its manifest; every held-out sample is in those rows
+    ``_validation/`` with the same counts in its manifest; every held-out sample is in those rows
     exactly once, as the Tokenize stage makes it in-process."""
     from conftest import file_tables
 
@@ -152,11 +152,12 @@ def test_eval_sets_are_packed_apart_reported_and_exported_whole(inspected, expor
     manifest, out = exported
     _, config, _ = setup
     evaluation = manifest["eval"]
-    assert evaluation["path"] == "eval" and report["eval"]["datasets"] == evaluation["datasets"]
+    assert evaluation["path"] == "_validation"
+    assert report["eval"]["datasets"] == evaluation["datasets"]
     assert {k: report["eval"]["packed"][k] for k in evaluation["packed"]} == evaluation["packed"]
     assert "held_out" not in report["datasets"] and "held_out" not in manifest["datasets"]
     assert any(line.startswith("eval (held out): packs ") for line in stdout.splitlines())
-    table = pq.read_table(out / "eval")
+    table = pq.read_table(out / "_validation")
     assert "epoch" not in table.column_names
     assert table.num_rows == evaluation["packed"]["num_packs"] >= 2
     assert sum(table.column("num_tokens").to_pylist()) == evaluation["packed"]["num_tokens"]
@@ -178,7 +179,7 @@ def test_eval_sets_are_packed_apart_reported_and_exported_whole(inspected, expor
 
 def _document_lengths(out: Path) -> np.ndarray:
     """Every packed document's length in an export, from document_ids (padding left out)."""
-    table = pq.read_table(out / "epoch=0")
+    table = pq.read_table(out / "train")
     documents = np.stack(table.column("document_ids").to_numpy(zero_copy_only=False))
     tokens = table.column("num_tokens").to_numpy()
     lengths = []

@@ -219,10 +219,12 @@ def test_the_bucket_gives_the_disks_counts_and_packs_and_exports_into_a_bucket(
 
     # the manifests, as written: the same counts, mix, packs and config but for paths and timers
     fs = s3.filesystem()
-    manifest = json.loads(fs.open_input_file(f"{BUCKET}/exports/run-1/manifest.json").read())
-    local_manifest = json.loads((tmp_path / "local" / "manifest.json").read_text())
-    assert _comparable(manifest, f"s3://{BUCKET}") == _comparable(local_manifest, str(local))
-    assert [e["path"] for e in manifest["epochs"]] == ["epoch=0"]
+    manifest = json.loads(fs.open_input_file(f"{BUCKET}/exports/run-1/_manifest.json").read())
+    local_manifest = json.loads((tmp_path / "local" / "_manifest.json").read_text())
+    # the manifest's local paths are relative to the folder the export ran in
+    local_root = os.path.relpath(local)
+    assert _comparable(manifest, f"s3://{BUCKET}") == _comparable(local_manifest, local_root)
+    assert [e["path"] for e in manifest["epochs"]] == ["train"]
     for entry in manifest["epochs"]:
         from_bucket = pq.read_table(f"{BUCKET}/exports/run-1/{entry['path']}", filesystem=fs)
         from_disk = pq.read_table(tmp_path / "local" / entry["path"])
@@ -333,7 +335,7 @@ def test_an_export_prefix_is_finished_by_its_manifest_and_leftovers_are_cleared(
                                                    allow_not_found=True))  # fmt: skip
         return sorted(i.path.split(f"{prefix}/", 1)[1] for i in found if i.type.name == "File")
 
-    left = ["epoch=0/part-0.parquet", "epoch=1/part-0.parquet", "eval/part-0.parquet"]
+    left = ["_validation/part-0.parquet", "train/part-0.parquet", "train/part-1.parquet"]
     for key in left:
         s3.put(f"{BUCKET}/left/{key}", b"PAR1")
     assert listed("left") == left  # guard: the leftovers are there

@@ -43,11 +43,11 @@ def _write_export(folder, convention="hf", manifest=FINISHED):
     rows = assemble(
         tokens, labels, starts, lengths, np.array([len(r) for r in ROWS]), SEQ_LEN, pad_id=0
     )
-    (folder / "epoch=0").mkdir()
+    (folder / "train").mkdir()
     table = to_arrow(rows, labels=convention or "shifted")
     if convention is None:
         table = table.replace_schema_metadata(None)
-    pq.write_table(table, folder / "epoch=0" / "part-0.parquet")
+    pq.write_table(table, folder / "train" / "part-0.parquet")
     if manifest is not None:
         (folder / MANIFEST).write_text(json.dumps(manifest))
     return tokens, labels
@@ -113,7 +113,7 @@ def test_the_command_refuses_a_missing_export_without_a_traceback(tmp_path, caps
 @pytest.mark.parametrize(
     "labels, manifest, message",
     [
-        (None, None, "is not a finished export (no manifest.json"),
+        (None, None, "is not a finished export (no _manifest.json"),
         ("shifted", {"labels": "hf"}, "its labels are 'shifted' but the manifest says 'hf'"),
     ],
     ids=["unstated", "contradicted"],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -83,7 +84,7 @@ BAD_CONFIGS = {
         [
             "datasets.0",
             "column_map key(s) ['inputs']",
-            "['history', 'input', 'instruction', 'output']",
+            "['history', 'input', 'instruction', 'output', 'system']",
         ],
     ),
     "files_set_in_the_config": (
@@ -786,3 +787,19 @@ def test_every_shipped_config_loads_with_its_data_in_the_repository(path):
         for file in dataset.files:
             assert Path(file).is_file() and Path(file).resolve().is_relative_to(ROOT), file
     assert len(SHIPPED_CONFIGS) >= 7, "guard: the configs folder was found"
+
+
+def test_hf_data_files_resolve_against_the_configs_folder(tmp_path, monkeypatch):
+    """``format: hf`` with ``source: json`` and ``data_files``: the files are found beside the
+    config, wherever the command runs (they were looked up in the working directory)."""
+    project = tmp_path / "project"
+    (project / "data").mkdir(parents=True)
+    shutil.copy(ALPACA, project / "data" / "train.json")
+    config = project / "run.yaml"
+    spec = {"name": "a", "source": "json", "format": "hf", "template": "alpaca"}
+    for data_files in ("data/train.json", ["data/*.json"], {"train": "data/train.json"}):
+        raw = {"datasets": [{**spec, "data_files": data_files}], "tokenizer": {"path": str(GPT2)}}
+        config.write_text(yaml.safe_dump(raw))
+        monkeypatch.chdir(tmp_path)  # not the config's folder
+        [dataset] = load_config(config).datasets
+        assert dataset.files == (str(project / "data" / "train.json"),), data_files

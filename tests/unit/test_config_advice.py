@@ -86,6 +86,18 @@ SCENARIOS = {
         ["datasets.0.path=data.jsonl"],
         ["datasets.0.path: unknown key; use datasets.0.source"],
     ),
+    "peer_data_and_runtime_keys": (
+        "streaming: true\ndeepspeed: ds_config.json\ntrain:\n  compile: true\n",
+        ["datasets.0.type=prompt_completion", "datasets.0.message_property_mappings=x"],
+        [
+            "streaming: unknown key; use packing.mode (stream, the default",
+            "deepspeed: unknown key; use train.parallelism (ddp or fsdp; DeepSpeed is not",
+            "train.compile: unknown key; torch.compile is not supported",
+            "datasets.0.type: unknown key; use datasets.0.template (alpaca, chat, "
+            "prompt_completion",
+            "datasets.0.message_property_mappings: unknown key; use datasets.0.message_keys",
+        ],
+    ),
     "typo_did_you_mean": (
         "packing:\n  seq_lenn: 512\n",
         ["datasets.0.templat=chat"],

@@ -46,13 +46,14 @@ def test_a_local_export_packs_every_sample_once_an_epoch_and_its_counts_add_up(t
     assert manifest["datasets"]["alpaca"]["truncated_tokens"] > 0, "guard: seq_len truncates"
     documents = []
     for epoch in (0, 1):
-        table = pq.read_table(out / f"epoch={epoch}")
+        table = pq.read_table(out / "train", filters=[("epoch", "==", epoch)])
         packs = manifest["epochs"][epoch]["packs"]
-        assert len(list((out / f"epoch={epoch}").iterdir())) > 2, "guard: several windows"
+        assert len(list((out / "train").glob(f"epoch-{epoch:04d}-*"))) > 2, "guard: windows"
         assert packs["num_packs"] == table.num_rows
         assert packs["num_tokens"] == sum(table.column("num_tokens").to_pylist()) == tokens // 2
         assert sum(table.column("num_documents").to_pylist()) == samples // 2
-        assert table.schema.metadata[b"rayjobs.labels"] == b"hf" and "epoch" not in table.schema
+        assert table.schema.metadata[b"rayjobs.labels"] == b"hf"
+        assert set(table.column("epoch").to_pylist()) == {epoch}
         documents.append(exported_documents(table))
     assert documents[0] == documents[1]  # the same samples each epoch, packed anew
     assert sum(documents[0].values()) == samples // 2
@@ -60,7 +61,7 @@ def test_a_local_export_packs_every_sample_once_an_epoch_and_its_counts_add_up(t
 
 
 def test_the_same_config_exports_the_same_rows(tmp_path):
-    tables = [pq.read_table(_export(tmp_path, name)[0] / "epoch=1") for name in ("a", "b")]
+    tables = [pq.read_table(_export(tmp_path, name)[0] / "train") for name in ("a", "b")]
     assert tables[0].num_rows > 50 and tables[0].equals(tables[1])
 
 
@@ -169,7 +170,7 @@ def test_an_interrupted_local_export_leaves_nothing_finished(tmp_path, monkeypat
     out, staging = tmp_path / "out", tmp_path / ".out.partial"
     with pytest.raises(Interrupted, match=f"export not finished: nothing at {out}; its files"):
         _export(tmp_path)
-    assert not out.exists() and len(list(staging.glob("epoch=0/*.parquet"))) == 1
+    assert not out.exists() and len(list(staging.glob("train/*.parquet"))) == 1
     monkeypatch.setattr(local, "packed_rows", packed_rows)
     _, manifest = _export(tmp_path)
     assert (out / MANIFEST).exists() and not staging.exists() and manifest["packed"]["num_packs"]
@@ -192,13 +193,13 @@ def test_every_shipped_config_exports_with_the_local_runner(tmp_path, name):
 
     config = load_config(ROOT / "configs" / name, ["train.epochs=1"])
     manifest = export(config, tmp_path / "out", runner="local")
-    table = pq.read_table(tmp_path / "out" / "epoch=0")
+    table = pq.read_table(tmp_path / "out" / "train")
     assert table.num_rows == manifest["packed"]["num_packs"] > 0
     per_sample = TASKS[config.task].documents_per_sample  # a DPO triple: three documents
     documents = sum(table.column("num_documents").to_pylist())
     assert documents == per_sample * manifest["epochs"][0]["packs"]["num_documents"]
     if config.eval.datasets:
-        held_out = pq.read_table(tmp_path / "out" / "eval")
+        held_out = pq.read_table(tmp_path / "out" / "_validation")
         assert held_out.num_rows == manifest["eval"]["packed"]["num_packs"] > 0
     if config.task == "dpo":
         assert {"parent_ids", "response_role"} <= set(table.column_names)

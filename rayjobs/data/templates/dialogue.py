@@ -135,7 +135,10 @@ def chat_tools(row: Mapping[str, Any], column_map: Mapping[str, str]) -> list[To
     if not isinstance(row, Mapping):
         return None
     shown = _shown("tools", column_map)
-    tools = _json_value(row.get(column_map.get("tools", "tools")), shown, "the tools list")
+    value = row.get(column_map.get("tools", "tools"))
+    if isinstance(value, str) and not value.strip():  # LLaMA-Factory's "" for no tools
+        return None
+    tools = _json_value(value, shown, "the tools list")
     if tools in (None, "", []):
         return None
     if not isinstance(tools, list):

@@ -33,18 +33,24 @@ TURN_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n###
 """A turn after the first (``history``): the prompt's turn layout, without its preamble."""
 
 
-@register_template("alpaca", fields=("instruction", "input", "output", "history"), turns=False)
+@register_template(
+    "alpaca", fields=("instruction", "input", "output", "history", "system"), turns=False
+)
 def alpaca(
     row: Mapping[str, Any], column_map: Mapping[str, str], render_chat: RenderChat | None = None
 ) -> list[Segment]:
     """Alpaca instruction / input / output → [prompt (untrained), output (trained)]. Earlier
     turns (``history``: ``[[instruction, response], ...]``, the LLaMA-Factory layout) come first,
-    each in the same layout, their responses trained as every assistant turn of a chat is."""
+    each in the same layout, their responses trained as every assistant turn of a chat is. A
+    ``system`` text (LLaMA-Factory's alpaca column), where given, takes the preamble's place."""
     instruction = text_field(row, "instruction", column_map)
     context = text_field(row, "input", column_map, required=False)
     output = text_field(row, "output", column_map)
     turns = _history(field_value(row, "history", column_map, required=False), column_map)
     preamble = (ALPACA_PROMPT_WITH_INPUT if context.strip() else ALPACA_PROMPT).split("###")[0]
+    system = text_field(row, "system", column_map, required=False)
+    if system.strip():
+        preamble = f"{system.strip()}\n\n"
     segments: list[Segment] = []
     for index, (asked, answered) in enumerate(turns):
         head = preamble if index == 0 else ""
