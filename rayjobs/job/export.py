@@ -55,6 +55,7 @@ from rayjobs.data.rows import (
 )
 from rayjobs.data.tally import Tally
 from rayjobs.errors import ConfigError, Interrupted
+from rayjobs.job import claim
 from rayjobs.job.manifest import MANIFEST
 
 EVAL = "eval"
@@ -305,6 +306,19 @@ def export(
         raise ConfigError(f"--epochs must be at least 1, got {epochs}")
     if labels not in LABEL_CONVENTIONS:
         raise ConfigError(f"--labels must be one of {', '.join(LABEL_CONVENTIONS)}, got {labels!r}")
+    with claim.take(str(out), f"--out {files.shown(str(out))}", " or export elsewhere"):
+        return _export(config, out, epochs, overwrite, labels, runner)
+
+
+def _export(
+    config: Config,
+    out: str | os.PathLike,
+    epochs: int | None,
+    overwrite: bool,
+    labels: str,
+    runner: str,
+) -> dict[str, Any]:
+    """``export`` once ``out`` is claimed (``claim``: no other export writes there)."""
     target = prepare_out(out, overwrite)
     if epochs is not None:
         config = config.model_copy(
