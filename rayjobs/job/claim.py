@@ -15,8 +15,9 @@ How the claim is made atomic:
   (docs/cli.md, "Exclusive outputs").
 
 A holder refreshes its claim every ``REFRESH`` seconds. A claim is stale, and taken over with a
-warning, when its holder is gone: on the same host, its process is not running; elsewhere (another
-host, an object store), it was not refreshed for ``STALE_AFTER`` seconds. The holder deletes its
+warning, when its holder is gone: on the same host, its process is not running (a claim a store
+outage kept its holder from deleting included); on another host, it was not refreshed for
+``STALE_AFTER`` seconds. The holder deletes its
 claim when done, however it ends.
 """
 
@@ -40,7 +41,7 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from rayjobs.data import files
-from rayjobs.errors import ConfigError
+from rayjobs.errors import ConfigError, UserError, user_error
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,34 @@ SETTLE = 1.0
 
 class Claimed(ConfigError):
     """The folder is held by another writer: the message names it (host, pid, start, command)."""
+
+
+class StorageFailed(UserError):
+    """The store under a claimed folder failed while a command wrote to it (``failure``)."""
+
+
+def failure(error: BaseException, shown: str) -> StorageFailed | None:
+    """A ``StorageFailed`` for ``error`` when it is a filesystem's ``OSError`` (however Ray
+    wrapped it) and no ``UserError``, that says what is left at ``shown``; else None."""
+    if user_error(error) is not None:
+        return None
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [error]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError):
+            text = str(current).strip().splitlines()
+            said = text[0] if text else type(current).__name__
+            return StorageFailed(
+                f"{shown}: the export stopped on a storage error: {said}; nothing finished there "
+                "(no manifest.json): run it again once the store answers (it clears what this "
+                "one left)"
+            )
+        pending += [current.__cause__, current.__context__, getattr(current, "cause", None)]
+    return None
 
 
 def claim_path(fs: pafs.FileSystem, path: str) -> str:
@@ -225,14 +254,18 @@ def _parse(body: bytes) -> dict[str, Any]:
 
 
 def _stale_local(where: str, found: dict[str, Any]) -> bool:
-    """Whether a local claim's holder is gone: on this host, its process is not running;
-    elsewhere, it has not been refreshed for ``STALE_AFTER`` seconds."""
-    if found.get("host") == socket.gethostname() and isinstance(found.get("pid"), int):
-        return not _running(found["pid"])
     try:
-        return time.time() - os.stat(where).st_mtime > STALE_AFTER
+        return _gone(found, time.time() - os.stat(where).st_mtime)
     except FileNotFoundError:
         return True
+
+
+def _gone(found: dict[str, Any], age: float) -> bool:
+    """Whether a claim's holder is gone: on this host, its process is not running; elsewhere,
+    it has not refreshed the claim (``age`` seconds ago) for ``STALE_AFTER`` seconds."""
+    if found.get("host") == socket.gethostname() and isinstance(found.get("pid"), int):
+        return not _running(found["pid"])
+    return age > STALE_AFTER
 
 
 def _running(pid: int) -> bool:
@@ -252,12 +285,11 @@ def _take_remote(
     if info.type == pafs.FileType.File:
         found = _read(fs, where) or {}
         age = time.time() - info.mtime.timestamp() if info.mtime else 0.0
-        if age <= STALE_AFTER:
+        if not _gone(found, age):
             raise _refusal(what, shown, found, hint)
         logger.warning(
-            "%s: taking over the claim of %s, not refreshed for %.0f s", what,
-            holder_line(found), age,
-        )  # fmt: skip
+            "%s: taking over the claim of %s, which is gone (%s)", what, holder_line(found), shown
+        )
     _write(fs, where, holder)
     time.sleep(SETTLE)
     found = _read(fs, where) or {}

@@ -334,9 +334,12 @@ def _export(
             job.close()
     except KeyboardInterrupt as interrupt:  # Ctrl-C, or SIGTERM (the command line's Interrupted)
         raise Interrupted.of(interrupt, f"export not finished: {target.left()}") from None
-    except Exception:
+    except Exception as error:
         target.discard()  # a failed export's partial files (an interrupted one's stay: said)
-        raise
+        failed = claim.failure(error, f"--out {target.shown}")  # the store failed: one line
+        if failed is None:
+            raise
+        raise failed from error
     target.commit()
     return manifest
 

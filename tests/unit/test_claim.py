@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 import yaml
@@ -19,7 +20,8 @@ from conftest import ALPACA, DEMO_TOKENIZER, GPT2, ROOT
 from rayjobs.cli import main
 from rayjobs.config import ConfigError, config_from_dict
 from rayjobs.job import claim
-from rayjobs.job.export import export
+from rayjobs.job import export as export_module
+from rayjobs.job.export import export, to_arrow
 from rayjobs.job.manifest import MANIFEST
 from support.s3 import s3_server
 
@@ -142,6 +144,9 @@ def test_an_object_store_claim_refuses_a_second_writer_and_a_missing_bucket(
                 claim.take("s3://bucket/exports/out", "--out s3://bucket/exports/out")
             assert held.holder["token"]
         assert s3.filesystem().get_file_info("bucket/exports/.out.claim").type.name == "NotFound"
+        dead = {"host": socket.gethostname(), "pid": _dead_pid(), "token": "planted"}
+        s3.put("bucket/exports/.out.claim", json.dumps(dead).encode())
+        claim.take("s3://bucket/exports/out", "--out s3://bucket/exports/out").release()
         with pytest.raises(ConfigError, match="s3://missing-bucket/x: no such bucket"):
             claim.take("s3://missing-bucket/x", "--out s3://missing-bucket/x")
         capsys.readouterr()
@@ -166,3 +171,39 @@ def test_a_run_folder_in_use_is_refused_before_ray_starts(tmp_path):
     with claim.take(folder, "run rayjobs-held"), refused:
         run(config_from_dict(config, base_dir=ROOT), resume="latest")
     assert not ray.is_initialized()
+
+
+def test_the_store_going_down_while_an_export_writes_is_one_line_and_exit_1(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setattr(claim, "SETTLE", 0.1)
+    retries = pafs.AwsStandardS3RetryStrategy
+    monkeypatch.setattr(pafs, "AwsStandardS3RetryStrategy", lambda max_attempts: retries(1))
+    config = tmp_path / "config.yaml"
+    packing = {"packing": {"seq_len": 512, "window_tokens": 4096}}  # several windows
+    config.write_text(yaml.safe_dump(_config(512) | packing))
+    windows = []
+
+    def down_at_the_second_window(*args, **kwargs):
+        windows.append(1)
+        if len(windows) == 2:
+            s3.stop()
+        return to_arrow(*args, **kwargs)
+
+    with s3_server() as s3:
+        for key, value in s3.env.items():
+            monkeypatch.setenv(key, value)
+        s3.filesystem().create_dir("bucket")
+        monkeypatch.setattr(export_module, "to_arrow", down_at_the_second_window)
+        code = main(["export", str(config), "--out", "s3://bucket/out", "--runner", "local"])
+        err = capsys.readouterr().err
+    assert len(windows) == 2  # guard: it went down while the export wrote
+    lines = [line for line in err.splitlines() if line.startswith("rayjobs: --out")]
+    assert code == 1 and "Traceback" not in err, err
+    assert len(lines) == 1 and lines[0].startswith(
+        "rayjobs: --out s3://bucket/out: the export stopped on a storage error: "
+    )
+    assert lines[0].endswith(
+        "nothing finished there (no manifest.json): run it again once the store answers (it "
+        "clears what this one left)"
+    )
