@@ -69,23 +69,19 @@ def failure(error: BaseException, shown: str) -> StorageFailed | None:
     wrapped it) and no ``UserError``, that says what is left at ``shown``; else None."""
     if user_error(error) is not None:
         return None
-    seen: set[int] = set()
-    pending: list[BaseException | None] = [error]
-    while pending:
-        current = pending.pop()
-        if current is None or id(current) in seen:
-            continue
-        seen.add(id(current))
-        if isinstance(current, OSError):
-            text = str(current).strip().splitlines()
-            said = text[0] if text else type(current).__name__
-            return StorageFailed(
-                f"{shown}: the export stopped on a storage error: {said}; nothing finished there "
-                "(no manifest.json): run it again once the store answers (it clears what this "
-                "one left)"
-            )
-        pending += [current.__cause__, current.__context__, getattr(current, "cause", None)]
-    return None
+    found: BaseException | None = error
+    for _ in range(16):  # Ray wraps a task's error in its own, once or twice
+        if found is None or isinstance(found, OSError):
+            break
+        found = found.__cause__ or getattr(found, "cause", None) or found.__context__
+    if not isinstance(found, OSError):
+        return None
+    text = str(found).strip().splitlines()
+    said = text[0] if text else type(found).__name__
+    return StorageFailed(
+        f"{shown}: the export stopped on a storage error: {said}; nothing finished there "
+        "(no manifest.json): run it again once the store answers (it clears what this one left)"
+    )
 
 
 def claim_path(fs: pafs.FileSystem, path: str) -> str:
