@@ -70,7 +70,9 @@ def test_two_exports_at_once_one_finishes_the_other_is_refused_naming_it(tmp_pat
     assert f"pid {winner} on {socket.gethostname()}" in lines[0]  # guard: the claim refused it
     manifest = json.loads((out / MANIFEST).read_text())
     table = pq.read_table(out / "epoch=0")
-    assert table.num_rows == manifest["epochs"][0]["packs"]["num_packs"] > 0
+    packs = manifest["epochs"][0]["packs"]
+    assert table.num_rows == packs["num_packs"] > 0
+    assert sum(table.column("num_tokens").to_pylist()) == packs["num_tokens"]
     assert table.schema.field("input_ids").type.list_size == manifest["seq_len"]
     assert sorted(os.listdir(tmp_path)) == ["config.yaml", "out"]  # no claim, no staging left
 
