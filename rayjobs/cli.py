@@ -25,7 +25,7 @@ rayjobs bench sft [--scales N ...] [--steps N] [--repeats N] [--num-workers 0|1]
                                (rayjobs run beside TRL's SFTTrainer, same model; needs '.[bench]')
 rayjobs submit CONFIG [dotted.key=value ...] [--address URL] [--working-dir DIR] [--no-wait]
                [--json] [--allow-absolute] [--max-upload-mib N] [--max-file-mib N]
-               [--submission-id ID] [--runtime-env-json JSON] [--dry-run]
+               [--submission-id ID] [--runtime-env-json JSON] [--dry-run] [--follow-links]
                                                     (a Ray job on a cluster: "Run on a cluster")
 rayjobs status JOB [--address URL] [--json] [--watch]
 rayjobs logs JOB [--address URL] [--follow]
@@ -260,6 +260,12 @@ def _parser() -> argparse.ArgumentParser:
         "--dry-run",
         action="store_true",
         help="list what would be uploaded (bytes and path, one file a line) and submit nothing",
+    )
+    submit.add_argument(
+        "--follow-links",
+        action="store_true",
+        help="ship what a link out of the working directory points to (default: it is left "
+        "out and said); a link to a likely secret stays out either way",
     )
     submit.add_argument("--submission-id", help="the job's id (default: Ray makes one)")
     submit.add_argument(

@@ -282,6 +282,18 @@ _UNION_TAG = re.compile(r"^(str|int|float|bool|none|(list|dict|tuple)\[.*\]|func
 TYPE_ERRORS = ("int_type", "float_type", "bool_type", "int_parsing", "float_parsing")
 
 
+def _reads_as(kind: str, value: str) -> bool:
+    """Whether text ``value`` would be the type a ``kind`` error wants, were it unquoted (``abc``
+    is no number with or without quotes)."""
+    if kind == "bool_type":
+        return value.strip().lower() in ("true", "false", "yes", "no", "on", "off")
+    try:
+        float(value)
+    except ValueError:
+        return False
+    return True
+
+
 def _message(item: dict[str, Any], raw: Any) -> str:
     kind, loc, value = item["type"], item["loc"], item.get("input")
     if kind == "extra_forbidden":
@@ -298,7 +310,7 @@ def _message(item: dict[str, Any], raw: Any) -> str:
     if isinstance(value, str | int | float | bool) or value is None:
         shown = repr(value)
         message += f" (got {shown if len(shown) <= 60 else shown[:57] + '...'})"
-        if isinstance(value, str) and kind in TYPE_ERRORS:
+        if isinstance(value, str) and kind in TYPE_ERRORS and _reads_as(kind, value):
             message += "; a quoted value is text in YAML: write it without quotes"
     if loc == ("packing",) and isinstance(value, bool):
         message += "; rayjobs always packs: packing holds its settings (seq_len, mode, ...)"

@@ -10,11 +10,11 @@ against the directory of the config file, which makes a config and its data mova
 
 A dataset's ``source`` is resolved to its ``files`` here, once: directories and globs expanded and
 sorted, and a file reached twice (listed twice, under a relative and an absolute spelling, through
-a symlink, or by a glob and a path: the same ``os.path.realpath``) kept once, under its first
-spelling. Design note: a file read twice is a silent duplication of its samples, almost always an
-accident of overlapping sources; training on a dataset more than once is what ``weight`` is for.
-For the same reason one file read by two datasets (two training datasets, or an eval dataset and
-any other) is refused, naming both, unless ``allow_duplicate_sources`` is set.
+a symlink or a hard link, or by a glob and a path: the same device and inode) kept once, under its
+first spelling. Design note: a file read twice is a silent duplication of its samples, almost
+always an accident of overlapping sources; training on a dataset more than once is what
+``weight`` is for. For the same reason one file read by two datasets (two training datasets, or an
+eval dataset and any other) is refused, naming both, unless ``allow_duplicate_sources`` is set.
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ def _resolve_dataset(
     if not sources:
         raise ConfigError(f"{key} (dataset {spec.name!r}): an empty list names no file")
     found: list[files.Found] = []
-    seen: set[str] = set()  # real paths (URIs) of the files kept
+    seen: set[Any] = set()  # identities (URIs) of the files kept
     for source in sources:
         try:
             matches = _matches(spec, source, base_dir)
@@ -230,10 +230,17 @@ def _resolve_dataset(
     return spec.model_copy(update={"format": fmt, "files": tuple(paths)})
 
 
-def _real(uri: str) -> str:
-    """What tells two spellings of one file apart from two files: a URI as written, a local path
-    with its symlinks resolved."""
-    return uri if files.is_remote(uri) else os.path.realpath(uri)
+def _real(uri: str) -> Any:
+    """What tells two spellings of one file apart from two files: a URI as written, a local
+    file's identity (device and inode: a symlink or a hard link to it is the same file), else
+    its path with symlinks resolved."""
+    if files.is_remote(uri):
+        return uri
+    try:
+        found = os.stat(uri)
+    except OSError:
+        return os.path.realpath(uri)
+    return (found.st_dev, found.st_ino)
 
 
 def _refuse_shared_files(sections: list[tuple[str, list[DatasetConfig]]]) -> None:

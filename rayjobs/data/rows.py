@@ -282,7 +282,7 @@ def export_convention(manifest: dict | None, metadata: dict | None, where: str) 
     found = in_file or in_manifest
     if found is None:
         raise ValueError(
-            f"{where}: no manifest.json and no {LABELS_METADATA.decode()} metadata say how its "
+            f"{where}: no _manifest.json and no {LABELS_METADATA.decode()} metadata say how its "
             "labels are laid out (hf or shifted); read an export made by rayjobs export"
         )
     if found not in LABEL_CONVENTIONS:

@@ -58,6 +58,7 @@ from rayjobs.data.rows import (
 )
 from rayjobs.data.tally import Tally
 from rayjobs.errors import ConfigError, Interrupted
+from rayjobs.job import claim
 from rayjobs.job.card import (
     card,
     relative_paths,
@@ -359,6 +360,19 @@ def export(
         raise ConfigError(f"--epochs must be at least 1, got {epochs}")
     if labels not in LABEL_CONVENTIONS:
         raise ConfigError(f"--labels must be one of {', '.join(LABEL_CONVENTIONS)}, got {labels!r}")
+    with claim.take(str(out), f"--out {files.shown(str(out))}", " or export elsewhere"):
+        return _export(config, out, epochs, overwrite, labels, runner)
+
+
+def _export(
+    config: Config,
+    out: str | os.PathLike,
+    epochs: int | None,
+    overwrite: bool,
+    labels: str,
+    runner: str,
+) -> dict[str, Any]:
+    """``export`` once ``out`` is claimed (``claim``: no other export writes there)."""
     target = prepare_out(out, overwrite)
     if epochs is not None:
         config = config.model_copy(
@@ -376,9 +390,12 @@ def export(
             job.close()
     except KeyboardInterrupt as interrupt:  # Ctrl-C, or SIGTERM (the command line's Interrupted)
         raise Interrupted.of(interrupt, f"export not finished: {target.left()}") from None
-    except Exception:
+    except Exception as error:
         target.discard()  # a failed export's partial files (an interrupted one's stay: said)
-        raise
+        failed = claim.failure(error, f"--out {target.shown}")  # the store failed: one line
+        if failed is None:
+            raise
+        raise failed from error
     target.commit()
     return manifest
 

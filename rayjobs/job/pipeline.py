@@ -37,6 +37,7 @@ from rayjobs.data.sources import read_dataset
 from rayjobs.data.tally import Tally
 from rayjobs.data.tokenizer import Tokenizer, load_fast
 from rayjobs.errors import AccountingError, ConfigError, Interrupted, RunFailed, user_error
+from rayjobs.job import claim
 from rayjobs.job.connect import init_ray
 from rayjobs.job.ledger import start_ledger
 from rayjobs.job.monitor import DataMonitor
@@ -384,7 +385,14 @@ def run(
     tokenizer = load_tokenizer(config)
     check_model_config(config, tokenizer)  # before Ray and the data start
     trackers.check(config.train.report_to, config.train.storage_path)
-    name = resume_name(config, resume) if resume else None
+    name = resume_name(config, resume) if resume else f"rayjobs-{uuid.uuid4().hex[:8]}"
+    folder = f"{_storage(config.train.storage_path)}/{name}"
+    with claim.take(folder, f"run {name} ({folder})", " or start a new run"):
+        return _run(config, name, tokenizer, callbacks)
+
+
+def _run(config: Config, name: str, tokenizer: Tokenizer, callbacks: Sequence[Callback]) -> dict:
+    """``run`` once its run folder is claimed (``claim``: no other run writes there)."""
     job = start_job(config, name=name, tokenizer=tokenizer)
     try:
         return _train(config, job, callbacks)

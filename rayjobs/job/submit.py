@@ -3,7 +3,7 @@
 
 rayjobs submit CONFIG [dotted.key=value ...] [--address URL] [--working-dir DIR] [--no-wait]
                [--json] [--allow-absolute] [--max-upload-mib N] [--max-file-mib N]
-               [--submission-id ID] [--runtime-env-json JSON] [--dry-run]
+               [--submission-id ID] [--runtime-env-json JSON] [--dry-run] [--follow-links]
 rayjobs status JOB [--address URL] [--json] [--watch]
 rayjobs logs JOB [--address URL] [--follow]
 rayjobs stop JOB [--address URL]
@@ -19,9 +19,11 @@ working directory. Design notes:
   ``.gitignore`` and ``.rayignore`` files; ``upload.EXCLUDES`` adds version control, virtual
   environments, caches and ``runs/`` (checkpoints), and ``upload.SECRET_EXCLUDES`` files that
   commonly hold secrets (``.env*``, private keys, ``*credential*``, ``*secret*``, ``.aws/``, ...;
-  those left out are named on stderr). At most ``MAX_UPLOAD_MIB`` MiB are shipped
-  (``--max-upload-mib``), no file over ``MAX_FILE_MIB`` (``--max-file-mib``): a working
-  directory is for code, configs and small data; big data belongs on storage every node reads.
+  a link out of the working directory unless ``--follow-links``, a secret by a link's target or
+  by content: ``upload.screen``; those left out are named on stderr). At most ``MAX_UPLOAD_MIB``
+  MiB are shipped (``--max-upload-mib``), no file over ``MAX_FILE_MIB`` (``--max-file-mib``): a
+  working directory is for code, configs and small data; big data belongs on storage every node
+  reads.
   ``--dry-run`` lists the upload (bytes and path, one file a line) and submits nothing.
 - **The code** is the ``rayjobs`` package that validated the config here. When it sits at the top
   of the working directory (a checkout), ``working_dir`` already carries it; otherwise it is
@@ -76,8 +78,9 @@ from rayjobs.job.upload import (
     MAX_FILE_MIB,
     MAX_UPLOAD_MIB,
     SECRET_EXCLUDES,
+    left_out_notes,
     listing,
-    secrets_left_out,
+    screen,
     shipped_files,
     size_problems,
 )
@@ -151,6 +154,7 @@ def plan_submission(
     max_upload_mib: float = MAX_UPLOAD_MIB,
     runtime_env: dict[str, Any] | None = None,
     max_file_mib: float = MAX_FILE_MIB,
+    follow_links: bool = False,
 ) -> Plan:
     """Validate the config and work out what to ship.
 
@@ -177,11 +181,12 @@ def plan_submission(
         raise SubmitError(
             f"--runtime-env-json: excludes must be a list of patterns, got {own_excludes!r}"
         )
-    excludes = [*EXCLUDES, *SECRET_EXCLUDES, *own_excludes]  # own last: "!name" re-includes
     ships_package = (wd / "rayjobs").resolve() == PACKAGE_DIR
-    if not ships_package:
-        excludes.append("/rayjobs/")  # py_modules carries the package; no other copy may shadow it
-    files = shipped_files(wd, excludes)
+    if not ships_package:  # py_modules carries the package; no other copy may shadow it
+        own_excludes = [*own_excludes, "/rayjobs/"]
+    # own last: "!name" re-includes; links out of wd, secrets by target or content screened out
+    base = [*EXCLUDES, *SECRET_EXCLUDES]
+    files, excludes, left_out = screen(wd, base, own_excludes, follow_links)
 
     problems: list[str] = []
     config_rel = _relative(config_file, wd)
@@ -233,14 +238,7 @@ def plan_submission(
             f"the working directory, inside Ray's session folder on the cluster; pass "
             f"train.storage_path=<a shared absolute path> to keep them"
         )
-    secrets = secrets_left_out(wd, excludes, files)
-    if secrets:
-        more = f" and {len(secrets) - 8} more" if len(secrets) > 8 else ""
-        shown = ", ".join(secrets[:8]) + more
-        notes.append(
-            f"left out as likely secrets: {shown} (a job that needs one: --runtime-env-json "
-            '\'{"excludes": ["!<path>"]}\')'
-        )
+    notes += left_out_notes(left_out)
     total = sum(files.values())
     command = entrypoint(config_rel, overrides)
     return Plan(wd, config_rel, overrides, command, env, total, notes, files)
@@ -256,7 +254,8 @@ def _relative(path: str | os.PathLike, root: Path) -> str | None:
 def _left_out() -> str:
     return (
         "is left out of the upload (rayjobs' excludes, secrets' included, a .gitignore or a "
-        ".rayignore; RAY_RUNTIME_ENV_IGNORE_GITIGNORE=1 ships git-ignored files, and "
+        ".rayignore, a link out of the working directory: --follow-links ships its target; "
+        "RAY_RUNTIME_ENV_IGNORE_GITIGNORE=1 ships git-ignored files, and "
         '--runtime-env-json \'{"excludes": ["!<path>"]}\' one file rayjobs leaves out)'
     )
 
@@ -451,6 +450,7 @@ def submit_command(args: argparse.Namespace) -> int:
             max_upload_mib=args.max_upload_mib or MAX_UPLOAD_MIB,
             runtime_env=extra,
             max_file_mib=args.max_file_mib or MAX_FILE_MIB,
+            follow_links=args.follow_links,
         )
     except (ConfigError, SubmitError, json.JSONDecodeError) as error:
         message = str(error)

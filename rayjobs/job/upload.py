@@ -14,8 +14,13 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Iterable
 from pathlib import Path
+
+# Ray's own matcher for runtime_env excludes (gitignore syntax), so a link's target is judged by
+# the rules that judge the link
+from ray._private.thirdparty.pathspec import PathSpec
 
 MAX_UPLOAD_MIB = 100.0
 """Default limit on what the working directory uploads (``--max-upload-mib``)."""
@@ -68,9 +73,39 @@ SECRET_EXCLUDES = (
     ".docker/",
     ".azure/",
     "gcloud/",
+    "**/huggingface/token",
+    "**/huggingface/stored_tokens",
+    "*service-account*.json",
+    "*service_account*.json",
+    ".s3cfg",
+    ".boto",
+    "*kubeconfig*",
+    ".dockercfg",
+    ".my.cnf",
+    ".mylogin.cnf",
+    "rclone.conf",
+    "*.tfstate",
+    "*.tfstate.backup",
+    ".terraform/",
+    ".vault-token",
+    "_netrc",
 )
-"""Files that commonly hold secrets (environment files, private keys and certificates, cloud and
-package-index credentials, Ray's ``auth_token``), left out of every upload too."""
+"""Files that commonly hold secrets (environment files, private keys and certificates, cloud,
+cluster, database and package-index credentials, the Hugging Face token cache, Terraform state,
+Ray's ``auth_token``), left out of every upload too; ``screen`` also catches them as a link's
+target and by content (``SECRET_CONTENT``)."""
+
+SECRET_CONTENT = {
+    "a PEM private key": re.compile(rb"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----"),
+    'a service-account key ("type": "service_account")': re.compile(
+        rb'"type"\s*:\s*"service_account"'
+    ),
+    "an AWS secret key (aws_secret_access_key)": re.compile(rb"aws_secret_access_key\s*="),
+}
+"""What a file's first ``SNIFF_BYTES`` give away when its name says nothing."""
+SNIFF_MAX_BYTES = 64 << 10
+"""Files up to this size are sniffed (``SECRET_CONTENT``): key files are small, data is not."""
+SNIFF_BYTES = 8 << 10
 
 
 def shipped_files(working_dir: str | os.PathLike, excludes: Iterable[str]) -> dict[str, int]:
@@ -136,3 +171,70 @@ def listing(files: dict[str, int]) -> str:
     """The upload, one file a line: its size in bytes, then its path, in path order."""
     width = len(f"{max(files.values(), default=0):,}")
     return "\n".join(f"{size:>{width},}  {name}" for name, size in sorted(files.items()))
+
+
+def screen(
+    working_dir: Path, excludes: list[str], own: list[str], follow_links: bool = False
+) -> tuple[dict[str, int], list[str], dict[str, str]]:
+    """The upload of ``working_dir`` with ``excludes``, then the user's ``own`` (a ``!path`` of
+    theirs re-includes), less what no name gives away: a link that leads out of the working
+    directory (its target shipped only with ``follow_links``), a link to a likely secret, a
+    small file whose content is one (``SECRET_CONTENT``). Returns the files shipped (as
+    ``shipped_files``), the excludes that ship them (each file screened out anchored) and what
+    was left out (path → why: those and ``SECRET_EXCLUDES``' names)."""
+    files = shipped_files(working_dir, [*excludes, *own])
+    root = os.path.realpath(working_dir)
+    secret = PathSpec.from_lines("gitwildmatch", SECRET_EXCLUDES)
+    flagged = {}
+    for rel in files:
+        reason = _suspect(root, rel, secret, follow_links)
+        if reason:
+            flagged[rel] = reason
+    final = [*excludes, *(_anchored(rel) for rel in sorted(flagged)), *own]
+    shipped = shipped_files(working_dir, final) if flagged else files
+    left = {rel: why for rel, why in flagged.items() if rel not in shipped}
+    for rel in secrets_left_out(working_dir, final, shipped):
+        left.setdefault(rel, "a likely secret, by its name")
+    return shipped, final, dict(sorted(left.items()))
+
+
+def _suspect(root: str, rel: str, secret: PathSpec, follow_links: bool) -> str | None:
+    """Why ``rel`` (a file of the upload of folder ``root``, real path) must stay out, or None."""
+    real = os.path.realpath(os.path.join(root, rel))
+    if real != os.path.join(root, *rel.split("/")):  # itself, or a folder above it, a link
+        inside = os.path.commonpath([root, real]) == root
+        if not inside and not follow_links:
+            return f"a link to {real}, outside the working directory (--follow-links ships it)"
+        if secret.match_file(os.path.relpath(real, root) if inside else real.lstrip(os.sep)):
+            return f"a link to {real}, a likely secret by its name"
+    try:
+        if os.path.getsize(real) > SNIFF_MAX_BYTES:
+            return None
+        with open(real, "rb") as stream:
+            head = stream.read(SNIFF_BYTES)
+    except OSError:
+        return None
+    for what, pattern in SECRET_CONTENT.items():
+        if pattern.search(head):
+            return f"holds {what}"
+    return None
+
+
+def _anchored(rel: str) -> str:
+    """An exclude (gitignore syntax) that matches exactly ``rel``, from the working directory."""
+    return "/" + re.sub(r"([\\*?\[\]!# ])", r"\\\1", rel)
+
+
+def left_out_notes(left: dict[str, str]) -> list[str]:
+    """What ``screen`` left out, said on stderr: the names ``SECRET_EXCLUDES`` caught on one
+    line (8 named, then a count), each other file on its own with why."""
+    named = [rel for rel, why in left.items() if why == "a likely secret, by its name"]
+    notes = []
+    if named:
+        more = f" and {len(named) - 8} more" if len(named) > 8 else ""
+        notes.append(
+            f"left out as likely secrets: {', '.join(named[:8])}{more} (a job that needs one: "
+            '--runtime-env-json \'{"excludes": ["!<path>"]}\')'
+        )
+    notes += [f"left out: {rel}: {why}" for rel, why in left.items() if rel not in named]
+    return notes

@@ -58,10 +58,19 @@ def _try(
     numbers, records = numbers[:rows], records[:rows]
     checks.warn_unused(spec, checks.column_findings(spec, records))
     head = record_table(spec.name, [path] * len(records), numbers, records)
-    _, counts = tokenize.counted(head)
-    found = asdict(counts[spec.name]) if spec.name in counts else {"samples": 0, "tokens": 0}
+    found: dict[str, Any] = {"samples": 0, "tokens": 0}
+    if records:  # none: every row read was bad (said below), nothing to template
+        _, counts = tokenize.counted(head)
+        found = asdict(counts[spec.name]) if spec.name in counts else found
+    elif bad:
+        reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(bad.items()))
+        checks.logger.warning(
+            "dataset %r: every row read from the head of %s is bad (%s)", spec.name,
+            files.shown(path), reasons,
+        )  # fmt: skip
     found["skipped_rows"] = found.get("skipped_rows", 0) + bad.total()
     found["rows"] = len(records) + bad.total()
+    found["bad"] = dict(bad)
     return found, head
 
 
@@ -114,6 +123,8 @@ def validate(config: Config, rows: int = ROWS) -> list[str]:
             f"  first {found['rows']} rows: {found['samples']} samples, {found['tokens']} tokens, "
             f"{found.get('trained_tokens', 0)} trained, {found['skipped_rows']} skipped"
         )
+        if found["bad"]:  # rows the reader refused (the template's own are in skipped)
+            lines[-1] += " (" + ", ".join(f"{r} {n}" for r, n in sorted(found["bad"].items())) + ")"
     checks.require_training(heads, "the first rows of every dataset")
     for warning in checks.lost_warnings(config, heads):
         checks.logger.warning("in the first rows: %s", warning)

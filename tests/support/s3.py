@@ -8,7 +8,8 @@ import contextlib
 import json
 import socket
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -20,6 +21,8 @@ class S3:
     """``http://127.0.0.1:<port>``"""
     access_key: str
     secret_key: str
+    stop: Any = field(default=None, compare=False, repr=False)
+    """Stops the server (the store going down); it stays down."""
 
     @property
     def env(self) -> dict[str, str]:
@@ -90,7 +93,7 @@ def s3_server() -> Iterator[S3]:
         key = iam.create_access_key(UserName=user)["AccessKey"]
         settings.INITIAL_NO_AUTH_ACTION_COUNT = 0  # from here on, every request is checked
         ActionAuthenticatorMixin.request_count = 0
-        yield S3(endpoint, key["AccessKeyId"], key["SecretAccessKey"])
+        yield S3(endpoint, key["AccessKeyId"], key["SecretAccessKey"], server.stop)
     finally:
         settings.INITIAL_NO_AUTH_ACTION_COUNT = before
         server.stop()

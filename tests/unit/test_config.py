@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -457,6 +458,11 @@ SHARED_FILES = {
         "'first') reads too (as {tmp}/shards/b.jsonl)",
     ),
     "two_files": ("shards/a.jsonl", "alias/b.jsonl", "eval.datasets", False, None),
+    "path_and_hard_link": (
+        "shards/a.jsonl", "hard/a.jsonl", "datasets", False,
+        "datasets.1 (dataset 'second') reads {tmp}/hard/a.jsonl, which datasets.0 (dataset "
+        "'first') reads too (as {tmp}/shards/a.jsonl)",
+    ),
 }  # fmt: skip
 
 
@@ -468,6 +474,8 @@ def test_one_file_read_by_two_datasets_is_refused_unless_allowed(
 ):
     _data_dir(tmp_path, "a.jsonl", "b.jsonl")
     (tmp_path / "alias").symlink_to(tmp_path / "shards")
+    (tmp_path / "hard").mkdir()
+    os.link(tmp_path / "shards" / "a.jsonl", tmp_path / "hard" / "a.jsonl")
     spec = {"name": "second", "source": second, "template": "alpaca"}
     patch = {**_dataset(source=first), "allow_duplicate_sources": allow}
     patch["datasets"][0]["name"] = "first"

@@ -121,6 +121,12 @@ SCENARIOS = {
         ],
     ),
     "quoted_number_override": ("", ["train.lr='3e-4'"], ["train.lr:", "(got '3e-4')"]),
+    # nothing quoted, and no number either way: no advice about quotes
+    "a_word_for_a_number": (
+        "",
+        ["train.lr=abc"],
+        ["train.lr: Input should be a valid number (got 'abc')\n"],
+    ),
     "packing_as_a_flag": (
         "packing: true\n",
         [],

@@ -161,7 +161,7 @@ def test_dpo_rows_follow_the_same_rule(tmp_path):
         ({"labels": "shifted"}, None, "shifted"),
         ({"seq_len": 512}, None, "shifted"),  # an export from before the convention was stated
         ({"labels": "hf"}, {LABELS_METADATA: b"shifted"}, "says 'hf'"),
-        (None, None, "no manifest.json"),
+        (None, None, "no _manifest.json"),
         ({"labels": "next"}, None, "none of hf, shifted"),
     ],
     ids=["both", "file", "manifest", "old_manifest", "disagree", "neither", "unknown"],

@@ -3,6 +3,7 @@ tokenizer, the templates on each dataset's first rows), and ``rayjobs --version`
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -137,3 +138,27 @@ def test_version_comes_from_the_package_metadata():
         timeout=120,
     )
     assert done.returncode == 0 and done.stdout == f"rayjobs {version('rayjobs')}\n"
+
+
+def test_a_file_whose_every_row_is_bad_is_reported_not_a_traceback(tmp_path, capsys, no_ray):
+    """A dataset whose head holds no readable row (under skip) beside one that trains: validate
+    passes, says which reasons, and counts them; alone, it is the one-line refusal."""
+    (tmp_path / "bad.jsonl").write_text('{"instruction": broken\n' * 4)
+    config = [
+        "datasets.1.source=" + str(tmp_path / "bad.jsonl"),
+        "datasets.1.template=alpaca",
+        "datasets.1.on_bad_row=skip",
+    ]
+    assert main(["validate", str(DEMO), *config]) == 0
+    out, err = capsys.readouterr()
+    reasons = next(line for line in out.splitlines() if "first 4 rows" in line)
+    assert reasons.endswith(": 0 samples, 0 tokens, 0 trained, 4 skipped (invalid_json 4)")
+    assert f"every row read from the head of {tmp_path / 'bad.jsonl'} is bad" in err
+    alone = tmp_path / "alone.yaml"
+    spec = {"name": "bad", "source": "bad.jsonl", "template": "alpaca", "on_bad_row": "skip"}
+    tokenizer = {"path": str(ROOT / "configs" / "demo" / "tokenizer.json")}
+    tokenizer |= {"eos_token": "<|endoftext|>", "pad_token": "<|pad|>"}
+    alone.write_text(json.dumps({"datasets": [spec], "tokenizer": tokenizer}))
+    assert main(["validate", str(alone)]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "has nothing to train: dataset 'bad'" in err
