@@ -41,9 +41,10 @@ from rayjobs.job import claim
 from rayjobs.job.connect import init_ray
 from rayjobs.job.ledger import start_ledger
 from rayjobs.job.monitor import DataMonitor
+from rayjobs.job.runs import resume_name, storage_folder
 from rayjobs.train import trackers
 from rayjobs.train.callbacks import Callback
-from rayjobs.train.names import EVAL_DATASET, FINAL_SUMMARY
+from rayjobs.train.names import EVAL_DATASET
 from rayjobs.train.progress import Progress, planned_steps
 
 logger = logging.getLogger("rayjobs.data")
@@ -328,50 +329,6 @@ def start_job(
     )  # fmt: skip
 
 
-RUN_SNAPSHOT = "checkpoint_manager_snapshot.json"
-"""The file Ray Train keeps in a run's storage folder listing its checkpoints: a run that has one
-can be resumed (Ray Train v2 resumes a run started again under the same name)."""
-
-
-def resume_name(config: Config, resume: str) -> str:
-    """The run ``--resume`` names: ``resume`` itself, or with ``latest`` the most recently
-    changed run under ``train.storage_path`` that has checkpoints and did not finish (a finished
-    run's final checkpoint holds its summary and nothing to resume from). Raises ``ConfigError``
-    when a local storage folder holds no such run."""
-    if config.train.num_workers == 0:
-        raise ConfigError(
-            "--resume: train.num_workers 0 runs the loop in the driver, which Ray Train does "
-            "not restart or resume; its checkpoints hold the model (train.model.path can start "
-            "a new run from one), or run with train.num_workers of 1 or more to resume"
-        )
-    storage = _storage(config.train.storage_path)
-    if "://" in storage:
-        if resume == "latest":
-            raise ConfigError("--resume: name the run (latest needs a local train.storage_path)")
-        return resume
-    if resume != "latest":
-        if not os.path.exists(os.path.join(storage, resume, RUN_SNAPSHOT)):
-            raise ConfigError(f"--resume: no run {resume!r} with checkpoints under {storage}")
-        return resume
-    runs = [
-        entry
-        for entry in (os.scandir(storage) if os.path.isdir(storage) else ())
-        if os.path.exists(os.path.join(entry.path, RUN_SNAPSHOT)) and not _finished(entry.path)
-    ]
-    if not runs:
-        raise ConfigError(f"--resume latest: no unfinished run with checkpoints under {storage}")
-    return max(runs, key=lambda e: os.path.getmtime(os.path.join(e.path, RUN_SNAPSHOT))).name
-
-
-def _finished(run_folder: str) -> bool:
-    """Whether a run folder holds a finished run's final checkpoint (``FINAL_SUMMARY``)."""
-    return any(
-        os.path.exists(os.path.join(entry.path, FINAL_SUMMARY))
-        for entry in os.scandir(run_folder)
-        if entry.is_dir()
-    )
-
-
 def run(
     config: Config, resume: str | None = None, callbacks: Sequence[Callback] = ()
 ) -> dict[str, Any]:
@@ -386,7 +343,7 @@ def run(
     check_model_config(config, tokenizer)  # before Ray and the data start
     trackers.check(config.train.report_to, config.train.storage_path)
     name = resume_name(config, resume) if resume else f"rayjobs-{uuid.uuid4().hex[:8]}"
-    folder = f"{_storage(config.train.storage_path)}/{name}"
+    folder = f"{storage_folder(config.train.storage_path)}/{name}"
     with claim.take(folder, f"run {name} ({folder})", " or start a new run"):
         return _run(config, name, tokenizer, callbacks)
 
@@ -426,7 +383,7 @@ def _failure(error: BaseException) -> str:
 
 def _stopped(config: Config, name: str) -> str:
     """Where an interrupted run left its checkpoints, and how to continue it."""
-    where = f"{_storage(config.train.storage_path)}/{name}"
+    where = f"{storage_folder(config.train.storage_path)}/{name}"
     if config.train.num_workers == 0:
         return f"run {name} stopped; its checkpoints so far are under {where}"
     return (
@@ -496,7 +453,7 @@ def _train(config: Config, job: Job, callbacks: Sequence[Callback]) -> dict[str,
         dataset_config=DataConfig(datasets_to_split=list(datasets)),
         run_config=RunConfig(
             name=job.name,
-            storage_path=_storage(config.train.storage_path),
+            storage_path=storage_folder(config.train.storage_path),
             failure_config=FailureConfig(max_failures=config.train.max_failures),
             callbacks=[NoRetryOnUserError()],  # a bad row would only fail again
             # the most recent N periodic checkpoints and the final one (reported last)
@@ -547,7 +504,7 @@ def builtin_callbacks(config: Config, job: Job) -> list[Callback]:
         total = planned_steps(packs, spec.num_workers, spec)
     chosen = None
     if spec.report_to:
-        folder = os.path.join(_storage(spec.storage_path), job.name)
+        folder = os.path.join(storage_folder(spec.storage_path), job.name)
         chosen = trackers.Trackers(spec.report_to, folder, config.model_dump(), job.ledger)
     dtype = f"params {spec.param_dtype}"
     if spec.param_dtype == "fp32" and spec.precision in ("bf16", "fp16"):
@@ -579,11 +536,6 @@ def untrained_packs(config: Config, summary: dict[str, Any], num_datasets: int) 
             f"{summary['num_packs']} trained; at most {bound} may be left untrained"
         )
     return untrained
-
-
-def _storage(path: str) -> str:
-    """Ray Train's storage: a URI (``s3://…``, ``gs://…``) as is, a folder made absolute."""
-    return path if "://" in path else os.path.abspath(path)
 
 
 def accounting(snapshot: dict[str, Any]) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from rayjobs.bench.train import read_export
 from rayjobs.config import load_config
 from rayjobs.errors import ConfigError
 from rayjobs.job.manifest import MANIFEST, require_finished
-from rayjobs.job.pipeline import RUN_SNAPSHOT, resume_name
+from rayjobs.job.runs import RUN_SNAPSHOT, resume_name
 from rayjobs.train.names import TRAIN_STATE
 
 DEMO = ROOT / "configs" / "demo.yaml"

@@ -18,7 +18,8 @@ import ray.train
 from conftest import DEMO_TOKENIZER, ROOT
 from rayjobs.config import ConfigError, config_from_dict
 from rayjobs.errors import RunFailed
-from rayjobs.job.pipeline import resume_name, run
+from rayjobs.job.pipeline import run
+from rayjobs.job.runs import resume_name
 from rayjobs.train.callbacks import Callback
 
 DEMO = ROOT / "configs" / "demo"

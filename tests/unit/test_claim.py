@@ -160,7 +160,8 @@ def test_an_object_store_claim_refuses_a_second_writer_and_a_missing_bucket(
 def test_a_run_folder_in_use_is_refused_before_ray_starts(tmp_path):
     import ray
 
-    from rayjobs.job.pipeline import RUN_SNAPSHOT, run
+    from rayjobs.job.pipeline import run
+    from rayjobs.job.runs import RUN_SNAPSHOT
 
     (tmp_path / "runs" / "rayjobs-held").mkdir(parents=True)
     (tmp_path / "runs" / "rayjobs-held" / RUN_SNAPSHOT).write_text("{}")
