@@ -69,8 +69,11 @@ def test_two_exports_at_once_one_finishes_the_other_is_refused_naming_it(tmp_pat
     assert len(lines) == 1 and lines[0].startswith(f"rayjobs: --out {out} is in use"), refused
     assert f"pid {winner} on {socket.gethostname()}" in lines[0]  # guard: the claim refused it
     manifest = json.loads((out / MANIFEST).read_text())
-    table = pq.read_table(out / "epoch=0")
+    table = pq.read_table(out)  # the whole folder, as a user reads it: the one epoch's rows
     packs = manifest["epochs"][0]["packs"]
+    assert manifest["epochs"] == [manifest["epochs"][0]] and set(
+        table.column("epoch").to_pylist()
+    ) == {0}
     assert table.num_rows == packs["num_packs"] > 0
     assert sum(table.column("num_tokens").to_pylist()) == packs["num_tokens"]
     assert table.schema.field("input_ids").type.list_size == manifest["seq_len"]
@@ -81,7 +84,7 @@ def test_a_dead_holders_claim_is_taken_over(tmp_path, caplog):
     out = tmp_path / "out"
     _plant(tmp_path / ".out.claim", host=socket.gethostname(), pid=_dead_pid())
     manifest = export(config_from_dict(_config(512), base_dir=ROOT), out, runner="local")
-    assert pq.read_table(out / "epoch=0").num_rows == manifest["packed"]["num_packs"]
+    assert pq.read_table(out).num_rows == manifest["packed"]["num_packs"]
     assert "taking over the claim of pid" in caplog.text
     assert sorted(os.listdir(tmp_path)) == ["out"]
 
