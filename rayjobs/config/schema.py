@@ -72,6 +72,13 @@ class DatasetConfig(Strict):
     ``{human: user, bot: assistant}``, on top of the OpenAI and ShareGPT names known already."""
     train_on_input: bool = False
     """Also train on prompt / user tokens (default: only responses / assistant turns)."""
+    train_on: Literal["all_assistant", "last_assistant"] = "all_assistant"
+    """Chat turns: train every assistant turn, or only the last (LLaMA-Factory's
+    ``mask_history``); a turn's own ``train`` (bool) or ``weight`` (0/1) wins over it."""
+    train_on_eos: Literal["turn", "last", "none"] = "turn"
+    """Whether EOS tokens train (Axolotl's ``train_on_eos``): ``turn``, an EOS that ends a trained
+    turn or response (the one appended to a sample, a chat template's own); ``last``, only the
+    sample's last such EOS; ``none``, never."""
     weight: float | None = Field(default=None, gt=0)
     """Target share of the epoch (normalised over datasets), in samples or tokens (``mix.by``).
     Set it on every dataset or on none (none: each dataset in its natural proportion)."""
@@ -125,6 +132,7 @@ class DatasetConfig(Strict):
     @model_validator(mode="after")
     def _turn_settings_need_turns(self) -> DatasetConfig:
         given = [key for key in ("message_keys", "roles") if getattr(self, key)]
+        given += ["train_on"] if self.train_on != "all_assistant" else []
         if given and templates.TEMPLATES[self.template].turns is False:
             raise ValueError(
                 f"{', '.join(given)} apply to templates that read conversation turns; template "
@@ -135,7 +143,7 @@ class DatasetConfig(Strict):
     @property
     def columns(self) -> templates.Columns:
         """``column_map`` as templates receive it, with ``message_keys`` and ``roles``."""
-        return templates.Columns(self.column_map, self.message_keys, self.roles)
+        return templates.Columns(self.column_map, self.message_keys, self.roles, self.train_on)
 
     @model_validator(mode="after")
     def _column_map_names_template_fields(self) -> DatasetConfig:

@@ -107,6 +107,7 @@ def encode_flat(
     trained = seg_trained_np[seg_first[sample_row] + which]
     last_trained = seg_trained_np[seg_first + seg_counts - 1]
     trained[ends[eos] - 1] = last_trained[eos]  # EOS: trained where the last segment is
+    _untrain_eos(trained, out_ids, sample_row, rows, tokenizer.eos_id)
 
     # Labels shifted within each sample; a sample's last position is never trained.
     labels = np.full(len(out_ids), IGNORE_INDEX, dtype=np.int32)
@@ -152,6 +153,29 @@ def encode_flat(
         "num_tokens": pa.array(piece_length.astype(np.int32)),
     }
     return columns, row_index[piece_row].tolist()
+
+
+EOS_MODES = {"turn": 0, "last": 1, "none": 2}
+"""``datasets[].train_on_eos`` as a number per row."""
+
+
+def _untrain_eos(
+    trained: np.ndarray,
+    ids: np.ndarray,
+    sample_row: np.ndarray,
+    rows: Sequence[Templated],
+    eos_id: int,
+) -> None:
+    """``train_on_eos`` over the batch, in place: rows of ``none`` train no EOS token, rows of
+    ``last`` only their last trained one (``samples.encode_segments``, row by row)."""
+    modes = np.fromiter((EOS_MODES[row.spec.train_on_eos] for row in rows), dtype=np.int8)
+    if not modes.any():
+        return
+    mode = modes[sample_row]
+    at = np.flatnonzero(trained & (ids == eos_id) & (mode > 0))
+    rows_at = sample_row[at]
+    last = np.append(rows_at[1:] != rows_at[:-1], True) & (mode[at] == 1)
+    trained[at[~last]] = False
 
 
 def _count(

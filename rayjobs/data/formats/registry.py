@@ -24,6 +24,7 @@ SKIP_REASONS = (
     "missing_field",  # templates: a required field absent or null
     "empty_field",  # templates: a required text field empty or whitespace
     "template_error",  # tokenize: a template or the chat template raised on the row
+    "unknown_turn_key",  # templates: a turn key that decides training elsewhere, not read here
 )
 """Why a row was skipped under ``on_bad_row: skip``: the keys of ``skipped_by_reason``."""
 
