@@ -95,6 +95,14 @@ class DatasetConfig(Strict):
     text_split: Literal["line", "paragraph", "file"] = "paragraph"
     """For ``format: text``: one document per line, per blank-line separated paragraph, or per
     file."""
+    max_row_bytes: int = Field(default=formats.MAX_ROW_BYTES, gt=0)
+    """A row's bytes at most (a JSONL line, a text document, a ``text_split: file`` file): a
+    larger one is a bad row, ``too_large``, read past without being held."""
+    max_depth: int = Field(default=formats.MAX_DEPTH, gt=0)
+    """How deep a JSONL row's arrays and objects may nest: a deeper one is a bad row,
+    ``too_deep``."""
+    max_turns: int = Field(default=templates.MAX_TURNS, gt=0)
+    """Turns of a conversation at most: a longer one is a bad row, ``too_many_turns``."""
     files: tuple[str, ...] = Field(default=(), strict=False)
     """Resolved file list, filled in by validation (a config that sets it is refused)."""
 
@@ -143,7 +151,9 @@ class DatasetConfig(Strict):
     @property
     def columns(self) -> templates.Columns:
         """``column_map`` as templates receive it, with ``message_keys`` and ``roles``."""
-        return templates.Columns(self.column_map, self.message_keys, self.roles, self.train_on)
+        return templates.Columns(
+            self.column_map, self.message_keys, self.roles, self.train_on, self.max_turns
+        )
 
     @model_validator(mode="after")
     def _column_map_names_template_fields(self) -> DatasetConfig:

@@ -222,6 +222,19 @@ CASES = {
         template="chat",
         texts={1: "assistant: Yo"},
     ),
+    "chat_turn_key_not_read": Case(  # Axolotl's per-turn training flag: not trained against it
+        "chat.jsonl",
+        _jsonl(
+            _turns("Hi", "Hello"),
+            {"messages": [{"role": "user", "content": "Hi"},
+                          {"role": "assistant", "content": "Yo", "training": False}]},
+        ),  # fmt: skip
+        good=[1],
+        skipped={"unknown_turn_key": 1},
+        error=(2, ["field 'messages[1]': turn key 'training' is not read", "[unknown_turn_key]"]),
+        template="chat",
+        texts={1: "assistant: Hello"},
+    ),
     "template_function_raises": Case(
         "rows.jsonl",
         _jsonl({"text": "a", "key": "b"}, {"text": "a"}),

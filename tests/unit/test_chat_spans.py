@@ -12,9 +12,12 @@ import pytest
 from test_tokenize import JINJA_TEMPLATE, MISTRAL_LIKE, TOOL_TEMPLATE
 
 from conftest import DATA
-from rayjobs.config import TokenizerConfig
+from rayjobs.config import DatasetConfig, TokenizerConfig
 from rayjobs.data import templates
+from rayjobs.data.samples import encode_segments
+from rayjobs.data.sources import record_table
 from rayjobs.data.templates import RowError, Segment, dialogue, spans
+from rayjobs.data.tokenize import Tokenize
 from rayjobs.data.tokenizer import Tokenizer
 
 ROUNDS = (  # numbers its rounds: a window renders other numbers, so prefixes are rendered
@@ -202,3 +205,47 @@ def test_a_bad_turn_flag_is_a_bad_row(turns, field, reason, problem):
     with pytest.raises(RowError, match=re.escape(problem)) as caught:
         templates.chat({"messages": turns}, {}, templates.chatml)
     assert (caught.value.field, caught.value.reason) == (field, reason)
+
+
+def _eos_trained(chat_template: str | None, train_on_eos: str) -> tuple[int, int]:
+    """A two-answer chat through a Tokenize stage: (EOS tokens, EOS tokens trained)."""
+    config = TokenizerConfig(path=str(DATA / "tokenizers/gpt2"), chat_template=chat_template)
+    spec = DatasetConfig(name="d", source="unused", template="chat", train_on_eos=train_on_eos)
+    batch = record_table("d", ["/x.jsonl"], [1], [json.dumps({"messages": CHAT[1:]})])
+    [row] = Tokenize([spec], config, 4096, "truncate")(batch).to_pylist()
+    eos = Tokenizer(config).eos_id
+    trained = [t for t, label in zip(row["input_ids"][1:], row["labels"][:-1]) if label != -100]
+    return row["input_ids"].count(eos), trained.count(eos)
+
+
+# chat template, train_on_eos, (EOS tokens, EOS tokens trained): Mistral's closes each answer
+# with EOS (and opens with BOS, GPT-2's EOS too); ChatML's is the one appended after the last.
+EOS_CASES = {
+    "mistral_turn": (MISTRAL_LIKE, "turn", (3, 2)),
+    "mistral_last": (MISTRAL_LIKE, "last", (3, 1)),
+    "mistral_none": (MISTRAL_LIKE, "none", (3, 0)),
+    "chatml_turn": (None, "turn", (1, 1)),
+    "chatml_last": (None, "last", (1, 1)),
+    "chatml_none": (None, "none", (1, 0)),
+}
+
+
+@pytest.mark.parametrize("chat_template, train_on_eos, expected", EOS_CASES.values(),
+                         ids=EOS_CASES)  # fmt: skip
+def test_train_on_eos(chat_template, train_on_eos, expected):
+    assert _eos_trained(chat_template, train_on_eos) == expected
+
+
+def test_train_on_eos_row_by_row_as_in_the_batch():
+    """``samples.encode_segments`` (the reference) untrains the same EOS tokens."""
+    segments = [Segment("Q", False), Segment("A<|endoftext|>", True), Segment("B", True)]
+    ids, starts = [48, 32, 50256, 33], [0, 1, 2, 15]
+    for mode, trained in [("turn", 2), ("last", 1), ("none", 0)]:
+        input_ids, labels = encode_segments(segments, ids, starts, 50256, False, False, mode)
+        assert int((labels == 50256).sum()) == trained
+
+
+def test_train_on_needs_a_template_of_turns():
+    with pytest.raises(ValueError, match="train_on apply to templates that read conversation"):
+        DatasetConfig(name="d", source="x", template="alpaca", train_on="last_assistant")
+    assert DatasetConfig(name="d", source="x", template="chat").columns.train_on == "all_assistant"

@@ -150,6 +150,10 @@ def chat_tools(row: Mapping[str, Any], column_map: Mapping[str, str]) -> list[To
     return wrapped
 
 
+MAX_TURNS = 100_000
+"""Turns of a conversation at most, by default (``datasets[].max_turns``)."""
+
+
 @dataclass(frozen=True)
 class TurnStyle:
     """How a conversation's turns are read: the keys of a turn's role and text, the role names
@@ -160,6 +164,7 @@ class TurnStyle:
     content: str
     roles: Mapping[str, str]
     sharegpt: bool
+    max_turns: int = MAX_TURNS
 
 
 def turn_style(column_map: Mapping[str, str], sharegpt: bool) -> TurnStyle:
@@ -169,8 +174,9 @@ def turn_style(column_map: Mapping[str, str], sharegpt: bool) -> TurnStyle:
     extra = getattr(column_map, "roles", {})
     role, content = ("from", "value") if sharegpt else ("role", "content")
     table = SHAREGPT_ROLES if sharegpt else OPENAI_ROLES
+    most = getattr(column_map, "max_turns", None) or MAX_TURNS
     return TurnStyle(
-        keys.get("role", role), keys.get("content", content), {**table, **extra}, sharegpt
+        keys.get("role", role), keys.get("content", content), {**table, **extra}, sharegpt, most
     )
 
 
@@ -231,6 +237,12 @@ def read_turns(value: Any, field: str, style: TurnStyle) -> list[Message]:
         raise RowError(field, f"expected a non-empty list of turns, got {type(value).__name__}")
     if not value:
         raise RowError(field, "empty: expected a non-empty list of turns", reason="empty_field")
+    if len(value) > style.max_turns:
+        raise RowError(
+            field,
+            f"{len(value)} turns, over max_turns ({style.max_turns})",
+            reason="too_many_turns",
+        )
     return [_turn(turn, style, f"{field}[{index}]") for index, turn in enumerate(value)]
 
 
