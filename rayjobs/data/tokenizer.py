@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from jinja2 import TemplateSyntaxError
 
 from rayjobs.config import TokenizerConfig
-from rayjobs.data import spm, templates
+from rayjobs.data import jinja, spm, templates
 from rayjobs.data.rows import ranges
 from rayjobs.data.templates import Message, RowError
 from rayjobs.errors import ConfigError
@@ -26,7 +27,7 @@ class Tokenizer:
     A ``tokenizer.json`` (given as the file, or inside a folder with its ``tokenizer_config.json``)
     loads with ``tokenizers`` alone, a SentencePiece model (``tokenizer.model``, as the file or in
     a folder without ``tokenizer.json``) is converted to one (``spm``), and chat templates render
-    with transformers' own Jinja renderer (``render_jinja_template``, which does not import torch):
+    as transformers renders them, in a bounded sandbox (``jinja``, which does not import torch):
     Tokenize actors on CPU nodes never load torch. Only a Hub name, or a folder of other
     slow-tokenizer files (``vocab.json`` and ``merges.txt``), goes through ``AutoTokenizer``, which
     imports torch where it is installed.
@@ -276,14 +277,11 @@ class Tokenizer:
         # No shortcut for no messages: what a template writes before the first turn (BOS, a
         # default system prompt) comes before a conversation's opening assistant turn too, and
         # an empty prompt made it part of that turn's trained text.
-        from jinja2 import TemplateSyntaxError
-        from transformers.utils.chat_template_utils import render_jinja_template
-
         try:
-            rendered, _ = render_jinja_template(
-                conversations=[messages],
-                tools=tools,
-                chat_template=self.chat_template,
+            return jinja.render(
+                self.chat_template,
+                messages,
+                tools,
                 add_generation_prompt=add_generation_prompt,
                 **self.special_tokens,
             )
@@ -296,7 +294,6 @@ class Tokenizer:
                 f"the chat template raised {type(error).__name__}{before}: {error}",
                 reason="template_error",
             ) from None
-        return rendered[0]
 
 
 def load_fast(backend: Any) -> tuple[Any, str | None]:

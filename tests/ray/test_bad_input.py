@@ -226,8 +226,12 @@ CASES = {
         "chat.jsonl",
         _jsonl(
             _turns("Hi", "Hello"),
-            {"messages": [{"role": "user", "content": "Hi"},
-                          {"role": "assistant", "content": "Yo", "training": False}]},
+            {
+                "messages": [
+                    {"role": "user", "content": "Hi"},
+                    {"role": "assistant", "content": "Yo", "training": False},
+                ]
+            },
         ),  # fmt: skip
         good=[1],
         skipped={"unknown_turn_key": 1},

@@ -249,3 +249,25 @@ def test_train_on_needs_a_template_of_turns():
     with pytest.raises(ValueError, match="train_on apply to templates that read conversation"):
         DatasetConfig(name="d", source="x", template="alpaca", train_on="last_assistant")
     assert DatasetConfig(name="d", source="x", template="chat").columns.train_on == "all_assistant"
+
+
+# A chat template's bombs: what each builds, and what the bounded sandbox says of it.
+BOMBS = {
+    "repeat": ("{{ 'x' * 10**8 }}", "repeats 1 items 100000000 times"),
+    "repeat_list": ("{{ ([1] * 10**7) | length }}", "repeats 1 items 10000000 times"),
+    "power": ("{{ 10 ** (10 ** 8) }}", "to the power 100000000"),
+    "joined": (
+        "{% set ns = namespace(s='x') %}{% for i in range(30) %}{% set ns.s = ns.s + ns.s %}"
+        "{% endfor %}{{ ns.s | length }}",
+        "joins 2097152 items",
+    ),  # fmt: skip
+    "output": ("{% for i in range(3000) %}{{ 'y' * 1000 }}{% endfor %}", "rendered over"),
+}
+
+
+@pytest.mark.parametrize("template, problem", BOMBS.values(), ids=BOMBS)
+def test_a_chat_template_cannot_build_without_bound(template, problem):
+    render = Tokenizer(TokenizerConfig(path=str(DATA / "tokenizers/gpt2"), chat_template=template))
+    with pytest.raises(RowError, match="RenderLimitError.*" + re.escape(problem)) as caught:
+        render.render_chat(CHAT, False)
+    assert caught.value.reason == "template_error"
