@@ -30,14 +30,38 @@ from rayjobs.data.samples import (
     sample_uid,
     trained_parts,
 )
+from rayjobs.data.tokenizer import LONG_CHARS
 
 
-def _encoded(tokenizer: Any, rows: Sequence[Templated]) -> tuple[np.ndarray, ...]:
+def _encoded(tokenizer: Any, rows: Sequence[Templated], fit: Fit) -> tuple[np.ndarray, ...]:
     """Every row's token ids one after another, per token a character offset in the part of its
-    text where the token starts, and each row's count of tokens (``Tokenizer.encode_parts_flat``;
-    the parts: runs of segments trained alike)."""
-    return tokenizer.encode_parts_flat(
-        [trained_parts(row.content, row.spec.train_on_input) for row in rows]
+    text where the token starts, each row's count of tokens (``Tokenizer.encode_parts_flat``;
+    the parts: runs of segments trained alike), and each row's count of tokens left out.
+
+    A text over ``LONG_CHARS`` is encoded a chunk at a time (``Tokenizer.encode_long``), and,
+    unless overflow splits it, only its first ``seq_len + 2`` tokens are kept: the sample is cut
+    or dropped all the same, and the tokens left out are counted."""
+    parts = [trained_parts(row.content, row.spec.train_on_input) for row in rows]
+    long = [i for i, p in enumerate(parts) if sum(map(len, p)) > LONG_CHARS]
+    hidden = np.zeros(len(rows), dtype=np.int64)
+    if not long:
+        return (*tokenizer.encode_parts_flat(parts), hidden)
+    keep = None if fit.overflow == "split" else fit.seq_len + 2
+    short = sorted(set(range(len(rows))) - set(long))
+    ids, starts, lengths = tokenizer.encode_parts_flat([parts[i] for i in short])
+    bounds = np.cumsum(lengths)[:-1]
+    pieces = dict(zip(short, zip(np.split(ids, bounds), np.split(starts, bounds), strict=True),
+                      strict=True))  # fmt: skip
+    for i in long:
+        long_ids, long_starts, total = tokenizer.encode_long("".join(parts[i]), keep)
+        pieces[i] = (long_ids, long_starts)
+        hidden[i] = total - len(long_ids)
+    ordered = [pieces[i] for i in range(len(rows))]
+    return (
+        np.concatenate([i for i, _ in ordered]),
+        np.concatenate([s for _, s in ordered]),
+        np.fromiter((len(i) for i, _ in ordered), dtype=np.int64, count=len(rows)),
+        hidden,
     )
 
 
@@ -69,7 +93,7 @@ def encode_flat(
             seg_lengths.append(0)
             seg_trained.append(True)
             seg_counts[i] = 1
-    ids, starts, lengths = _encoded(tokenizer, rows)
+    ids, starts, lengths, hidden = _encoded(tokenizer, rows, fit)
     total = int(lengths.sum())
     bos_id = tokenizer.bos_id
     first = np.minimum(np.cumsum(lengths) - lengths, max(total - 1, 0))
@@ -138,7 +162,7 @@ def encode_flat(
         else np.zeros(0, dtype=np.int64)
     )
 
-    _count(rows, counts, sizes, pieces, over, policy, seq_len, piece_row, piece_length,
+    _count(rows, counts, sizes + hidden, pieces, over, policy, seq_len, piece_row, piece_length,
            trained_counts)  # fmt: skip
     origins = [rows[i].origin for i in piece_row.tolist()]
     uids = [sample_uid(f"{o}\0{k}") for o, k in zip(origins, piece_index.tolist(), strict=True)]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from itertools import chain
 from pathlib import Path
 from typing import Any
@@ -175,6 +176,53 @@ class Tokenizer:
         encodings = self.backend.encode_batch(texts, add_special_tokens=False)
         return [(e.ids, [start for start, _ in e.offsets]) for e in encodings]
 
+    def encode_long(self, text: str, keep: int | None = None) -> tuple[np.ndarray, np.ndarray, int]:
+        """``encode_with_starts`` of one long text (int64 arrays) a chunk at a time, in memory
+        bounded by the chunk, not the text: the first ``keep`` tokens (all: None) and the count
+        of all of them, exact.
+
+        The text is cut before a space between two words about every :data:`CHUNK_CHARS`
+        characters (where pre-tokenizers split). Each chunk is encoded with
+        :data:`CONTEXT_CHARS` of the text on either side, and keeps the tokens that start in
+        it; a token must start exactly at each cut, as in the whole text. Where one does not
+        (a tokenizer that does not split at spaces, a token across the cut), the text is
+        encoded whole.
+        """
+        cuts = [0]
+        while (at := cuts[-1] + CHUNK_CHARS) < len(text) and (found := _CUT.search(text, at)):
+            cuts.append(found.start())
+        cuts.append(len(text))
+        ids: list[np.ndarray] = []
+        starts: list[np.ndarray] = []
+        held = total = 0
+        chunks = list(zip(cuts[:-1], cuts[1:], strict=True))
+        for first in range(0, len(chunks), CHUNKS_AT_ONCE):
+            batch = chunks[first : first + CHUNKS_AT_ONCE]
+            spans = [
+                (max(0, a - CONTEXT_CHARS), min(len(text), b + CONTEXT_CHARS)) for a, b in batch
+            ]
+            encoded = self.backend.encode_batch(
+                [text[a:b] for a, b in spans], add_special_tokens=False
+            )
+            for (a, b), (begin, _), encoding in zip(batch, spans, encoded, strict=True):
+                offsets = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2) + begin
+                lo, hi = np.searchsorted(offsets[:, 0], (a, b))
+                if not (
+                    _starts_at(offsets, lo, a, len(text)) and _starts_at(offsets, hi, b, len(text))
+                ):
+                    whole, whole_starts = self.encode_with_starts([text])[0]
+                    n = len(whole) if keep is None else keep
+                    return (np.asarray(whole[:n], dtype=np.int64),
+                            np.asarray(whole_starts[:n], dtype=np.int64), len(whole))  # fmt: skip
+                total += hi - lo
+                if keep is None or held < keep:
+                    ids.append(np.asarray(encoding.ids[lo:hi], dtype=np.int64))
+                    starts.append(offsets[lo:hi, 0])
+                    held += hi - lo
+        n = held if keep is None else min(held, keep)
+        empty = np.zeros(0, dtype=np.int64)
+        return np.concatenate([empty, *ids])[:n], np.concatenate([empty, *starts])[:n], total
+
     def encode_parts(self, texts: list[list[str]]) -> list[tuple[list[int], list[int]]]:
         """``encode_parts_flat``, one ``(ids, starts)`` pair of lists per text."""
         if not texts:
@@ -294,6 +342,32 @@ class Tokenizer:
                 f"the chat template raised {type(error).__name__}{before}: {error}",
                 reason="template_error",
             ) from None
+
+
+LONG_CHARS = 1 << 20
+"""A sample's text longer than this is encoded a chunk at a time (``Tokenizer.encode_long``)."""
+
+CHUNK_CHARS = 1 << 18
+"""About how many characters of a long text one chunk holds."""
+
+CONTEXT_CHARS = 256
+"""Characters of the text encoded on either side of a chunk, so that its first and last tokens
+are those of the whole text."""
+
+CHUNKS_AT_ONCE = 8
+"""Chunks encoded in one call (the tokenizer's threads share them)."""
+
+_CUT = re.compile(r"(?<=\S) (?=\S)")
+"""Where a long text is cut: before a space between two words."""
+
+
+def _starts_at(offsets: np.ndarray, index: int, cut: int, length: int) -> bool:
+    """A token starts exactly at ``cut`` (``index``: the first token starting at or after it)
+    and none before it reaches past it; the text's own start and end need none."""
+    if cut in (0, length):
+        return True
+    found = index < len(offsets) and offsets[index, 0] == cut
+    return bool(found and (index == 0 or offsets[index - 1, 1] <= cut))
 
 
 def load_fast(backend: Any) -> tuple[Any, str | None]:
