@@ -197,6 +197,12 @@ class Tokenizer:
         held = total = 0
         chunks = list(zip(cuts[:-1], cuts[1:], strict=True))
         for first in range(0, len(chunks), CHUNKS_AT_ONCE):
+            if keep is not None and held >= keep:  # the rest is only counted
+                rest = self._count_chunks(text, chunks[first:])
+                if rest is None:
+                    break
+                n = min(held, keep)
+                return np.concatenate(ids)[:n], np.concatenate(starts)[:n], total + rest
             batch = chunks[first : first + CHUNKS_AT_ONCE]
             spans = [
                 (max(0, a - CONTEXT_CHARS), min(len(text), b + CONTEXT_CHARS)) for a, b in batch
@@ -210,18 +216,43 @@ class Tokenizer:
                 if not (
                     _starts_at(offsets, lo, a, len(text)) and _starts_at(offsets, hi, b, len(text))
                 ):
-                    whole, whole_starts = self.encode_with_starts([text])[0]
-                    n = len(whole) if keep is None else keep
-                    return (np.asarray(whole[:n], dtype=np.int64),
-                            np.asarray(whole_starts[:n], dtype=np.int64), len(whole))  # fmt: skip
+                    return self._whole(text, keep)
                 total += hi - lo
                 if keep is None or held < keep:
                     ids.append(np.asarray(encoding.ids[lo:hi], dtype=np.int64))
                     starts.append(offsets[lo:hi, 0])
                     held += hi - lo
-        n = held if keep is None else min(held, keep)
-        empty = np.zeros(0, dtype=np.int64)
-        return np.concatenate([empty, *ids])[:n], np.concatenate([empty, *starts])[:n], total
+        else:
+            n = held if keep is None else min(held, keep)
+            empty = np.zeros(0, dtype=np.int64)
+            return np.concatenate([empty, *ids])[:n], np.concatenate([empty, *starts])[:n], total
+        return self._whole(text, keep)
+
+    def _whole(self, text: str, keep: int | None) -> tuple[np.ndarray, np.ndarray, int]:
+        """``encode_long`` of a text that cannot be cut: encoded whole."""
+        whole, whole_starts = self.encode_with_starts([text])[0]
+        n = len(whole) if keep is None else keep
+        return (np.asarray(whole[:n], dtype=np.int64),
+                np.asarray(whole_starts[:n], dtype=np.int64), len(whole))  # fmt: skip
+
+    def _count_chunks(self, text: str, chunks: list[tuple[int, int]]) -> int | None:
+        """The tokens of ``chunks`` of ``text`` (the first starting where a token starts), by
+        the run's encoder, without offsets: each chunk encoded after :data:`CONTEXT_CHARS` of
+        the text before it, and that context alone, whose ids must start the chunk's (no token
+        across the cut); None where they do not."""
+        count = 0
+        for first in range(0, len(chunks), CHUNKS_AT_ONCE):
+            batch = chunks[first : first + CHUNKS_AT_ONCE]
+            pairs = []
+            for a, b in batch:
+                begin = max(0, a - CONTEXT_CHARS)
+                pairs += [text[begin:a], text[begin:b]]
+            encoded = self.encode_batch(pairs)
+            for before, both in zip(encoded[::2], encoded[1::2], strict=True):
+                if both[: len(before)] != before:
+                    return None
+                count += len(both) - len(before)
+        return count
 
     def encode_parts(self, texts: list[list[str]]) -> list[tuple[list[int], list[int]]]:
         """``encode_parts_flat``, one ``(ids, starts)`` pair of lists per text."""
