@@ -48,10 +48,12 @@ def _encoded(tokenizer: Any, rows: Sequence[Templated], fit: Fit) -> tuple[np.nd
         return (*tokenizer.encode_parts_flat(parts), hidden)
     keep = None if fit.overflow == "split" else fit.seq_len + 2
     short = sorted(set(range(len(rows))) - set(long))
-    ids, starts, lengths = tokenizer.encode_parts_flat([parts[i] for i in short])
-    bounds = np.cumsum(lengths)[:-1]
-    pieces = dict(zip(short, zip(np.split(ids, bounds), np.split(starts, bounds), strict=True),
-                      strict=True))  # fmt: skip
+    pieces = {}
+    if short:
+        ids, starts, lengths = tokenizer.encode_parts_flat([parts[i] for i in short])
+        bounds = np.cumsum(lengths)[:-1]
+        pieces = dict(zip(short, zip(np.split(ids, bounds), np.split(starts, bounds), strict=True),
+                          strict=True))  # fmt: skip
     for i in long:
         long_ids, long_starts, total = tokenizer.encode_long("".join(parts[i]), keep)
         pieces[i] = (long_ids, long_starts)

@@ -99,6 +99,7 @@ def test_long_rows_give_the_samples_and_counts_of_whole_encoding(
                     {"instruction": "Recite.", "output": shakespeare[:60_000]},
                     {"instruction": shakespeare[:30_000], "output": shakespeare[-20_000:]}]),
         ("text", [{"text": "Short."}, {"text": shakespeare}]),
+        ("text", [{"text": shakespeare}]),  # long rows alone
     ]:  # fmt: skip
         monkeypatch.setattr(flat, "LONG_CHARS", 10**9)
         expected = _samples(overflow, records, template)
