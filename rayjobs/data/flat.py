@@ -194,7 +194,9 @@ def _untrain_eos(
 ) -> None:
     """``train_on_eos`` over the batch, in place: rows of ``none`` train no EOS token, rows of
     ``last`` only their last trained one (``samples.encode_segments``, row by row)."""
-    modes = np.fromiter((EOS_MODES[row.spec.train_on_eos] for row in rows), dtype=np.int8)
+    modes = np.fromiter(
+        (EOS_MODES[getattr(row.spec, "train_on_eos", "turn")] for row in rows), dtype=np.int8
+    )
     if not modes.any():
         return
     mode = modes[sample_row]

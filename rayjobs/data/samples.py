@@ -187,7 +187,7 @@ def encode_samples(
             tokenizer.eos_id,
             row.spec.train_on_input,
             has_eos,
-            row.spec.train_on_eos,
+            getattr(row.spec, "train_on_eos", "turn"),
         )
         pieces, truncated = apply_overflow(ids, sample_labels, fit.seq_len, fit.overflow)
         tally = counts[row.spec.name]
