@@ -1,8 +1,8 @@
 """Chat templates rendered as transformers' ``apply_chat_template`` renders them (its sandbox, its
 ``tojson``, ``raise_exception``, ``strftime_now``, ``namespace`` and ``{% generation %}`` tag; the
 reasoning of a turn under each name templates read), in a sandbox that also bounds what a template
-builds: a chat template is code from the Hub, and ``'x' * 10**8`` allocated hundreds of megabytes
-on every row. A string or list built by ``*`` or ``+`` is at most :data:`MAX_BUILT` items, a
+builds: a chat template is code from the Hub, and ``'x' * 10**8`` would allocate its result on
+every row. A string or list built by ``*`` or ``+`` is at most :data:`MAX_BUILT` items, a
 power's exponent at most :data:`MAX_EXPONENT`, and the rendered text at most :data:`GROWTH` times
 the conversation's text plus :data:`SLACK` characters; a template over any raises
 :class:`RenderLimitError` (the row is a ``template_error``).
