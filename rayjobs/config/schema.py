@@ -82,6 +82,13 @@ class DatasetConfig(Strict):
     ``{human: user, bot: assistant}``, on top of the OpenAI and ShareGPT names known already."""
     train_on_input: bool = False
     """Also train on prompt / user tokens (default: only responses / assistant turns)."""
+    train_on: Literal["all_assistant", "last_assistant"] = "all_assistant"
+    """Chat turns: train every assistant turn, or only the last (LLaMA-Factory's
+    ``mask_history``); a turn's own ``train`` (bool) or ``weight`` (0/1) wins over it."""
+    train_on_eos: Literal["turn", "last", "none"] = "turn"
+    """Whether EOS tokens train (Axolotl's ``train_on_eos``): ``turn``, an EOS that ends a trained
+    turn or response (the one appended to a sample, a chat template's own); ``last``, only the
+    sample's last such EOS; ``none``, never."""
     weight: float | None = Field(default=None, gt=0)
     """Target share of the epoch (normalised over datasets), in samples or tokens (``mix.by``).
     Set it on every dataset or on none (none: each dataset in its natural proportion)."""
@@ -98,6 +105,14 @@ class DatasetConfig(Strict):
     text_split: Literal["line", "paragraph", "file"] = "paragraph"
     """For ``format: text``: one document per line, per blank-line separated paragraph, or per
     file."""
+    max_row_bytes: int = Field(default=formats.MAX_ROW_BYTES, gt=0)
+    """A row's bytes at most (a JSONL line, a text document, a ``text_split: file`` file): a
+    larger one is a bad row, ``too_large``, read past without being held."""
+    max_depth: int = Field(default=formats.MAX_DEPTH, gt=0)
+    """How deep a JSONL row's arrays and objects may nest: a deeper one is a bad row,
+    ``too_deep``."""
+    max_turns: int = Field(default=templates.MAX_TURNS, gt=0)
+    """Turns of a conversation at most: a longer one is a bad row, ``too_many_turns``."""
     files: tuple[str, ...] = Field(default=(), strict=False)
     """Resolved file list, filled in by validation (a config that sets it is refused)."""
 
@@ -135,6 +150,7 @@ class DatasetConfig(Strict):
     @model_validator(mode="after")
     def _turn_settings_need_turns(self) -> DatasetConfig:
         given = [key for key in ("message_keys", "roles") if getattr(self, key)]
+        given += ["train_on"] if self.train_on != "all_assistant" else []
         if given and templates.TEMPLATES[self.template].turns is False:
             raise ValueError(
                 f"{', '.join(given)} apply to templates that read conversation turns; template "
@@ -145,7 +161,9 @@ class DatasetConfig(Strict):
     @property
     def columns(self) -> templates.Columns:
         """``column_map`` as templates receive it, with ``message_keys`` and ``roles``."""
-        return templates.Columns(self.column_map, self.message_keys, self.roles)
+        return templates.Columns(
+            self.column_map, self.message_keys, self.roles, self.train_on, self.max_turns
+        )
 
     @model_validator(mode="after")
     def _column_map_names_template_fields(self) -> DatasetConfig:

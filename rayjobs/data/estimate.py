@@ -216,7 +216,8 @@ def _parse_head(
     with file:
         parts = read_rows(
             file, path, format=spec.format, dataset=spec.name, text_split=spec.text_split,
-            binary=spec.binary, on_bad_row=spec.on_bad_row,
+            binary=spec.binary, on_bad_row=spec.on_bad_row, max_row_bytes=spec.max_row_bytes,
+            max_depth=spec.max_depth,
         )  # fmt: skip
         for part in parts:
             rows += part.rows

@@ -30,14 +30,40 @@ from rayjobs.data.samples import (
     sample_uid,
     trained_parts,
 )
+from rayjobs.data.tokenizer import LONG_CHARS
 
 
-def _encoded(tokenizer: Any, rows: Sequence[Templated]) -> tuple[np.ndarray, ...]:
+def _encoded(tokenizer: Any, rows: Sequence[Templated], fit: Fit) -> tuple[np.ndarray, ...]:
     """Every row's token ids one after another, per token a character offset in the part of its
-    text where the token starts, and each row's count of tokens (``Tokenizer.encode_parts_flat``;
-    the parts: runs of segments trained alike)."""
-    return tokenizer.encode_parts_flat(
-        [trained_parts(row.content, row.spec.train_on_input) for row in rows]
+    text where the token starts, each row's count of tokens (``Tokenizer.encode_parts_flat``;
+    the parts: runs of segments trained alike), and each row's count of tokens left out.
+
+    A text over ``LONG_CHARS`` is encoded a chunk at a time (``Tokenizer.encode_long``), and,
+    unless overflow splits it, only its first ``seq_len + 2`` tokens are kept: the sample is cut
+    or dropped all the same, and the tokens left out are counted."""
+    parts = [trained_parts(row.content, row.spec.train_on_input) for row in rows]
+    long = [i for i, p in enumerate(parts) if sum(map(len, p)) > LONG_CHARS]
+    hidden = np.zeros(len(rows), dtype=np.int64)
+    if not long:
+        return (*tokenizer.encode_parts_flat(parts), hidden)
+    keep = None if fit.overflow == "split" else fit.seq_len + 2
+    short = sorted(set(range(len(rows))) - set(long))
+    pieces = {}
+    if short:
+        ids, starts, lengths = tokenizer.encode_parts_flat([parts[i] for i in short])
+        bounds = np.cumsum(lengths)[:-1]
+        pieces = dict(zip(short, zip(np.split(ids, bounds), np.split(starts, bounds), strict=True),
+                          strict=True))  # fmt: skip
+    for i in long:
+        long_ids, long_starts, total = tokenizer.encode_long("".join(parts[i]), keep)
+        pieces[i] = (long_ids, long_starts)
+        hidden[i] = total - len(long_ids)
+    ordered = [pieces[i] for i in range(len(rows))]
+    return (
+        np.concatenate([i for i, _ in ordered]),
+        np.concatenate([s for _, s in ordered]),
+        np.fromiter((len(i) for i, _ in ordered), dtype=np.int64, count=len(rows)),
+        hidden,
     )
 
 
@@ -69,7 +95,7 @@ def encode_flat(
             seg_lengths.append(0)
             seg_trained.append(True)
             seg_counts[i] = 1
-    ids, starts, lengths = _encoded(tokenizer, rows)
+    ids, starts, lengths, hidden = _encoded(tokenizer, rows, fit)
     total = int(lengths.sum())
     bos_id = tokenizer.bos_id
     first = np.minimum(np.cumsum(lengths) - lengths, max(total - 1, 0))
@@ -107,6 +133,7 @@ def encode_flat(
     trained = seg_trained_np[seg_first[sample_row] + which]
     last_trained = seg_trained_np[seg_first + seg_counts - 1]
     trained[ends[eos] - 1] = last_trained[eos]  # EOS: trained where the last segment is
+    _untrain_eos(trained, out_ids, sample_row, rows, tokenizer.eos_id)
 
     # Labels shifted within each sample; a sample's last position is never trained.
     labels = np.full(len(out_ids), IGNORE_INDEX, dtype=np.int32)
@@ -137,7 +164,7 @@ def encode_flat(
         else np.zeros(0, dtype=np.int64)
     )
 
-    _count(rows, counts, sizes, pieces, over, policy, seq_len, piece_row, piece_length,
+    _count(rows, counts, sizes + hidden, pieces, over, policy, seq_len, piece_row, piece_length,
            trained_counts)  # fmt: skip
     origins = [rows[i].origin for i in piece_row.tolist()]
     uids = [sample_uid(f"{o}\0{k}") for o, k in zip(origins, piece_index.tolist(), strict=True)]
@@ -152,6 +179,31 @@ def encode_flat(
         "num_tokens": pa.array(piece_length.astype(np.int32)),
     }
     return columns, row_index[piece_row].tolist()
+
+
+EOS_MODES = {"turn": 0, "last": 1, "none": 2}
+"""``datasets[].train_on_eos`` as a number per row."""
+
+
+def _untrain_eos(
+    trained: np.ndarray,
+    ids: np.ndarray,
+    sample_row: np.ndarray,
+    rows: Sequence[Templated],
+    eos_id: int,
+) -> None:
+    """``train_on_eos`` over the batch, in place: rows of ``none`` train no EOS token, rows of
+    ``last`` only their last trained one (``samples.encode_segments``, row by row)."""
+    modes = np.fromiter(
+        (EOS_MODES[getattr(row.spec, "train_on_eos", "turn")] for row in rows), dtype=np.int8
+    )
+    if not modes.any():
+        return
+    mode = modes[sample_row]
+    at = np.flatnonzero(trained & (ids == eos_id) & (mode > 0))
+    rows_at = sample_row[at]
+    last = np.append(rows_at[1:] != rows_at[:-1], True) & (mode[at] == 1)
+    trained[at[~last]] = False
 
 
 def _count(

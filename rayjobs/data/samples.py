@@ -71,11 +71,13 @@ def encode_segments(
     eos_id: int,
     train_on_input: bool,
     has_eos: bool = False,
+    train_on_eos: str = "turn",
 ) -> tuple[np.ndarray, np.ndarray]:
     """A sample's ``input_ids`` and shifted labels from its segments' texts tokenized as one
     text (``ids``, and each token's character offset in the joined text, ``starts``): a token is
     trained when it starts in a trainable segment; EOS is appended (trained when the last segment
-    is) unless the text ``has_eos`` already (see module note).
+    is) unless the text ``has_eos`` already (see module note); ``train_on_eos`` (``turn``,
+    ``last``, ``none``: the dataset's) untrains every EOS token of the sample, or all but its last.
 
     >>> segments = [Segment("Q: hi ", False), Segment("A: yo", True)]
     >>> encode_segments(segments, [1, 2, 3, 4], [0, 3, 6, 9], 0, False)[1].tolist()
@@ -90,6 +92,9 @@ def encode_segments(
         ids = [*ids, eos_id]
         trained = np.append(trained, trainable[-1])
     input_ids = np.asarray(ids, dtype=np.int32)
+    if train_on_eos != "turn":
+        eos = np.flatnonzero(trained & (input_ids == eos_id))
+        trained[eos if train_on_eos == "none" else eos[:-1]] = False
     return input_ids, shift_labels(input_ids, trained)
 
 
@@ -176,7 +181,13 @@ def encode_samples(
         has_eos = tokenizer.ends_with_eos(text)
         ids, starts = tokenizer.with_bos(ids, starts)
         ids, sample_labels = encode_segments(
-            row.content, ids, starts, tokenizer.eos_id, row.spec.train_on_input, has_eos
+            row.content,
+            ids,
+            starts,
+            tokenizer.eos_id,
+            row.spec.train_on_input,
+            has_eos,
+            getattr(row.spec, "train_on_eos", "turn"),
         )
         pieces, truncated = apply_overflow(ids, sample_labels, fit.seq_len, fit.overflow)
         tally = counts[row.spec.name]

@@ -42,6 +42,8 @@ from rayjobs.data import files
 from rayjobs.data.files import StorageOptions, explain, open_file
 from rayjobs.data.formats import (
     HF,
+    MAX_DEPTH,
+    MAX_ROW_BYTES,
     Parsed,
     Readable,
     apply_policy,
@@ -123,6 +125,8 @@ def read_tables(
     binary: str = "error",
     on_bad_row: str = "error",
     chunk_bytes: int | None = None,
+    max_row_bytes: int = MAX_ROW_BYTES,
+    max_depth: int = MAX_DEPTH,
 ) -> Iterator[pa.Table]:
     """One open file → raw-row tables, a part of the file at a time (``formats.read_rows``): what a
     read task emits (in-process, without Ray). The tables are those of the whole file parsed at
@@ -136,6 +140,8 @@ def read_tables(
         binary=binary,
         on_bad_row=on_bad_row,
         chunk_bytes=chunk_bytes,
+        max_row_bytes=max_row_bytes,
+        max_depth=max_depth,
     )
     yield from _tables(dataset, path, parts)
 
@@ -206,6 +212,8 @@ class RowFileDatasource(Datasource):
         chunk_bytes: int | None = None,
         sizes: Mapping[str, int] | None = None,
         storage: StorageOptions | None = None,
+        max_row_bytes: int = MAX_ROW_BYTES,
+        max_depth: int = MAX_DEPTH,
     ):
         super().__init__()
         self.reads = list(reads)
@@ -217,6 +225,8 @@ class RowFileDatasource(Datasource):
             "on_bad_row": on_bad_row,
             "chunk_bytes": chunk_bytes,
             "storage": storage,
+            "max_row_bytes": max_row_bytes,
+            "max_depth": max_depth,
         }
         paths = list(dict.fromkeys(r.path for r in self.reads))
         self.sizes = {p: sizes[p] for p in paths} if sizes else files.sizes(paths, storage)
@@ -379,6 +389,8 @@ def read_options(spec: DatasetConfig, chunk_bytes: int | None = None) -> dict[st
         "on_bad_row": spec.on_bad_row,
         "chunk_bytes": chunk_bytes,
         "storage": spec.storage,
+        "max_row_bytes": spec.max_row_bytes,
+        "max_depth": spec.max_depth,
     }
 
 

@@ -91,8 +91,8 @@ class Tokenize:
 
     def _segments(self, spec: DatasetConfig, record: dict[str, Any]) -> list[Segment]:
         render = self.templates[spec.name].render
-        # Without a chat template the tokenizer renders ChatML: handed over as such, the chat
-        # template renders each turn of a conversation once (``dialogue._chatml_prefixes``).
+        # Without a chat template the tokenizer renders ChatML: handed over as such, rendering
+        # skips the tokenizer's method.
         plain = self.tokenizer.chat_template is None
         chat = templates.chatml if plain else self.tokenizer.render_chat
         return render(record, self.columns[spec.name], chat)

@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from itertools import chain
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from jinja2 import TemplateSyntaxError
 
 from rayjobs.config import TokenizerConfig
-from rayjobs.data import spm, templates
+from rayjobs.data import jinja, spm, templates
 from rayjobs.data.rows import ranges
 from rayjobs.data.templates import Message, RowError
 from rayjobs.errors import ConfigError
@@ -26,7 +28,7 @@ class Tokenizer:
     A ``tokenizer.json`` (given as the file, or inside a folder with its ``tokenizer_config.json``)
     loads with ``tokenizers`` alone, a SentencePiece model (``tokenizer.model``, as the file or in
     a folder without ``tokenizer.json``) is converted to one (``spm``), and chat templates render
-    with transformers' own Jinja renderer (``render_jinja_template``, which does not import torch):
+    as transformers renders them, in a bounded sandbox (``jinja``, which does not import torch):
     Tokenize actors on CPU nodes never load torch. Only a Hub name, or a folder of other
     slow-tokenizer files (``vocab.json`` and ``merges.txt``), goes through ``AutoTokenizer``, which
     imports torch where it is installed.
@@ -174,6 +176,84 @@ class Tokenizer:
         encodings = self.backend.encode_batch(texts, add_special_tokens=False)
         return [(e.ids, [start for start, _ in e.offsets]) for e in encodings]
 
+    def encode_long(self, text: str, keep: int | None = None) -> tuple[np.ndarray, np.ndarray, int]:
+        """``encode_with_starts`` of one long text (int64 arrays) a chunk at a time, in memory
+        bounded by the chunk, not the text: the first ``keep`` tokens (all: None) and the count
+        of all of them, exact.
+
+        The text is cut before a space between two words about every :data:`CHUNK_CHARS`
+        characters (where pre-tokenizers split). Each chunk is encoded with
+        :data:`CONTEXT_CHARS` of the text on either side, and keeps the tokens that start in
+        it; a token must start exactly at each cut, as in the whole text. Where one does not
+        (a tokenizer that does not split at spaces, a token across the cut), the text is
+        encoded whole.
+        """
+        cuts = [0]
+        while (at := cuts[-1] + CHUNK_CHARS) < len(text) and (found := _CUT.search(text, at)):
+            cuts.append(found.start())
+        cuts.append(len(text))
+        ids: list[np.ndarray] = []
+        starts: list[np.ndarray] = []
+        held = total = 0
+        chunks = list(zip(cuts[:-1], cuts[1:], strict=True))
+        for first in range(0, len(chunks), CHUNKS_AT_ONCE):
+            if keep is not None and held >= keep:  # the rest is only counted
+                rest = self._count_chunks(text, chunks[first:])
+                if rest is None:
+                    break
+                n = min(held, keep)
+                return np.concatenate(ids)[:n], np.concatenate(starts)[:n], total + rest
+            batch = chunks[first : first + CHUNKS_AT_ONCE]
+            spans = [
+                (max(0, a - CONTEXT_CHARS), min(len(text), b + CONTEXT_CHARS)) for a, b in batch
+            ]
+            encoded = self.backend.encode_batch(
+                [text[a:b] for a, b in spans], add_special_tokens=False
+            )
+            for (a, b), (begin, _), encoding in zip(batch, spans, encoded, strict=True):
+                offsets = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2) + begin
+                lo, hi = np.searchsorted(offsets[:, 0], (a, b))
+                if not (
+                    _starts_at(offsets, lo, a, len(text)) and _starts_at(offsets, hi, b, len(text))
+                ):
+                    return self._whole(text, keep)
+                total += hi - lo
+                if keep is None or held < keep:
+                    ids.append(np.asarray(encoding.ids[lo:hi], dtype=np.int64))
+                    starts.append(offsets[lo:hi, 0])
+                    held += hi - lo
+        else:
+            n = held if keep is None else min(held, keep)
+            empty = np.zeros(0, dtype=np.int64)
+            return np.concatenate([empty, *ids])[:n], np.concatenate([empty, *starts])[:n], total
+        return self._whole(text, keep)
+
+    def _whole(self, text: str, keep: int | None) -> tuple[np.ndarray, np.ndarray, int]:
+        """``encode_long`` of a text that cannot be cut: encoded whole."""
+        whole, whole_starts = self.encode_with_starts([text])[0]
+        n = len(whole) if keep is None else keep
+        return (np.asarray(whole[:n], dtype=np.int64),
+                np.asarray(whole_starts[:n], dtype=np.int64), len(whole))  # fmt: skip
+
+    def _count_chunks(self, text: str, chunks: list[tuple[int, int]]) -> int | None:
+        """The tokens of ``chunks`` of ``text`` (the first starting where a token starts), by
+        the run's encoder, without offsets: each chunk encoded after :data:`CONTEXT_CHARS` of
+        the text before it, and that context alone, whose ids must start the chunk's (no token
+        across the cut); None where they do not."""
+        count = 0
+        for first in range(0, len(chunks), CHUNKS_AT_ONCE):
+            batch = chunks[first : first + CHUNKS_AT_ONCE]
+            pairs = []
+            for a, b in batch:
+                begin = max(0, a - CONTEXT_CHARS)
+                pairs += [text[begin:a], text[begin:b]]
+            encoded = self.encode_batch(pairs)
+            for before, both in zip(encoded[::2], encoded[1::2], strict=True):
+                if both[: len(before)] != before:
+                    return None
+                count += len(both) - len(before)
+        return count
+
     def encode_parts(self, texts: list[list[str]]) -> list[tuple[list[int], list[int]]]:
         """``encode_parts_flat``, one ``(ids, starts)`` pair of lists per text."""
         if not texts:
@@ -276,14 +356,11 @@ class Tokenizer:
         # No shortcut for no messages: what a template writes before the first turn (BOS, a
         # default system prompt) comes before a conversation's opening assistant turn too, and
         # an empty prompt made it part of that turn's trained text.
-        from jinja2 import TemplateSyntaxError
-        from transformers.utils.chat_template_utils import render_jinja_template
-
         try:
-            rendered, _ = render_jinja_template(
-                conversations=[messages],
-                tools=tools,
-                chat_template=self.chat_template,
+            return jinja.render(
+                self.chat_template,
+                messages,
+                tools,
                 add_generation_prompt=add_generation_prompt,
                 **self.special_tokens,
             )
@@ -296,7 +373,32 @@ class Tokenizer:
                 f"the chat template raised {type(error).__name__}{before}: {error}",
                 reason="template_error",
             ) from None
-        return rendered[0]
+
+
+LONG_CHARS = 1 << 20
+"""A sample's text longer than this is encoded a chunk at a time (``Tokenizer.encode_long``)."""
+
+CHUNK_CHARS = 1 << 18
+"""About how many characters of a long text one chunk holds."""
+
+CONTEXT_CHARS = 256
+"""Characters of the text encoded on either side of a chunk, so that its first and last tokens
+are those of the whole text."""
+
+CHUNKS_AT_ONCE = 8
+"""Chunks encoded in one call (the tokenizer's threads share them)."""
+
+_CUT = re.compile(r"(?<=\S) (?=\S)")
+"""Where a long text is cut: before a space between two words."""
+
+
+def _starts_at(offsets: np.ndarray, index: int, cut: int, length: int) -> bool:
+    """A token starts exactly at ``cut`` (``index``: the first token starting at or after it)
+    and none before it reaches past it; the text's own start and end need none."""
+    if cut in (0, length):
+        return True
+    found = index < len(offsets) and offsets[index, 0] == cut
+    return bool(found and (index == 0 or offsets[index - 1, 1] <= cut))
 
 
 def load_fast(backend: Any) -> tuple[Any, str | None]:

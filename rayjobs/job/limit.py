@@ -89,6 +89,8 @@ def _first_rows(spec: DatasetConfig, path: str, count: int) -> list[int]:
         "text_split": spec.text_split,
         "binary": spec.binary,
         "on_bad_row": "skip",
+        "max_row_bytes": spec.max_row_bytes,
+        "max_depth": spec.max_depth,
     }
     rows: list[int] = []
     with open_row_file(path, spec.format, spec.storage) as file:  # as a read task reads it

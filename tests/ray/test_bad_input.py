@@ -30,7 +30,7 @@ from rayjobs.data.samples import sample_uid
 from rayjobs.data.tokenize import Tokenize
 from rayjobs.errors import DataError, SourceError
 
-PARSE_REASONS = ("invalid_json", "invalid_utf8", "ragged_csv_row")
+PARSE_REASONS = ("invalid_json", "invalid_utf8", "ragged_csv_row", "too_large", "too_deep")
 """Reasons found by the parser in the read task (the others by Tokenize)."""
 
 # A chat template that raises on some rows, as real ones do through raise_exception.
@@ -222,6 +222,53 @@ CASES = {
         template="chat",
         texts={1: "assistant: Yo"},
     ),
+    "chat_turn_key_not_read": Case(  # Axolotl's per-turn training flag: not trained against it
+        "chat.jsonl",
+        _jsonl(
+            _turns("Hi", "Hello"),
+            {
+                "messages": [
+                    {"role": "user", "content": "Hi"},
+                    {"role": "assistant", "content": "Yo", "training": False},
+                ]
+            },
+        ),  # fmt: skip
+        good=[1],
+        skipped={"unknown_turn_key": 1},
+        error=(2, ["field 'messages[1]': turn key 'training' is not read", "[unknown_turn_key]"]),
+        template="chat",
+        texts={1: "assistant: Hello"},
+    ),
+    "jsonl_nested_too_deep": Case(  # a RecursionError in the head parse, even under skip
+        "rows.jsonl",
+        _jsonl(GOOD)
+        + b'{"instruction": "x", "output": '
+        + b"[" * 50_000
+        + b"]" * 50_000
+        + b"}\n"
+        + _jsonl(ADD),
+        good=[1, 3],
+        skipped={"too_deep": 1},
+        error=(2, ["line 2 is nested 50001 levels, over max_depth (100)", "[too_deep]"]),
+    ),
+    "jsonl_over_max_row_bytes": Case(
+        "rows.jsonl",
+        _jsonl(GOOD, {"instruction": "Say hi.", "output": "w " * 200}, ADD),
+        good=[1, 3],
+        skipped={"too_large": 1},
+        error=(2, ["line 2 is 440 bytes, over max_row_bytes (300)", "[too_large]"]),
+        extra={"max_row_bytes": 300},
+    ),
+    "chat_over_max_turns": Case(
+        "chat.jsonl",
+        _jsonl(_turns("Hi", "Hello"), {"messages": _turns("a", "b")["messages"] * 2}),
+        good=[1],
+        skipped={"too_many_turns": 1},
+        error=(2, ["field 'messages': 4 turns, over max_turns (2)", "[too_many_turns]"]),
+        template="chat",
+        extra={"max_turns": 2},
+        texts={1: "assistant: Hello"},
+    ),
     "template_function_raises": Case(
         "rows.jsonl",
         _jsonl({"text": "a", "key": "b"}, {"text": "a"}),
@@ -329,6 +376,8 @@ def _read(spec) -> pa.Table:
             text_split=spec.text_split,
             binary=spec.binary,
             on_bad_row=spec.on_bad_row,
+            max_row_bytes=spec.max_row_bytes,
+            max_depth=spec.max_depth,
         )
     )
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 
 import pyarrow as pa
 import pytest
@@ -121,57 +120,3 @@ def test_train_on_input_and_texts_that_end_with_eos(monkeypatch):
     config = TokenizerConfig(path=str(DATA / "tokenizers/gpt2"))
     for seq_len in (8, 4096):
         _same(*_both(Tokenize(specs, config, seq_len, "split"), batch, monkeypatch))
-
-
-def _chat_rows() -> list[dict]:
-    """Every bundled conversation, and a few of tools beside a system turn or none."""
-    rows = [json.loads(line) for line in (DATA / "chat/hh_rlhf_harmless_chosen.messages.jsonl")
-            .read_text().splitlines()]  # fmt: skip
-    rows += json.loads((DATA / "chat/glaive_toolcall.sharegpt.json").read_text())
-    rows += [json.loads(line) for line in (DATA / "eval/hh_rlhf_harmless_chosen.last60.messages"
-             ".jsonl").read_text().splitlines()]  # fmt: skip
-    tool = {"name": "get_time", "description": "The time", "parameters": {}}
-    turns = [
-        {"role": "user", "content": "Time?"},
-        {"role": "assistant", "content": "Noon."},
-        {"role": "user", "content": "Sure?"},
-        {"role": "assistant", "content": "Yes."},
-    ]
-    rows += [
-        {"messages": turns, "tools": [tool]},
-        {"messages": [{"role": "system", "content": "Be brief."}, *turns], "tools": [tool]},
-        {"messages": [{"role": "assistant", "content": "Hi."}, *turns], "tools": [tool]},
-        {"messages": [{"role": "assistant", "content": "Hi."}, *turns]},
-        {"messages": turns, "system": "Be brief.", "tools": json.dumps([tool])},
-    ]
-    return rows
-
-
-def test_chatml_renders_each_turn_once_and_the_same_text(monkeypatch):
-    """Without a chat template the chat template renders ChatML prefix by prefix from each turn's
-    text rendered once (``_chatml_prefixes``): the same segments as ChatML rendered whole at every
-    prefix, on every bundled conversation; the Tokenize actor hands ChatML over so."""
-    from rayjobs.data.templates import chatml, dialogue
-
-    taken = []
-    prefixes = dialogue._chatml_prefixes
-    monkeypatch.setattr(dialogue, "_chatml_prefixes", lambda *a: taken.append(1) or prefixes(*a))
-    rows = _chat_rows()
-    rendered = 0
-    for row in rows:
-        try:
-            expected = dialogue.chat(row, {}, lambda *a: chatml(*a))
-        except ValueError as error:
-            with pytest.raises(type(error), match=re.escape(str(error))):
-                dialogue.chat(row, {}, chatml)
-            continue
-        assert dialogue.chat(row, {}, chatml) == expected
-        assert dialogue.chat(row, {}, None) == expected
-        rendered += 1
-    assert rendered > len(rows) - 10 and len(taken) == 2 * rendered, "no ChatML prefix path"
-    config = TokenizerConfig(path=str(DATA / "tokenizers/gpt2"))
-    stage = Tokenize([DatasetConfig(name="c", source="unused", template="chat")], config, 4096,
-                     "truncate")  # fmt: skip
-    before = len(taken)
-    stage(_record_batch("c", rows[:3]))
-    assert len(taken) == before + 3

@@ -5,6 +5,7 @@ Importing this package registers every built-in format (one module each) in :dat
 
 from rayjobs.data.formats import csv_rows, json_list, jsonl, parquet, text  # noqa: F401 - registers
 from rayjobs.data.formats.arrow import binary_columns, check_binary, table_records
+from rayjobs.data.formats.limits import MAX_DEPTH, MAX_ROW_BYTES
 from rayjobs.data.formats.registry import (
     BOM,
     CHUNK_BYTES,
@@ -39,6 +40,8 @@ __all__ = [
     "FORMATS",
     "HF",
     "HF_PLACE",
+    "MAX_DEPTH",
+    "MAX_ROW_BYTES",
     "SKIP_REASONS",
     "BadRow",
     "FileOptions",

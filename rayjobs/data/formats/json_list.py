@@ -150,6 +150,8 @@ class _JsonText:
             if not self.ended:
                 return None
             raise self.error(error.msg, error.pos) from None
+        except RecursionError:
+            raise self.error("a value nested deeper than Python's JSON parser goes", at) from None
         if not self.ended and (
             end == len(self.buf) or (type(value) in (int, float) and end + 3 > len(self.buf))
         ):

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from rayjobs.data.formats.limits import MAX_DEPTH, MAX_ROW_BYTES
 from rayjobs.errors import SourceError
 
 SKIP_REASONS = (
@@ -24,6 +25,10 @@ SKIP_REASONS = (
     "missing_field",  # templates: a required field absent or null
     "empty_field",  # templates: a required text field empty or whitespace
     "template_error",  # tokenize: a template or the chat template raised on the row
+    "unknown_turn_key",  # templates: a turn key that decides training elsewhere, not read here
+    "too_large",  # formats: a row over max_row_bytes
+    "too_deep",  # formats: a row's JSON nested deeper than max_depth
+    "too_many_turns",  # templates: a conversation of more than max_turns turns
 )
 """Why a row was skipped under ``on_bad_row: skip``: the keys of ``skipped_by_reason``."""
 
@@ -80,6 +85,8 @@ class FileOptions:
 
     text_split: str = "paragraph"
     binary: str = "error"
+    max_row_bytes: int = MAX_ROW_BYTES
+    max_depth: int = MAX_DEPTH
 
 
 Parser = Callable[[Readable, FileOptions, int], Iterator[Parsed]]
@@ -195,6 +202,8 @@ def read_rows(
     binary: str = "error",
     on_bad_row: str = "error",
     chunk_bytes: int | None = None,
+    max_row_bytes: int = MAX_ROW_BYTES,
+    max_depth: int = MAX_DEPTH,
 ) -> Iterator[Parsed]:
     """One open file → its good rows and (under ``on_bad_row: skip``) bad rows, a part at a time
     (about ``chunk_bytes``, default :data:`CHUNK_BYTES`, of file each): what a read task runs.
@@ -205,7 +214,7 @@ def read_rows(
             (see module note for when rows were handed on before).
     """
     fmt = FORMATS[format]
-    options = FileOptions(text_split=text_split, binary=binary)
+    options = FileOptions(text_split, binary, max_row_bytes, max_depth)
     parts = _named(fmt.read(file, options, chunk_bytes or CHUNK_BYTES), dataset, path)
     for part in parts:
         if part.bad and on_bad_row == "error":

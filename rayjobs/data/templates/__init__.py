@@ -4,6 +4,7 @@ built-ins (``alpaca``, ``text``, ``chat``, ``prompt_completion``, ``preference``
 
 from rayjobs.data.templates.completion import prompt_completion
 from rayjobs.data.templates.dialogue import (
+    MAX_TURNS,
     chat,
     chat_tools,
     chatml,
@@ -31,6 +32,7 @@ from rayjobs.data.templates.registry import (
 )
 
 __all__ = [
+    "MAX_TURNS",
     "TEMPLATES",
     "Columns",
     "Message",

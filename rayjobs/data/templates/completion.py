@@ -12,7 +12,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from rayjobs.data.templates.dialogue import (
-    _check_prefix,
     _check_tools_rendered,
     _check_turn_rendered,
     _renderer,
@@ -30,6 +29,7 @@ from rayjobs.data.templates.registry import (
     register_template,
     text_field,
 )
+from rayjobs.data.templates.spans import check_prefix
 
 
 @register_template(
@@ -74,7 +74,7 @@ def prompt_completion(
     render = _renderer(render_chat, tools, prompt_field)
     head = render(messages, True)
     whole = render([*messages, *answer], False)
-    _check_prefix(head, whole, prompt_field)
+    check_prefix(head, whole, prompt_field)
     _check_tools_rendered(whole, tools)
     trained = whole[len(head) :]
     for index, turn in enumerate(answer):

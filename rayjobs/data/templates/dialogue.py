@@ -1,8 +1,10 @@
 """The ``chat`` template: OpenAI ``messages`` or ShareGPT ``conversations``, rendered by the
 tokenizer's chat template (ChatML when it has none); only what each assistant turn adds is trained.
 
-Each assistant turn is found by rendering the conversation prefix by prefix, which works for any
-prefix-stable template without ``{% generation %}`` markers; an unstable one is a bad row. Tool
+Each assistant turn trains what it adds to the conversation rendered up to it, with the generation
+prompt, which works for any prefix-stable template without ``{% generation %}`` markers (found in
+time linear in turns: ``spans``); an unstable one is a bad row. A turn's ``train`` or ``weight``
+and the dataset's ``train_on`` say which assistant turns train. Tool
 calls, tool schemas and reasoning reach the template as ``apply_chat_template`` takes them, and a
 template that drops them makes the row a ``template_error`` (docs/data.md, "Templates").
 """
@@ -24,6 +26,7 @@ from rayjobs.data.templates.registry import (
     field_value,
     register_template,
 )
+from rayjobs.data.templates.spans import turn_bounds
 
 SHAREGPT_ROLES = {
     "human": "user",
@@ -150,6 +153,10 @@ def chat_tools(row: Mapping[str, Any], column_map: Mapping[str, str]) -> list[To
     return wrapped
 
 
+MAX_TURNS = 100_000
+"""Turns of a conversation at most, by default (``datasets[].max_turns``)."""
+
+
 @dataclass(frozen=True)
 class TurnStyle:
     """How a conversation's turns are read: the keys of a turn's role and text, the role names
@@ -160,6 +167,7 @@ class TurnStyle:
     content: str
     roles: Mapping[str, str]
     sharegpt: bool
+    max_turns: int = MAX_TURNS
 
 
 def turn_style(column_map: Mapping[str, str], sharegpt: bool) -> TurnStyle:
@@ -169,8 +177,9 @@ def turn_style(column_map: Mapping[str, str], sharegpt: bool) -> TurnStyle:
     extra = getattr(column_map, "roles", {})
     role, content = ("from", "value") if sharegpt else ("role", "content")
     table = SHAREGPT_ROLES if sharegpt else OPENAI_ROLES
+    most = getattr(column_map, "max_turns", None) or MAX_TURNS
     return TurnStyle(
-        keys.get("role", role), keys.get("content", content), {**table, **extra}, sharegpt
+        keys.get("role", role), keys.get("content", content), {**table, **extra}, sharegpt, most
     )
 
 
@@ -231,6 +240,12 @@ def read_turns(value: Any, field: str, style: TurnStyle) -> list[Message]:
         raise RowError(field, f"expected a non-empty list of turns, got {type(value).__name__}")
     if not value:
         raise RowError(field, "empty: expected a non-empty list of turns", reason="empty_field")
+    if len(value) > style.max_turns:
+        raise RowError(
+            field,
+            f"{len(value)} turns, over max_turns ({style.max_turns})",
+            reason="too_many_turns",
+        )
     return [_turn(turn, style, f"{field}[{index}]") for index, turn in enumerate(value)]
 
 
@@ -310,25 +325,6 @@ def _chatml_blocks(messages: list[Message], tools: list[Tool] | None) -> list[st
     return blocks
 
 
-def _chatml_prefixes(messages: list[Message], tools: list[Tool] | None) -> Callable[..., str]:
-    """``chatml`` over the prefixes of one conversation, each turn rendered once: (``messages[:k]``,
-    add_generation_prompt) → what ``chatml`` renders of them (the ``chat`` template renders every
-    prefix that ends before an assistant turn: each turn was rendered once per later assistant
-    turn, the template's largest cost on multi-turn data)."""
-    blocks = _chatml_blocks(messages, tools)
-    head = 1 if tools and not (messages and messages[0]["role"] == "system") else 0
-    done = [""]
-    for block in blocks:
-        done.append(done[-1] + block)
-
-    def rendered(prefix: list[Message], add_generation_prompt: bool) -> str:
-        if tools and not prefix and not head:  # tools alone, before the system turn they join
-            return chatml(prefix, add_generation_prompt, tools)
-        return done[len(prefix) + head] + (CHATML_GENERATION if add_generation_prompt else "")
-
-    return rendered
-
-
 def _renderer(
     render_chat: RenderChat | None, tools: list[Tool] | None, field: str
 ) -> Callable[..., str]:
@@ -381,16 +377,67 @@ def _check_turn_rendered(trained: str, message: Message, field: str) -> None:
         )
 
 
-def _check_prefix(earlier: str, later: str, field: str) -> None:
-    """``later`` (a longer conversation, rendered) starts with ``earlier``; ``field``: the
-    column the turns came from."""
-    if not later.startswith(earlier):
+TRAIN_ON = ("all_assistant", "last_assistant")
+"""A dataset's ``train_on``: every assistant turn, or the last one only (LLaMA-Factory's
+``mask_history``); a turn's own ``train`` or ``weight`` wins over it."""
+
+UNHONOURED_TURN_KEYS = ("training", "train_detail", "loss", "loss_weight", "mask", "masked")
+"""Turn keys that decide what trains elsewhere (Axolotl's ``training`` and ``train_detail``,
+other tools' masks) and that rayjobs does not read: a turn holding one is a bad row
+(``unknown_turn_key``), rather than be trained against what it says."""
+
+
+def _turn_flag(turn: Any, field: str) -> bool | None:
+    """A turn's ``train`` (bool) or ``weight`` (0 or 1, Axolotl's): whether it trains, None
+    where it says nothing."""
+    if not isinstance(turn, Mapping):
+        return None
+    unhonoured = [key for key in UNHONOURED_TURN_KEYS if key in turn]
+    if unhonoured:
         raise RowError(
             field,
-            "the chat template is not prefix-stable: rendering a longer "
-            "conversation changed earlier text; set tokenizer.chat_template",
-            reason="template_error",
+            f"turn key {unhonoured[0]!r} is not read by rayjobs (a turn says whether it trains "
+            'with "train": true/false or "weight": 0/1)',
+            reason="unknown_turn_key",
         )
+    said = []
+    if "train" in turn:
+        if not isinstance(turn["train"], bool):
+            raise RowError(field, f"train is true or false, got {turn['train']!r:.40}")
+        said.append(turn["train"])
+    if "weight" in turn:
+        weight = turn["weight"]
+        if isinstance(weight, bool) or weight not in (0, 1):
+            raise RowError(field, f"a turn's weight is 0 or 1, got {weight!r:.40}")
+        said.append(weight == 1)
+    if len(set(said)) > 1:
+        raise RowError(field, "the turn's train and weight disagree")
+    return said[0] if said else None
+
+
+def trained_turns(
+    row: Mapping[str, Any], messages: list[Message], field: str, offset: int, train_on: str
+) -> dict[int, bool]:
+    """Whether each assistant turn (by its index among ``messages``) trains: its own ``train``
+    or ``weight``, else the dataset's ``train_on``. A flag that trains any other turn is a bad
+    row (``train_on_input`` trains those)."""
+    turns = row.get(field)
+    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    trained = {}
+    for index, message in enumerate(messages):
+        turn = turns[index - offset] if index >= offset else None
+        flag = _turn_flag(turn, f"{field}[{index - offset}]")
+        if message["role"] == "assistant":
+            trained[index] = (
+                (train_on == "all_assistant" or index == last) if flag is None else flag
+            )
+        elif flag:
+            raise RowError(
+                f"{field}[{index - offset}]",
+                f"only assistant turns train, not a {message['role']} turn (train_on_input: "
+                "true trains every turn)",
+            )
+    return trained
 
 
 @register_template("chat", fields=("messages", "conversations", "system", "tools"), turns=True)
@@ -404,25 +451,16 @@ def chat(
         raise RowError(
             field, "the conversation has no assistant turn to learn from", reason="missing_field"
         )
-    if render_chat is None or render_chat is chatml:  # ChatML: each turn rendered once
-        render = _chatml_prefixes(messages, tools)
-    else:
-        render = _renderer(render_chat, tools, field)
+    trained = trained_turns(
+        row, messages, field, offset, getattr(column_map, "train_on", TRAIN_ON[0])
+    )
+    whole, turns = turn_bounds(messages, _renderer(render_chat, tools, field), field)
     segments: list[Segment] = []
-    done = ""
-    for index, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        prompt = render(messages[:index], True)
-        full = render(messages[: index + 1], False)
-        _check_prefix(done, prompt, field)
-        _check_prefix(prompt, full, field)
-        _check_turn_rendered(full[len(prompt) :], message, f"{field}[{index - offset}]")
-        segments += [Segment(prompt[len(done) :], False), Segment(full[len(prompt) :], True)]
-        done = full
-    whole = render(messages, False)
-    _check_prefix(done, whole, field)
+    done = 0
+    for index, start, end in turns:
+        _check_turn_rendered(whole[start:end], messages[index], f"{field}[{index - offset}]")
+        segments += [Segment(whole[done:start], False), Segment(whole[start:end], trained[index])]
+        done = end
     _check_tools_rendered(whole, tools)
-    if whole[len(done) :]:
-        segments.append(Segment(whole[len(done) :], False))
+    segments.append(Segment(whole[done:], False))
     return [s for s in segments if s.text]

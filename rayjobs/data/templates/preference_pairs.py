@@ -14,7 +14,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from rayjobs.data.templates.dialogue import (
-    _check_prefix,
     _check_tools_rendered,
     _check_turn_rendered,
     _renderer,
@@ -35,6 +34,7 @@ from rayjobs.data.templates.registry import (
     register_template,
     text_field,
 )
+from rayjobs.data.templates.spans import check_prefix
 
 
 def _response(value: Any, name: str, column_map: Mapping[str, str]) -> Message:
@@ -124,7 +124,7 @@ def _rendered(
     texts = []
     for name, reply in zip(("chosen", "rejected"), responses, strict=True):
         full = render([*messages, reply], False)
-        _check_prefix(prompt_text, full, field)
+        check_prefix(prompt_text, full, field)
         _check_turn_rendered(full[len(prompt_text) :], reply, _shown(name, column_map))
         texts.append(full[len(prompt_text) :])
     return Preference(prompt_text, *texts)

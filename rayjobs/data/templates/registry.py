@@ -110,18 +110,24 @@ def _origin(render: Callable) -> str:
 class Columns(dict):
     """A dataset's ``column_map`` (template field → column) as templates receive it, carrying how
     its conversation turns are read: ``message_keys`` (``{role: from, content: value}``) and
-    ``roles`` (the data's role names → ``system``, ``user``, ``assistant``, ``tool``). A plain
-    dict works wherever a ``Columns`` does: turns are then read with the built-in keys."""
+    ``roles`` (the data's role names → ``system``, ``user``, ``assistant``, ``tool``), which
+    assistant turns train (``train_on``: ``all_assistant`` or ``last_assistant``) and how many
+    turns a conversation may have (``max_turns``; None: ``dialogue.MAX_TURNS``). A plain dict
+    works wherever a ``Columns`` does: turns are then read with the built-in keys."""
 
     def __init__(
         self,
         column_map: Mapping[str, str] = (),
         message_keys: Mapping[str, str] | None = None,
         roles: Mapping[str, str] | None = None,
+        train_on: str = "all_assistant",
+        max_turns: int | None = None,
     ):
         super().__init__(column_map)
         self.message_keys = dict(message_keys or {})
         self.roles = dict(roles or {})
+        self.train_on = train_on
+        self.max_turns = max_turns
 
 
 def _shown(name: str, column_map: Mapping[str, str]) -> str:
