@@ -146,8 +146,8 @@ PEERS: dict[str, Peer] = {
     "bnb_4bit_compute_dtype": QLORA,
     # data and runtime keys of TRL, Axolotl and torchtune configs (docs/config.md's table)
     "message_property_mappings": Peer("datasets[].message_keys", "{role: from, content: value}"),
-    "roles_to_train": Peer(None, "which turns train is a chat dataset's setting: docs/data.md"),
-    "train_on_eos": Peer(None, "whether EOS trains is a chat dataset's setting: docs/data.md"),
+    "roles_to_train": Peer("datasets[].train_on", "all_assistant or last_assistant"),
+    "train_on_eos": Peer("datasets[].train_on_eos", "turn, last or none"),
     "packing_strategy": Peer("packing.strategy", "bfd, ffd, first_fit or next_fit"),
     "padding_free": Peer(
         None,
