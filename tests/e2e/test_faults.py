@@ -15,7 +15,7 @@ from conftest import ALPACA, GPT2, HH_CHAT
 from rayjobs.config import config_from_dict
 from rayjobs.data import stream
 from rayjobs.errors import AccountingError
-from rayjobs.job import pipeline
+from rayjobs.job import ledger
 from rayjobs.job.ledger import Ledger
 from rayjobs.job.pipeline import start_job
 
@@ -130,7 +130,7 @@ def test_the_end_of_run_check_fails_a_run_whose_counts_do_not_add_up(
     """With a batch counted twice, the check that runs at the end of every run refuses the
     summary."""
     marker = tmp_path / "died"
-    monkeypatch.setattr(pipeline, "Ledger", ray.remote(num_cpus=0)(_AddsEveryReport))
+    monkeypatch.setattr(ledger, "Ledger", ray.remote(num_cpus=0)(_AddsEveryReport))
     monkeypatch.setattr(stream, "Tokenize", _dies_after(stream.Tokenize, 2, str(marker)))
     job = start_job(_config(), prefix="faults")
     job.rows.materialize()

@@ -112,7 +112,9 @@ def test_progress_lines_come_before_the_summary_on_stderr(run):
     assert [step for step, _, _ in steps] == [5, 10, 12]  # every report_every steps, the last
     assert all(line_at < run.stderr.index("steps 12 per rank") for *_, line_at in steps)
     assert steps[-1][1] == pytest.approx(run.summary["loss_last"], abs=1e-4)
-    timing = r"rayjobs: step 5/12 .* tokens/s \d+  packing [01]\.\d+  elapsed \S+  eta \S+\n"
+    timing = (
+        r"rayjobs: step 5/12 .* tokens/s \d+  packing [01]\.\d+  elapsed \S+  eta \S+  params fp32"
+    )
     assert re.search(timing, run.stderr)
     assert "rayjobs: data: stdlib_alpaca: estimating sample lengths" in run.stderr
     assert "rayjobs: data: first packed rows after" in run.stderr

@@ -277,6 +277,9 @@ class _Tokenized:
     def materialize(self):
         return self
 
+    def set_name(self, name):
+        self.name = name
+
     def select_columns(self, columns):
         return _Tokenized(self.table.select(columns))
 

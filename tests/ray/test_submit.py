@@ -348,7 +348,9 @@ class FakeClient:
         return self.status
 
     def get_job_info(self, job_id):
-        return SimpleNamespace(status=self.status, message=self.message, entrypoint="e")
+        return SimpleNamespace(
+            status=self.status, message=self.message, entrypoint="e", job_id=None
+        )
 
     def get_job_logs(self, job_id):
         return self.logs

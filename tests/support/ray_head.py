@@ -131,7 +131,7 @@ def start_head(timeout: float = 120) -> Iterator[Head]:
         "--node-ip-address=127.0.0.1",
         "--dashboard-host=127.0.0.1",
         "--include-dashboard=true",
-        "--num-cpus=4",
+        "--num-cpus=8",  # two runs at once (test_dashboard, test_two_jobs), as a local Ray declares
         "--disable-usage-stats",
         f"--temp-dir={temp}",
         *(f"--{name}={port}" for name, port in ports.items()),
