@@ -151,7 +151,7 @@ def take(uri: str, what: str, hint: str = "") -> Claim:
         if isinstance(fs, pafs.LocalFileSystem):
             os.makedirs(os.path.dirname(where), exist_ok=True)
             with _locked(os.path.dirname(where)):
-                _take_local(where, holder, what, hint)
+                _take_local(fs, where, holder, what, hint)
         else:
             _take_remote(fs, where, files.uri_of(uri, where), holder, what, hint)
     except OSError as error:  # a StorageError too
@@ -193,11 +193,13 @@ def _locked(folder: str) -> Iterator[None]:
         os.close(fd)
 
 
-def _take_local(where: str, holder: dict[str, Any], what: str, hint: str) -> None:
+def _take_local(
+    fs: pafs.FileSystem, where: str, holder: dict[str, Any], what: str, hint: str
+) -> None:
     for _ in range(2):  # a stale claim is removed once, then taken anew
         if _create_local(where, holder):
             return
-        found = _read_local(where)
+        found = _read(fs, where)
         if found is None:  # released meanwhile
             continue
         if not _stale_local(where, found):
@@ -207,7 +209,7 @@ def _take_local(where: str, holder: dict[str, Any], what: str, hint: str) -> Non
         )
         with contextlib.suppress(FileNotFoundError):
             os.unlink(where)
-    raise _refusal(what, where, _read_local(where) or {}, hint)
+    raise _refusal(what, where, _read(fs, where) or {}, hint)
 
 
 def _create_local(where: str, holder: dict[str, Any]) -> bool:
@@ -231,14 +233,6 @@ def _create_local(where: str, holder: dict[str, Any]) -> bool:
         return True
     finally:
         os.unlink(pending)
-
-
-def _read_local(where: str) -> dict[str, Any] | None:
-    try:
-        with open(where, "rb") as stream:
-            return _parse(stream.read())
-    except FileNotFoundError:
-        return None
 
 
 def _parse(body: bytes) -> dict[str, Any]:
