@@ -75,8 +75,6 @@ from rayjobs.job.manifest import (
     VALIDATION,
 )
 
-EVAL = VALIDATION
-"""The folder of the packed ``eval.datasets``."""
 LEGACY_FOLDERS = r"epoch=\d+|eval"
 """The data folders of an export in the layout before this one."""
 
@@ -427,7 +425,7 @@ def _write(
         "config": config.model_dump(mode="json"),
         "seq_len": config.packing.seq_len,
         "labels": labels,
-        "splits": {"train": TRAIN, **({"validation": EVAL} if config.eval.datasets else {})},
+        "splits": {"train": TRAIN, **({"validation": VALIDATION} if config.eval.datasets else {})},
         "columns": [
             *PACKED_COLUMNS,
             *(PREFERENCE_COLUMNS if config.task == "dpo" else ()),
@@ -449,7 +447,7 @@ def _write(
     # the encoder the run chose (the summary's) and what a reader decodes with
     manifest["tokenizer"] = {**manifest.get("tokenizer", {}), **tokenizer_info(job.tokenizer)}
     if config.eval.datasets:
-        manifest["eval"] = _write_eval(config, job, fs, f"{out}/{EVAL}", stated)
+        manifest["eval"] = _write_eval(config, job, fs, f"{out}/{VALIDATION}", stated)
     return manifest
 
 
@@ -503,7 +501,7 @@ def _write_eval(
         fs.create_dir(folder)
         windows, tally = local_eval_rows(config, job)
         _write_parts(fs, folder, windows, stated, epochs=False)
-        return {"path": EVAL, **eval_accounting(tally)}
+        return {"path": VALIDATION, **eval_accounting(tally)}
     rows, ledger = eval_rows(config, job)
     try:
         arrow = {"epoch": False, **stated}
@@ -513,7 +511,7 @@ def _write_eval(
         counts = eval_accounting(ledger)
     finally:
         ray.kill(ledger)
-    return {"path": EVAL, **counts}
+    return {"path": VALIDATION, **counts}
 
 
 def local_eval_rows(config: Config, job: Any) -> tuple[Any, Tally]:

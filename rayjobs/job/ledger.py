@@ -38,7 +38,7 @@ import ray
 
 from rayjobs.data.counts import PackCounts, TokenizeCounts, packing_efficiency
 from rayjobs.data.tally import Tally
-from rayjobs.job.monitor import format_line, mix_so_far, totals
+from rayjobs.job.monitor import next_line
 from rayjobs.metrics import METRICS, _init_counter, _series, wait_for_export
 
 LOG_INTERVAL = 2.0
@@ -123,11 +123,10 @@ class Ledger(Tally):
                     snapshot = self.snapshot()
             except RuntimeError:  # a report changed a dict it was copying: next time
                 continue
-            now, moment = totals(snapshot), time.monotonic()
-            if now == last or not now["rows"]:
+            moment = time.monotonic()
+            line, now = next_line(snapshot, last, last_time, moment, by)
+            if line is None:
                 continue
-            rate = (now["tokens"] - (last["tokens"] if last else 0)) / (moment - last_time)
-            line = format_line(now, rate, mix_so_far(snapshot, by))
             print(f"{HIDDEN}\nrayjobs: {line}", file=sys.stderr, flush=True)
             last, last_time = now, moment
 

@@ -62,6 +62,26 @@ def format_line(now: dict[str, float], rate: float | None, mix: Any) -> str:
     return line
 
 
+def next_line(
+    snapshot: dict[str, Any],
+    last: dict[str, float] | None,
+    last_time: float,
+    moment: float,
+    by: str,
+) -> tuple[str | None, dict[str, float]]:
+    """The progress line of ``snapshot`` taken at ``moment`` (tokens per second since ``last``,
+    the totals of the line before, at ``last_time``) and its totals; the line is None when
+    nothing moved since ``last`` or nothing is read yet. What the driver's ``DataMonitor`` and
+    the ledger's own log both print."""
+    now = totals(snapshot)
+    if now == last or not now["rows"]:
+        return None, now
+    rate = None
+    if moment > last_time:
+        rate = (now["tokens"] - (last["tokens"] if last else 0)) / (moment - last_time)
+    return format_line(now, rate, mix_so_far(snapshot, by)), now
+
+
 LINE = re.compile(
     r"data: rows (?P<rows>\d+)  samples (?P<samples>\d+)  tokens (?P<tokens>\d+)"
     r"(?: \((?P<rate>\d+)/s\))?  packs (?P<packs>\d+)  packing (?P<efficiency>[\d.]+)"
@@ -126,16 +146,13 @@ class DataMonitor:
             snapshot = ray.get(self.ledger.snapshot.remote(), timeout=max(1.0, self.interval))
         except Exception:  # noqa: BLE001 - a dead or busy ledger ends the lines, not the run
             return False
-        now, moment = totals(snapshot), time.monotonic()
+        moment = time.monotonic()
+        line, now = next_line(snapshot, self._last, self._last_time, moment, self.by)
         if now["packs"] and not self._first_packs:
             self._first_packs = True
             logger.info("data: first packed rows after %.1f s", moment - self._started)
-        if now == self._last or not now["rows"]:
+        if line is None:
             return True  # nothing moved, or nothing read yet
-        rate = None
-        if moment > self._last_time:
-            before = self._last["tokens"] if self._last else 0
-            rate = (now["tokens"] - before) / (moment - self._last_time)
-        logger.info("%s", format_line(now, rate, mix_so_far(snapshot, self.by)))
+        logger.info("%s", line)
         self._last, self._last_time = now, moment
         return True

@@ -559,9 +559,10 @@ def job_command(args: argparse.Namespace) -> int:
 
             while True:
                 info = client.get_job_info(job)
-                ended = _status(info.status) in TERMINAL
+                status = _status(info.status)
+                ended = status in TERMINAL
                 summary = summary_from_logs(client.get_job_logs(job)) if ended else None
-                watch.show(address, job, info, summary, args.json)
+                watch.show(address, job, info, status, summary, args.json)
                 if ended or not args.watch:
                     return 0
                 time.sleep(watch.INTERVAL)

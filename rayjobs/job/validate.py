@@ -63,7 +63,7 @@ def _try(
         _, counts = tokenize.counted(head)
         found = asdict(counts[spec.name]) if spec.name in counts else found
     elif bad:
-        reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(bad.items()))
+        reasons = by_reason(bad)
         checks.logger.warning(
             "dataset %r: every row read from the head of %s is bad (%s)", spec.name,
             files.shown(path), reasons,
@@ -124,7 +124,7 @@ def validate(config: Config, rows: int = ROWS) -> list[str]:
             f"{found.get('trained_tokens', 0)} trained, {found['skipped_rows']} skipped"
         )
         if found["bad"]:  # rows the reader refused (the template's own are in skipped)
-            lines[-1] += " (" + ", ".join(f"{r} {n}" for r, n in sorted(found["bad"].items())) + ")"
+            lines[-1] += f" ({by_reason(found['bad'])})"
     checks.require_training(heads, "the first rows of every dataset")
     for warning in checks.lost_warnings(config, heads):
         checks.logger.warning("in the first rows: %s", warning)
@@ -132,3 +132,8 @@ def validate(config: Config, rows: int = ROWS) -> list[str]:
     _, choice = backends.choose(config, tokenizer, tables)
     lines.append(tokenizer_line(choice.summary()))
     return lines
+
+
+def by_reason(counts: dict[str, int]) -> str:
+    """Bad rows by reason, in one phrase: ``invalid_json 2, too_deep 1``."""
+    return ", ".join(f"{reason} {n}" for reason, n in sorted(counts.items()))

@@ -94,30 +94,31 @@ def counts_line(counts: dict[str, Any] | None) -> str:
     return line
 
 
-def job_counts(address: str, info: Any, summary: dict[str, Any] | None) -> dict[str, Any]:
+def job_counts(
+    address: str, info: Any, status: str, summary: dict[str, Any] | None
+) -> dict[str, Any]:
     """``status``'s record beyond the Jobs API's: ``run``, ``live`` and ``counts`` (read from
     the running job's ledger, else the summary's final counts; None when there are none)."""
     if summary is not None:
         return {"run": summary.get("run_name"), "live": False, "counts": final_counts(summary)}
-    found = (
-        run_ledger(address, info.job_id) if info.job_id and status_of(info) == "RUNNING" else None
-    )
+    found = run_ledger(address, info.job_id) if info.job_id and status == "RUNNING" else None
     if found is None:
         return {"run": None, "live": False, "counts": None}
     return {"run": found[0], "live": True, "counts": live_counts(address, found[1])}
 
 
-def status_of(info: Any) -> str:
-    """A Jobs API job info's status, as a string."""
-    return str(getattr(info.status, "value", info.status))
-
-
-def show(address: str, job: str, info: Any, summary: dict[str, Any] | None, as_json: bool) -> None:
-    """Print ``rayjobs status``'s report of ``job``: its Jobs API info and counts; with
-    ``as_json`` one JSON object (``submission_id``, ``status``, the info's fields, ``run``,
-    ``live``, ``counts``)."""
-    status = status_of(info)
-    counts = job_counts(address, info, summary)
+def show(
+    address: str,
+    job: str,
+    info: Any,
+    status: str,
+    summary: dict[str, Any] | None,
+    as_json: bool,
+) -> None:
+    """Print ``rayjobs status``'s report of ``job``: its Jobs API info, ``status`` (the info's, as
+    a string) and counts; with ``as_json`` one JSON object (``submission_id``, ``status``, the
+    info's fields, ``run``, ``live``, ``counts``)."""
+    counts = job_counts(address, info, status, summary)
     if as_json:
         fields = ("job_id", "entrypoint", "message", "start_time", "end_time", "driver_exit_code")
         record = {"submission_id": job, "status": status}
